@@ -1,0 +1,260 @@
+"""Typed configs for a run and a sweep, loaded strictly from YAML.
+
+Every error is a `UserError` whose one-line message names the key path, the bad value and
+what is allowed, so the CLI can print it without a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class UserError(Exception):
+    """A mistake in the user's input: printed as one line, exit code 2."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TaskConfig(Strict):
+    kind: Literal["pretrain"] = "pretrain"
+    dataset: str = Field(
+        "sample",
+        description="sample | c4 (hub, streaming) | dir or glob of C4 json.gz train shards",
+    )
+    validation: str | None = Field(
+        None, description="glob of validation shards (default: derived from dataset)"
+    )
+    tokenizer: str = Field("sample", description="sample | hub name (t5-base) | local directory")
+    seq_len: int = Field(256, ge=2)
+    packing: bool = Field(
+        True, description="pack documents with EOS between them; false = truncate and pad"
+    )
+    shuffle_buffer: int = Field(1000, ge=1, description="documents held for the seeded shuffle")
+
+
+class TrainConfig(Strict):
+    lr: float = Field(1e-3, gt=0)
+    steps: int = Field(100, ge=1)
+    batch_size: int = Field(8, ge=1, description="micro-batch (sequences per forward)")
+    total_batch_size: int | None = Field(None, ge=1, description="sequences per optimizer step")
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    grad_clip: float | None = Field(1.0, gt=0)
+    log_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(
+        0, ge=0, description="steps between checkpoints (0: only at the end)"
+    )
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> TrainConfig:
+        total = self.total_batch_size or self.batch_size
+        if total % self.batch_size:
+            raise ValueError(
+                f"total_batch_size {total} is not a multiple of batch_size {self.batch_size}"
+            )
+        return self
+
+    @property
+    def accumulation(self) -> int:
+        return (self.total_batch_size or self.batch_size) // self.batch_size
+
+
+class EvalConfig(Strict):
+    every: int = Field(0, ge=0, description="steps between evaluations (0: only at the end)")
+    tokens: int = Field(100_000, ge=1, description="validation tokens per evaluation (papers: 10M)")
+    batch_size: int | None = Field(None, ge=1)
+
+
+class WandbConfig(Strict):
+    enabled: bool = False
+    mode: Literal["offline", "online"] = "offline"
+    project: str = "harness"
+    entity: str | None = None
+
+
+class Common(Strict):
+    """Keys a sweep shares with every trial it runs."""
+
+    model: str = "llama_tiny"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    task: TaskConfig = TaskConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    wandb: WandbConfig = WandbConfig()
+
+
+class RunConfig(Common):
+    name: str = "run"
+    label: str | None = Field(None, description="the method's name in its sweep")
+    seed: int = 0
+    method: dict[str, Any] = Field(default_factory=lambda: {"name": "full"})
+    provenance: dict[str, Any] | None = Field(None, description="written by the harness")
+
+    @property
+    def method_name(self) -> str:
+        return self.method["name"]
+
+    @property
+    def method_params(self) -> dict[str, Any]:
+        return {k: v for k, v in self.method.items() if k != "name"}
+
+    def identity(self) -> str:
+        """Stable hash of everything that changes results (not the name, logging or provenance)."""
+        data = self.model_dump(exclude={"name", "label", "provenance", "wandb"})
+        data["train"].pop("log_every")
+        blob = json.dumps(data, sort_keys=True, default=str)
+        return hashlib.sha1(blob.encode()).hexdigest()[:8]
+
+
+class SearchConfig(Strict):
+    sampler: Literal["grid"] = "grid"
+    space: dict[str, list[Any]] = Field(default_factory=dict)
+    metric: Literal["eval_ppl", "eval_loss"] = "eval_ppl"
+
+
+class LauncherConfig(Strict):
+    kind: Literal["local"] = "local"
+    jobs: int = Field(1, ge=1, description="trials run at once")
+
+
+class SweepConfig(Common):
+    name: str
+    methods: dict[str, dict[str, Any]] = Field(min_length=1)
+    search: SearchConfig = SearchConfig()
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    launcher: LauncherConfig = LauncherConfig()
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise UserError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of keys at the top level")
+    return data
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise UserError(f"{key}: '{part}' is not a mapping, cannot set a key inside it")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(sets: list[str]) -> dict[str, Any]:
+    """`--set a.b=1` pairs; values are YAML, so 1e-3, true and [1, 2] mean what they look like."""
+    out: dict[str, Any] = {}
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set expects KEY=VALUE (e.g. train.steps=20), got '{item}'")
+        try:
+            out[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise UserError(f"--set {key}: value '{raw}' is not valid YAML") from None
+    return out
+
+
+def validate(model: type[BaseModel], data: Any, prefix: str = "") -> Any:
+    """Validate and turn pydantic's report into one line naming the key path and what is allowed."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise UserError(_explain(model, e.errors()[0], prefix, len(e.errors()))) from None
+
+
+def _explain(model: type[BaseModel], err: dict[str, Any], prefix: str, count: int) -> str:
+    loc = [str(p) for p in err["loc"]]
+    path = prefix + ".".join(loc)
+    more = f" (and {count - 1} more problem{'s' * (count > 2)})" if count > 1 else ""
+    value = err.get("input")
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        allowed = _fields_at(model, loc[:-1])
+        close = difflib.get_close_matches(loc[-1], allowed, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return f"unknown key '{path}' ({hint}allowed: {', '.join(allowed)}){more}"
+    if kind == "missing":
+        return f"missing key '{path}'{more}"
+    if kind == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        return f"{path}: {value!r} is not allowed (allowed: {expected}){more}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if kind == "value_error":
+        return f"{path or prefix.rstrip('.') or 'config'}: {msg}{more}"
+    return f"{path}: {value!r} is invalid ({msg}){more}"
+
+
+def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:
+    """Field names of the nested model at `loc`, for 'allowed:' lists and suggestions."""
+    current: Any = model
+    for part in loc:
+        field = current.model_fields.get(part) if hasattr(current, "model_fields") else None
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            return []
+        current = field.annotation
+    return list(current.model_fields)
+
+
+def suggest(name: str, choices: list[str], what: str, path: str) -> UserError:
+    close = difflib.get_close_matches(name, choices, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return UserError(f"{path}: unknown {what} '{name}' ({hint}allowed: {', '.join(choices)})")
+
+
+def resolve_method(spec: dict[str, Any], path: str) -> dict[str, Any]:
+    """Check a method spec against the registry and its typed config; return it with defaults."""
+    from harness.methods import get_method
+
+    spec = dict(spec)
+    name = spec.pop("name", None)
+    if not isinstance(name, str):
+        raise UserError(f"missing key '{path}.name' (a method name; see `harness methods`)")
+    params = validate(get_method(name, f"{path}.name").Config, spec, prefix=f"{path}.")
+    return {"name": name, **params.model_dump()}
+
+
+def load_run(data: dict[str, Any], overrides: dict[str, Any] | None = None) -> RunConfig:
+    from harness.models import check_preset
+
+    data = json.loads(json.dumps(data, default=str))
+    for key, value in (overrides or {}).items():
+        set_dotted(data, key, value)
+    run = validate(RunConfig, data)
+    run.method = resolve_method(run.method, "method")
+    check_preset(run.model, "model")
+    return run
+
+
+def check_space(space: Any, path: str) -> dict[str, list[Any]]:
+    if not isinstance(space, dict) or not all(isinstance(v, list) and v for v in space.values()):
+        raise UserError(
+            f"{path}: expected a mapping of dotted keys to non-empty lists, got {space!r}"
+        )
+    return space

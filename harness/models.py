@@ -1,0 +1,67 @@
+"""LLaMA presets: GaLore's pretraining configs plus tiny ones that train on a laptop CPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from harness.config import suggest
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    max_seq_len: int = 1024
+
+
+PRESETS: dict[str, Preset] = {
+    "llama_micro": Preset(64, 176, 2, 2),
+    "llama_tiny": Preset(256, 688, 4, 4),
+    "llama_60m": Preset(512, 1376, 8, 8),
+    "llama_130m": Preset(768, 2048, 12, 12),
+    "llama_350m": Preset(1024, 2736, 24, 16),
+    "llama_1b": Preset(2048, 5461, 24, 32),
+    "llama_7b": Preset(4096, 11008, 32, 32, max_seq_len=2048),
+}
+
+
+def check_preset(name: str, path: str) -> Preset:
+    if name not in PRESETS:
+        raise suggest(name, list(PRESETS), "model preset", path)
+    return PRESETS[name]
+
+
+def build_model(name: str, vocab_size: int, seq_len: int, pad_id: int | None) -> LlamaForCausalLM:
+    """Random-init LLaMA as in GaLore's configs (RMSNorm eps 1e-6, SiLU, untied head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    p = check_preset(name, "model")
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=p.hidden,
+        intermediate_size=p.intermediate,
+        num_hidden_layers=p.layers,
+        num_attention_heads=p.heads,
+        num_key_value_heads=p.heads,
+        max_position_embeddings=max(p.max_seq_len, seq_len),
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        pad_token_id=pad_id,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config)
+
+
+def describe(model: LlamaForCausalLM) -> str:
+    total = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight.numel()
+    return f"{total / 1e6:.2f}M parameters ({(total - embed) / 1e6:.2f}M without input embeddings)"

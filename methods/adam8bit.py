@@ -1,0 +1,50 @@
+"""8-bit AdamW from bitsandbytes: blockwise-quantized moments (Dettmers et al., 2022)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from harness.methods.base import MemoryEstimate, Method, Shapes, decay_groups, numel, register
+from harness.methods.full import AdamConfig
+
+if TYPE_CHECKING:
+    from harness.config import RunConfig
+
+BLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states
+QMAP = 256  # entries in each state's float32 quantization map
+
+
+class Adam8bitConfig(AdamConfig):
+    min_8bit_size: int = Field(4096, ge=1, description="smaller tensors keep 32-bit states")
+
+
+@register("adam8bit")
+class Adam8bit(Method):
+    summary = "AdamW with 8-bit blockwise moments (bitsandbytes AdamW8bit; CPU and CUDA)"
+    Config = Adam8bitConfig
+
+    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(
+            decay_groups(model, run.train.weight_decay),
+            lr=run.train.lr,
+            betas=self.config.betas,
+            eps=self.config.eps,
+            min_8bit_size=self.config.min_8bit_size,
+        )
+
+    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
+        total = sum(numel(s) for s, _ in shapes.values())
+        trained = [numel(s) for s, t in shapes.values() if t]
+        return MemoryEstimate(4 * total, 4 * sum(trained), sum(map(self._state_bytes, trained)))
+
+    def _state_bytes(self, n: int) -> int:
+        if n < self.config.min_8bit_size:
+            return 8 * n
+        return 2 * (n + 4 * QMAP + 4 * math.ceil(n / BLOCK))

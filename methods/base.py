@@ -1,0 +1,97 @@
+"""The method interface and registry: a method is one file that registers one class."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from harness.config import Strict, suggest
+
+if TYPE_CHECKING:
+    from harness.config import RunConfig
+
+Shapes = dict[str, tuple[torch.Size, bool]]  # parameter name -> (shape, trainable)
+_REGISTRY: dict[str, type[Method]] = {}
+
+
+@dataclass
+class MemoryEstimate:
+    """Analytic bytes of what training keeps besides activations."""
+
+    param_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+
+class Method:
+    """Prepares the model, builds the optimizer, hooks each step, and predicts its memory."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    Config: ClassVar[type[Strict]] = Strict
+
+    def __init__(self, config: Strict) -> None:
+        self.config = config
+
+    def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
+        return model
+
+    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def on_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Called after each optimizer step (e.g. ReLoRA's merge and reset)."""
+
+    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
+        """Bytes of weights, gradients and optimizer state of the parameters in `shapes`."""
+        raise NotImplementedError
+
+
+def register(name: str):
+    def wrap(cls: type[Method]) -> type[Method]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def get_method(name: str, path: str = "method") -> type[Method]:
+    if name not in _REGISTRY:
+        raise suggest(name, sorted(_REGISTRY), "method", path)
+    return _REGISTRY[name]
+
+
+def method_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def build_method(run: RunConfig) -> Method:
+    cls = get_method(run.method_name)
+    return cls(cls.Config.model_validate(run.method_params))
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only, never on norms and biases."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def numel(shape: torch.Size | tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

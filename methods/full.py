@@ -1,0 +1,43 @@
+"""Full-rank AdamW: the baseline every other method is measured against."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from harness.config import Strict
+from harness.methods.base import MemoryEstimate, Method, Shapes, decay_groups, numel, register
+
+if TYPE_CHECKING:
+    from harness.config import RunConfig
+
+
+class AdamConfig(Strict):
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+
+
+@register("full")
+class Full(Method):
+    summary = "AdamW on every parameter (torch, fused on CUDA)"
+    Config = AdamConfig
+
+    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
+        on_cuda = next(model.parameters()).is_cuda
+        return torch.optim.AdamW(
+            decay_groups(model, run.train.weight_decay),
+            lr=run.train.lr,
+            betas=self.config.betas,
+            eps=self.config.eps,
+            fused=on_cuda or None,
+        )
+
+    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
+        total = sum(numel(s) for s, _ in shapes.values())
+        trained = sum(numel(s) for s, t in shapes.values() if t)
+        # fp32 master weights and grads (bf16 is autocast); two fp32 moments; a scalar step each.
+        steps = sum(1 for _, t in shapes.values() if t)
+        return MemoryEstimate(4 * total, 4 * trained, 8 * trained + 4 * steps)
