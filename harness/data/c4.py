@@ -1,0 +1,200 @@
+"""C4-style pretraining data: the hub's allenai/c4, local C4 shards, or the embedded sample.
+
+All three go through the same `datasets` streaming reader, then a seeded shuffle buffer, then
+packing into `seq_len` blocks (EOS between documents) or the papers' truncate-and-pad. The
+whole position (reader, shuffle buffer, RNG, leftover tokens) is a picklable state, so a
+resumed run sees exactly the blocks an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from harness.config import TaskConfig, UserError
+
+SAMPLE = Path(__file__).parent / "sample"
+TOKENIZE_CHUNK = 64  # documents tokenized per call: the fast tokenizer batches in Rust
+
+
+def load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    source = str(SAMPLE / "tokenizer") if name == "sample" else name
+    if _looks_like_path(name) and not Path(name).expanduser().is_dir():
+        raise UserError(
+            f"task.tokenizer: no folder '{name}' (expected a folder with tokenizer.json, "
+            "a hub name such as t5-base, or 'sample')"
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+    except Exception as e:  # hub, network and file errors all mean "not loadable here"
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"task.tokenizer: cannot load '{name}' from a local folder or the Hugging Face hub "
+            f"({reason}); set task.tokenizer to a folder holding tokenizer.json, or 'sample'"
+        ) from None
+    if tok.eos_token_id is None:
+        raise UserError(
+            f"task.tokenizer: '{name}' has no EOS token, needed between packed documents"
+        )
+    return tok
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def _local_files(task: TaskConfig, split: str) -> list[str]:
+    root = Path(task.dataset).expanduser()
+    if split == "validation" and task.validation:
+        pattern = task.validation
+    elif root.is_dir():
+        pattern = str(root / f"c4-{split}.*.json*")
+    elif split == "train":
+        pattern = task.dataset
+    else:
+        pattern = task.dataset.replace("train", "validation")
+    files = sorted(glob.glob(str(Path(pattern).expanduser())))
+    if not files:
+        raise UserError(
+            f"task.dataset: no {split} shards match '{pattern}' (expected C4 json or json.gz files "
+            f"like c4-{split}.00000-of-01024.json.gz; set task.dataset to their folder or a glob"
+            f"{', and task.validation to the validation glob' if split == 'validation' else ''})"
+        )
+    return files
+
+
+def open_documents(task: TaskConfig, split: str) -> Any:
+    """A `datasets.IterableDataset` of {'text': ...} in the source's own order."""
+    from datasets import load_dataset
+
+    if task.dataset == "c4":
+        args: dict[str, Any] = {"path": "allenai/c4", "name": "en", "split": split}
+    else:
+        if task.dataset == "sample":
+            files = [str(SAMPLE / f"c4-{split}.00000-of-00001.json.gz")]
+        else:
+            files = _local_files(task, split)
+        args = {"path": "json", "data_files": files, "split": "train"}
+    try:
+        return load_dataset(streaming=True, **args).select_columns(["text"])
+    except Exception as e:  # unreachable hub, bad files: the user must point at local data
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"task.dataset: cannot open '{task.dataset}' {split} split ({reason}); for local C4 "
+            "set task.dataset to the folder of c4-train.*.json.gz shards, or use 'sample'"
+        ) from None
+
+
+class Packer:
+    """Documents into `seq_len` blocks: packed with EOS between them, or truncated and padded."""
+
+    def __init__(self, task: TaskConfig, tokenizer: Any) -> None:
+        self.task = task
+        self.eos = np.asarray([tokenizer.eos_token_id], dtype=np.int32)
+        pad = tokenizer.pad_token_id
+        self.pad = tokenizer.eos_token_id if pad is None else pad
+        self.carry = np.zeros(0, dtype=np.int32)
+
+    def block(self, next_doc: Callable[[], np.ndarray]) -> tuple[np.ndarray, int]:
+        """(tokens of length seq_len, count of real tokens): fewer only when padding."""
+        n = self.task.seq_len
+        if not self.task.packing:
+            doc = np.concatenate([next_doc(), self.eos])[:n]
+            return np.concatenate([doc, np.full(n - len(doc), self.pad, dtype=np.int32)]), len(doc)
+        while len(self.carry) < n:
+            self.carry = np.concatenate([self.carry, next_doc(), self.eos])
+        block, self.carry = self.carry[:n], self.carry[n:]
+        return block, n
+
+
+class BlockStream:
+    """Training blocks in a seeded order; `state()` and `restore()` make the position exact."""
+
+    def __init__(self, task: TaskConfig, tokenizer: Any, seed: int) -> None:
+        self.task = task
+        self.tok = tokenizer
+        self.rng = random.Random(seed)
+        self.epoch = 0
+        self.buffer: list[np.ndarray] = []
+        self.packer = Packer(task, tokenizer)
+        self.docs = open_documents(task, "train")
+        self._docs_iter: Iterator[dict[str, Any]] | None = None
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "reader": copy.deepcopy(self.docs.state_dict()),
+            "epoch": self.epoch,
+            "rng": self.rng.getstate(),
+            "buffer": list(self.buffer),
+            "carry": self.packer.carry.copy(),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if state["epoch"] != self.epoch:
+            self.docs = open_documents(self.task, "train")
+        self.docs.load_state_dict(state["reader"])
+        self._docs_iter = None
+        self.epoch = state["epoch"]
+        self.rng.setstate(state["rng"])
+        self.buffer = list(state["buffer"])
+        self.packer.carry = state["carry"].copy()
+
+    def _read_chunk(self) -> list[str]:
+        texts: list[str] = []
+        for _ in range(2):  # at most one restart per call: an empty corpus must not spin
+            if self._docs_iter is None:
+                self._docs_iter = iter(self.docs)
+            for row in self._docs_iter:
+                texts.append(row["text"])
+                if len(texts) == TOKENIZE_CHUNK:
+                    return texts
+            if texts:
+                return texts
+            self.epoch += 1
+            self.docs = open_documents(self.task, "train")
+            self._docs_iter = None
+        raise UserError(f"task.dataset: '{self.task.dataset}' has no training documents")
+
+    def _next_document(self) -> np.ndarray:
+        while len(self.buffer) < self.task.shuffle_buffer:
+            chunk = self._read_chunk()
+            ids = self.tok(chunk, add_special_tokens=False)["input_ids"]
+            self.buffer.extend(np.asarray(x, dtype=np.int32) for x in ids)
+            if len(chunk) < TOKENIZE_CHUNK:
+                break  # end of an epoch: draw from what the buffer holds
+        i = self.rng.randrange(len(self.buffer))
+        self.buffer[i], self.buffer[-1] = self.buffer[-1], self.buffer[i]
+        return self.buffer.pop()
+
+    def next_block(self) -> tuple[np.ndarray, int]:
+        return self.packer.block(self._next_document)
+
+
+def eval_blocks(task: TaskConfig, tokenizer: Any, tokens: int) -> list[tuple[np.ndarray, int]]:
+    """The first `tokens` validation targets in file order: the same for every method and trial."""
+    docs = iter(open_documents(task, "validation"))
+    packer = Packer(task, tokenizer)
+
+    def next_doc() -> np.ndarray:
+        row = next(docs)
+        return np.asarray(tokenizer(row["text"], add_special_tokens=False)["input_ids"], np.int32)
+
+    blocks: list[tuple[np.ndarray, int]] = []
+    counted = 0
+    try:
+        while counted < tokens:
+            block, valid = packer.block(next_doc)
+            blocks.append((block, valid))
+            counted += valid - 1
+    except StopIteration:
+        if not blocks:
+            raise UserError(f"task.dataset: '{task.dataset}' has no validation documents") from None
+    return blocks

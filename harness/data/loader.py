@@ -1,0 +1,67 @@
+"""Micro-batches built on a background thread, so tokenization and packing overlap the step."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from harness.data.c4 import BlockStream
+
+IGNORE = -100  # label of padding positions: no loss, not counted as a token
+
+
+def to_batch(blocks: list[tuple[np.ndarray, int]], pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.from_numpy(np.stack([b for b, _ in blocks]).astype(np.int64))
+    labels = ids.clone()
+    for row, (_, valid) in enumerate(blocks):
+        labels[row, valid:] = IGNORE
+    if pin:
+        ids, labels = ids.pin_memory(), labels.pin_memory()
+    return ids, labels
+
+
+class Prefetcher:
+    """Keeps `depth` micro-batches ready; `state()` is the position after the last one taken."""
+
+    def __init__(self, stream: BlockStream, batch_size: int, device: torch.device, depth: int = 8):
+        self.stream = stream
+        self.batch_size = batch_size
+        self.device = device
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self._state = stream.state()
+        self.thread = threading.Thread(target=self._produce, daemon=True, name="prefetch")
+        self.thread.start()
+
+    def _produce(self) -> None:
+        pin = self.device.type == "cuda"
+        try:
+            while not self.stop.is_set():
+                blocks = [self.stream.next_block() for _ in range(self.batch_size)]
+                item = (to_batch(blocks, pin), self.stream.state())
+                while not self.stop.is_set():
+                    try:
+                        self.queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # surfaced in the training thread, where it can be reported
+            self.queue.put(e)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        (ids, labels), self._state = item
+        return ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+    def state(self) -> dict[str, Any]:
+        return self._state
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
