@@ -1,0 +1,125 @@
+"""What a trial costs: tokens/s (training only), MFU, peak memory and where the bytes are."""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+
+# Dense peak FLOP/s per device family and precision (vendor datasheets, SXM parts, no sparsity).
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp32": 91.6e12},
+    "A10G": {"bf16": 70e12, "fp32": 31.2e12},
+}
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """None where the peak is unknown (every CPU): MFU is then not reported rather than guessed."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for family, peaks in PEAK_FLOPS.items():
+        if family in name:
+            return peaks.get(precision)
+    return None
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """PaLM's count: 6 per non-embedding parameter plus attention's 12 * layers * hidden * seq."""
+    cfg = model.config
+    params = sum(p.numel() for p in model.parameters())
+    params -= model.get_input_embeddings().weight.numel()
+    return 6 * params + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+
+
+def current_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return psutil.Process().memory_info().rss
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    """CUDA: max allocated and reserved; CPU: the process's peak RSS (one process per trial)."""
+    if device.type == "cuda":
+        return {
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_memory_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
+    return {"peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor inside nested dicts/lists (an optimizer's state)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def breakdown(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Counted from the real tensors, after a step, while gradients still exist."""
+    params = list(model.parameters())
+    return {
+        "param_bytes": sum(tensor_bytes(p) for p in params),
+        "grad_bytes": sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer_state_bytes": tensor_bytes(list(optimizer.state.values())),
+        "trainable_params": sum(p.numel() for p in params if p.requires_grad),
+        "total_params": sum(p.numel() for p in params),
+    }
+
+
+class Meter:
+    """Training time between marks; the device syncs only when a lap is read (log steps)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.train_s = 0.0
+        self.tokens = 0
+        self._mark = time.perf_counter()
+        self._lap_tokens = 0
+        self._lap_s = 0.0
+        self._last = (0.0, 0.0)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def add(self, tokens: int) -> None:
+        self._lap_tokens += tokens
+
+    def pause(self) -> None:
+        """Close the running interval before eval or a checkpoint, which are not training."""
+        self._sync()
+        self._lap_s += time.perf_counter() - self._mark
+
+    def resume(self) -> None:
+        self._mark = time.perf_counter()
+
+    def lap(self, steady: bool = True) -> tuple[float, float]:
+        """(seconds, tokens/s) since the last lap; `steady` counts it toward the trial's tok/s."""
+        self.pause()
+        if self._lap_tokens == 0:  # nothing since the last lap (the first step was its own)
+            self.resume()
+            return self._last
+        seconds, tokens = self._lap_s, self._lap_tokens
+        if steady:
+            self.train_s += seconds
+            self.tokens += tokens
+        self._lap_s, self._lap_tokens = 0.0, 0
+        self.resume()
+        self._last = (seconds, tokens / seconds if seconds > 0 else 0.0)
+        return self._last
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.train_s if self.train_s > 0 else None

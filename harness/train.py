@@ -1,0 +1,354 @@
+"""The one training loop: accumulation, precision, clipping, schedule, eval, checkpoint, resume."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness import meter
+from harness.config import RunConfig, TrainConfig, UserError
+from harness.data.c4 import BlockStream, eval_blocks, load_tokenizer
+from harness.data.loader import IGNORE, Prefetcher, to_batch
+from harness.methods import build_method
+from harness.models import build_model, describe
+from harness.records import Records
+
+FINISHED = ("ok", "nan", "oom", "failed", "pruned")
+
+
+class NonFinite(Exception):
+    """The loss became NaN or Inf: the trial ends with status `nan`."""
+
+
+def lr_factor(step: int, t: TrainConfig) -> float:
+    """Linear warmup, then cosine (or linear) decay to `min_lr_ratio`; `step` counts from 0."""
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    if t.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if t.schedule == "cosine" else 1 - progress
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * decay
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError(
+            "device: 'cuda' asked for but no CUDA device is visible (allowed: auto, cpu)"
+        )
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def loss_sum(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token loss over real targets: token-weighted means need sums, not means."""
+    logits = model(input_ids=ids).logits
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(),
+        labels[:, 1:].flatten(),
+        ignore_index=IGNORE,
+        reduction="sum",
+    )
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, rec: Records, should_stop: Callable[[int], bool]):
+        self.run, self.rec, self.should_stop = run, rec, should_stop
+        t = run.train
+        self.device = pick_device(run.device)
+        torch.manual_seed(run.seed)
+        random.seed(run.seed)
+        np.random.seed(run.seed)
+        self.tok = load_tokenizer(run.task.tokenizer)
+        model = build_model(run.model, len(self.tok), run.task.seq_len, self.tok.pad_token_id)
+        print(f"model {run.model}: {describe(model)}", flush=True)
+        self.method = build_method(run)
+        self.model = self.method.prepare(model.to(self.device), run)
+        self.optimizer = self.method.optimizer(self.model, run)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, t)
+        )
+        self.stream = BlockStream(run.task, self.tok, run.seed)
+        self.step, self.tokens = 0, 0
+        self.last_eval: dict[str, float] = {}
+        self.costs: dict[str, Any] = {}
+        self._resume()
+        self.prefetch = Prefetcher(self.stream, t.batch_size, self.device)
+        self.autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if t.precision == "bf16"
+            else nullcontext()
+        )
+        self.tokens_per_step = t.batch_size * t.accumulation * run.task.seq_len
+        self.meter = meter.Meter(self.device)
+        self.flops_per_token = meter.flops_per_token(self.model, run.task.seq_len)
+        self._eval_data: list[tuple[np.ndarray, int]] | None = None
+
+    def _resume(self) -> None:
+        state = self.rec.load_checkpoint()
+        if state is None:
+            return
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.stream.restore(state["data"])
+        set_rng_state(state["rng"])
+        self.step, self.tokens = state["step"], state["tokens"]
+        self.last_eval, self.costs = state["last_eval"], state["costs"]
+        self.rec.truncate_metrics(self.step)
+        print(f"resumed from {self.rec.ckpt_path} at step {self.step}", flush=True)
+
+    def save(self) -> None:
+        self.rec.save_checkpoint(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "data": self.prefetch.state(),
+                "rng": rng_state(),
+                "step": self.step,
+                "tokens": self.tokens,
+                "last_eval": self.last_eval,
+                "costs": self.costs,
+            }
+        )
+
+    def train_step(self) -> torch.Tensor:
+        micro = [self.prefetch.next() for _ in range(self.run.train.accumulation)]
+        targets = sum((labels[:, 1:] != IGNORE).sum() for _, labels in micro)
+        total = torch.zeros((), device=self.device)
+        for ids, labels in micro:
+            with self.autocast:
+                loss = loss_sum(self.model, ids, labels)
+            (loss / targets).backward()
+            total += loss.detach()
+        if self.run.train.grad_clip:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.run.train.grad_clip, foreach=True)
+        self.lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.method.on_step(self.step + 1, self.model, self.optimizer)
+        if not self.costs:  # gradients and states exist now: count them once
+            self.costs = meter.breakdown(self.model, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / targets
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        if self._eval_data is None:
+            self._eval_data = eval_blocks(self.run.task, self.tok, self.run.eval.tokens)
+        self.model.eval()
+        batch = self.run.eval.batch_size or self.run.train.batch_size
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0
+        for i in range(0, len(self._eval_data), batch):
+            ids, labels = to_batch(self._eval_data[i : i + batch], pin=False)
+            ids, labels = ids.to(self.device), labels.to(self.device)
+            with self.autocast:
+                total += loss_sum(self.model, ids, labels).double()
+            count += int((labels[:, 1:] != IGNORE).sum())
+        self.model.train()
+        loss = float(total) / count
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700)), "eval_tokens": count}
+
+    def fit(self) -> str:
+        t, steps = self.run.train, self.run.train.steps
+        running = torch.zeros((), device=self.device)
+        self.model.train()
+        self.meter.resume()
+        first = self.step
+        while self.step < steps:
+            loss = self.train_step()
+            running += loss
+            self.step += 1
+            self.tokens += self.tokens_per_step
+            self.meter.add(self.tokens_per_step)
+            if self.step == first + 1:  # the first step pays one-off costs: not steady state
+                self.meter.lap(steady=steps == first + 1)
+            if self.step % t.log_every == 0 or self.step == steps:
+                self._log(loss, running)
+                running.zero_()
+            eval_due = self.run.eval.every and self.step % self.run.eval.every == 0
+            if eval_due or self.step == steps:
+                self._eval()
+            stop = self.should_stop(self.step)
+            if (
+                stop
+                or self.step == steps
+                or (t.checkpoint_every and self.step % t.checkpoint_every == 0)
+            ):
+                self.meter.pause()
+                self.save()
+                self.meter.resume()
+            if stop and self.step < steps:
+                return "interrupted"
+        return "ok"
+
+    def _log(self, loss: torch.Tensor, running: torch.Tensor) -> None:
+        seconds, tps = self.meter.lap()
+        if not torch.isfinite(running):
+            raise NonFinite(f"loss is {float(running)} by step {self.step}")
+        lr, value = self.lr, float(loss)
+        self.rec.log(
+            {
+                "kind": "train",
+                "step": self.step,
+                "loss": value,
+                "lr": lr,
+                "tokens": self.tokens,
+                "tokens_per_s": tps,
+                "step_time_s": seconds,
+                "memory_bytes": meter.current_memory(self.device),
+            }
+        )
+        print(
+            f"step {self.step}/{self.run.train.steps} loss {value:.4f} lr {lr:.2e} "
+            f"tok/s {tps:,.0f}",
+            flush=True,
+        )
+
+    def _eval(self) -> None:
+        self.meter.pause()
+        self.last_eval = self.evaluate()
+        self.rec.log({"kind": "eval", "step": self.step, "tokens": self.tokens, **self.last_eval})
+        print(
+            f"eval step {self.step}: loss {self.last_eval['eval_loss']:.4f} "
+            f"ppl {self.last_eval['eval_ppl']:.2f}",
+            flush=True,
+        )
+        self.meter.resume()
+
+    def results(self) -> dict[str, Any]:
+        tps = self.meter.tokens_per_s
+        peak = meter.peak_flops(self.device, self.run.train.precision)
+        mfu = tps * self.flops_per_token / peak if tps and peak else None
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            **self.last_eval,
+            "tokens_per_s": tps,
+            "mfu": mfu,
+            **self.costs,
+            **meter.peak_memory(self.device),
+        }
+
+    def close(self) -> None:
+        self.prefetch.close()
+
+
+def base_summary(run: RunConfig, out: Path) -> dict[str, Any]:
+    return {
+        "trial": out.name,
+        "status": "running",
+        "method": run.label or run.method_name,
+        "method_name": run.method_name,
+        "params": run.method_params,
+        "lr": run.train.lr,
+        "seed": run.seed,
+        "model": run.model,
+        "steps": run.train.steps,
+        "step": 0,
+        "tokens": 0,
+        "eval_loss": None,
+        "eval_ppl": None,
+        "tokens_per_s": None,
+        "mfu": None,
+        "peak_memory_bytes": None,
+        "param_bytes": None,
+        "grad_bytes": None,
+        "optimizer_state_bytes": None,
+        "trainable_params": None,
+        "wall_s": None,
+        "device": None,
+        "error": None,
+    }
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM ask for a clean stop: the current step ends, a checkpoint is saved."""
+
+    def __init__(self) -> None:
+        self.set = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.set = True
+
+
+def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None = None) -> dict:
+    """Run (or resume) one trial in `out`; returns its summary, which is also on disk."""
+    rec = Records(out, run)
+    previous = rec.summary()
+    if previous and previous.get("status") == "ok" and rec.ckpt_path.exists():
+        rec.load_checkpoint()  # refuses a folder that holds another config's run
+        print(f"{out}: already finished (status ok); nothing to do", flush=True)
+        return previous
+    out.mkdir(parents=True, exist_ok=True)
+    rec.write_config()
+    summary = base_summary(run, out)
+    rec.write_summary({**summary, "pid": os.getpid()})
+    flag = _StopFlag()
+    handlers = {s: signal.signal(s, flag) for s in (signal.SIGINT, signal.SIGTERM)}
+    start, trainer = time.time(), None
+    try:
+        trainer = Trainer(
+            run, rec, lambda step: flag.set or bool(should_stop and should_stop(step))
+        )
+        summary["device"] = str(trainer.device)
+        rec.start_wandb()
+        summary["status"] = trainer.fit()
+    except NonFinite as e:
+        summary.update(status="nan", error=str(e))
+    except torch.OutOfMemoryError as e:
+        summary.update(status="oom", error=str(e).splitlines()[0])
+    except UserError as e:
+        summary.update(status="failed", error=str(e))
+        raise
+    except Exception as e:
+        traceback.print_exc(file=sys.stderr)
+        summary.update(status="failed", error=f"{type(e).__name__}: {e}")
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        if trainer is not None:
+            summary.update(trainer.results())
+            trainer.close()
+        resumed = previous and previous.get("status") in ("interrupted", "running")
+        summary["wall_s"] = time.time() - start + ((resumed and previous.get("wall_s")) or 0)
+        rec.write_summary(summary)
+        rec.finish_wandb(summary)
+    return summary
