@@ -1,0 +1,187 @@
+"""The `harness` command: train, sweep, status, report, methods."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from harness.config import UserError, load_run, parse_overrides, read_yaml
+
+EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (and exit 2), like every other user error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got '{text}'")
+    return int(text)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from harness.train import train
+
+    run = load_run(read_yaml(args.config), parse_overrides(args.set))
+    out = Path(args.out) if args.out else Path("runs") / run.name
+    summary = train(run, out)
+    status = summary["status"]
+    print(f"{out}: {status}" + (f" ({summary['error']})" if summary.get("error") else ""))
+    if status == "interrupted":
+        print("stopped with a checkpoint; run the same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_OK if status == "ok" else EXIT_FAILED
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from harness.sweep import load_sweep, plan, plan_table, run_sweep
+
+    sweep = load_sweep(args.sweep, parse_overrides(args.set))
+    if args.dry_run:
+        trials = plan(sweep)
+        print(plan_table(trials))
+        print(f"{len(trials)} trials, {sum(t.tokens for t in trials):,} tokens in all")
+        return EXIT_OK
+    out = Path(args.out) if args.out else Path("runs") / sweep.name
+    try:
+        return run_sweep(sweep, out, args.jobs or sweep.launcher.jobs, args.retry_failed)
+    except KeyboardInterrupt:
+        print(
+            "\ninterrupted: running trials saved checkpoints; run the same command to resume",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+
+
+def _load(runs_dir: str):
+    from harness.analysis import load_runs
+    from harness.sweep import trial_status
+
+    try:
+        trials = load_runs(runs_dir)
+    except FileNotFoundError as e:
+        raise UserError(str(e)) from None
+    if len(trials):
+        trials["status"] = [
+            trial_status(Path(d) / "trials" / t)
+            for d, t in zip(trials["run_dir"], trials["trial"], strict=True)
+        ]
+    return trials
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from harness.analysis import status_table
+
+    print(status_table(_load(args.runs_dir)))
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from harness.analysis import write_report
+
+    _load(args.runs_dir)
+    print(write_report(args.runs_dir))
+    print(f"\nreport written to {Path(args.runs_dir) / 'report'}")
+    return EXIT_OK
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    from harness.methods import get_method, method_names
+
+    for name in method_names():
+        cls = get_method(name)
+        print(f"{name}: {cls.summary}")
+        for key, field in cls.Config.model_fields.items():
+            kind = getattr(field.annotation, "__name__", None) or str(field.annotation)
+            note = f"  - {field.description}" if field.description else ""
+            print(f"    {key}: {kind} = {field.default!r}{note}")
+    return EXIT_OK
+
+
+def build_parser() -> Parser:
+    p = Parser(
+        prog="harness",
+        description="Compare memory-efficient LLM training methods on "
+        "equal model, data and token budget.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    sets = {
+        "action": "append",
+        "default": [],
+        "metavar": "KEY=VALUE",
+        "help": "override a dotted config key, e.g. --set train.steps=20 (repeatable)",
+    }
+
+    t = sub.add_parser(
+        "train",
+        help="run one training run",
+        description="Run (or resume) one training run from a run config.",
+    )
+    t.add_argument("config", help="run config YAML")
+    t.add_argument("--set", **sets)
+    t.add_argument(
+        "--out", help="run folder (default runs/<name>); resumes if it holds a checkpoint"
+    )
+    t.set_defaults(func=cmd_train)
+
+    s = sub.add_parser(
+        "sweep",
+        help="run a sweep of trials",
+        description="Expand a sweep into "
+        "trials (methods x search space x seeds) and run those not yet finished.",
+    )
+    s.add_argument("sweep", help="sweep YAML, e.g. sweeps/quickstart.yaml")
+    s.add_argument("--set", **sets)
+    s.add_argument("--out", help="run directory (default runs/<sweep name>)")
+    s.add_argument("--jobs", type=positive_int, help="trials run at once (default launcher.jobs)")
+    s.add_argument("--dry-run", action="store_true", help="print the trial plan, run nothing")
+    s.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="also re-run trials that ended failed, oom or nan",
+    )
+    s.set_defaults(func=cmd_sweep)
+
+    st = sub.add_parser(
+        "status",
+        help="one row per trial",
+        description="Show every trial's status, step, eval perplexity, tok/s and peak memory.",
+    )
+    st.add_argument("runs_dir", help="a sweep's run directory, e.g. runs/quickstart")
+    st.set_defaults(func=cmd_status)
+
+    r = sub.add_parser(
+        "report",
+        help="write tables and plots",
+        description="Write RUNS_DIR/"
+        "report/ (trials.csv, summary.md, loss.png) and print the main table.",
+    )
+    r.add_argument("runs_dir", help="a sweep's run directory, e.g. runs/quickstart")
+    r.set_defaults(func=cmd_report)
+
+    m = sub.add_parser(
+        "methods",
+        help="list the registered methods",
+        description="Each method, its hyperparameters with types and defaults, and what it is.",
+    )
+    m.set_defaults(func=cmd_methods)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER
+
+
+if __name__ == "__main__":
+    sys.exit(main())

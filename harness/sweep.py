@@ -1,0 +1,160 @@
+"""Expand a sweep into trials (methods x search space x seeds) and run the unfinished ones."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from harness.config import (
+    Common,
+    RunConfig,
+    SweepConfig,
+    UserError,
+    check_space,
+    load_run,
+    read_yaml,
+    resolve_method,
+    set_dotted,
+    validate,
+)
+from harness.models import check_preset
+from harness.records import read_json, write_yaml
+
+FINISHED = ("ok", "nan", "oom", "failed", "pruned")
+FAILED = ("failed", "oom", "nan")
+
+
+@dataclass
+class Trial:
+    id: str
+    label: str
+    run: RunConfig
+    point: dict[str, Any]
+
+    @property
+    def tokens(self) -> int:
+        t = self.run.train
+        return t.steps * (t.total_batch_size or t.batch_size) * self.run.task.seq_len
+
+
+def load_sweep(path: str | Path, overrides: dict[str, Any]) -> SweepConfig:
+    """Read the YAML and apply `--set`s; an overridden key leaves every search space."""
+    data = read_yaml(path)
+    for key, value in overrides.items():
+        set_dotted(data, key, value)
+        spaces = [data.get("search", {}).get("space")]
+        spaces += [
+            m.get("space") for m in (data.get("methods") or {}).values() if isinstance(m, dict)
+        ]
+        for space in spaces:
+            if isinstance(space, dict):
+                space.pop(key, None)
+    sweep = validate(SweepConfig, data)
+    check_preset(sweep.model, "model")
+    return sweep
+
+
+def plan(sweep: SweepConfig) -> list[Trial]:
+    common = sweep.model_dump(include=set(Common.model_fields))
+    trials: dict[str, Trial] = {}
+    for label, entry in sweep.methods.items():
+        entry = dict(entry or {})
+        name = entry.pop("method", label)
+        space = {
+            **sweep.search.space,
+            **check_space(entry.pop("space", {}), f"methods.{label}.space"),
+        }
+        resolve_method({"name": name, **entry}, f"methods.{label}")
+        for values in itertools.product(*space.values()):
+            point = dict(zip(space, values, strict=True))
+            for seed in sweep.seeds:
+                data = {
+                    **common,
+                    "name": sweep.name,
+                    "label": label,
+                    "seed": seed,
+                    "method": {"name": name, **entry},
+                }
+                for key, value in point.items():
+                    set_dotted(data, key, value)
+                try:
+                    run = load_run(data)
+                except UserError as e:
+                    raise UserError(f"methods.{label} with {point}: {e}") from None
+                trial = Trial(f"{label}-{run.identity()}", label, run, point)
+                trials.setdefault(trial.id, trial)
+    return list(trials.values())
+
+
+def trial_status(trial_dir: Path) -> str:
+    """A `running` summary whose process is gone is an interrupted trial."""
+    summary = read_json(trial_dir / "summary.json")
+    if summary is None:
+        return "pending"
+    status = summary.get("status", "pending")
+    if status == "running" and not _alive(summary.get("pid")):
+        return "interrupted"
+    return status
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def plan_table(trials: list[Trial]) -> str:
+    rows = []
+    for t in trials:
+        params = {**{k: v for k, v in t.run.method_params.items()}, **t.point, "seed": t.run.seed}
+        hp = ", ".join(f"{k}={v}" for k, v in params.items())
+        rows.append([t.id, t.label, hp, t.run.train.steps, f"{t.tokens:,}"])
+    return tabulate(rows, headers=["trial", "method", "hyperparameters", "steps", "tokens"])
+
+
+def preflight(sweep: SweepConfig) -> None:
+    """Fail once, before any trial starts, when the tokenizer or data cannot be reached."""
+    from harness.data.c4 import load_tokenizer, open_documents
+
+    load_tokenizer(sweep.task.tokenizer)
+    for split in ("train", "validation"):
+        open_documents(sweep.task, split)
+
+
+def run_sweep(sweep: SweepConfig, out: Path, jobs: int, retry_failed: bool = False) -> int:
+    """Run every unfinished trial; 0 if all are ok, 1 if any failed (all are still recorded)."""
+    from harness.analysis import load_runs, status_table
+    from harness.launch import run_local
+
+    trials = plan(sweep)
+    preflight(sweep)
+    out.mkdir(parents=True, exist_ok=True)
+    write_yaml(out / "sweep.yaml", sweep.model_dump())
+    skip = set(FINISHED) - (set(FAILED) if retry_failed else set())
+    todo = []
+    for t in trials:
+        trial_dir = out / "trials" / t.id
+        if trial_status(trial_dir) in skip:
+            continue
+        write_yaml(trial_dir / "config.yaml", t.run.model_dump())
+        todo.append((t.id, trial_dir))
+    print(
+        f"{sweep.name}: {len(trials)} trials, {len(trials) - len(todo)} already finished, "
+        f"{len(todo)} to run in {out}",
+        flush=True,
+    )
+    run_local(todo, jobs)
+    statuses = [trial_status(out / "trials" / t.id) for t in trials]
+    print(status_table(load_runs(out)), flush=True)
+    return 1 if any(s in FAILED for s in statuses) else 0
