@@ -1,0 +1,212 @@
+"""Turn loaded runs into the tables and plot that a sweep is judged by.
+
+Each method is compared at its own best learning rate (lowest final eval perplexity among
+trials that finished), the protocol of the papers this harness compares.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter, LogFormatter
+
+from .load import PathArg, load_runs, load_steps, read_sweep
+
+SUMMARY_COLUMNS = (
+    "method", "best lr", "eval ppl", "tok/s", "peak memory", "optimizer state", "trials",
+)  # fmt: skip
+MEMORY_NOTE = "Memory columns use decimal units: 1 MB = 10^6 bytes, 1 GB = 10^9 bytes."
+
+
+def summary_table(trials: pd.DataFrame, order: Sequence[str] = ()) -> pd.DataFrame:
+    """One row per method at its best LR; methods named in `order` (sweep.yaml) come first."""
+    labels = trials["method"].fillna("unknown").astype(str)
+    rows = [_method_row(label, trials[labels == label]) for label in _ordered(labels, order)]
+    return pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
+
+
+def status_table(trials: pd.DataFrame) -> str:
+    """Per-trial progress for `harness status`, readable while a sweep is still running."""
+    table = pd.DataFrame(
+        {
+            "id": trials["trial"],
+            "method": trials["method"],
+            "status": trials["status"],
+            "step": [
+                f"{_int(step, '0')}/{_int(steps, '?')}"
+                for step, steps in zip(trials["step"], trials["steps"], strict=True)
+            ],
+            "eval ppl": trials["eval_ppl"].map(_ppl),
+            "tok/s": trials["tokens_per_s"].map(_rate),
+            "peak memory": trials["peak_memory_bytes"].map(human_bytes),
+        }
+    )
+    return text_table(table)
+
+
+def write_report(runs_dir: PathArg) -> str:
+    """Write report/{trials.csv,summary.md,loss.png} and return the summary for the terminal."""
+    runs_dir = Path(runs_dir)
+    trials = load_runs(runs_dir)
+    sweep = read_sweep(runs_dir)
+    name = str(sweep.get("name") or runs_dir.resolve().name)
+    table = summary_table(trials, order=_sweep_methods(sweep))
+    out = runs_dir / "report"
+    out.mkdir(exist_ok=True)
+    _atomic_write(out / "trials.csv", lambda tmp: trials.to_csv(tmp, index=False))
+    figure, caption = _plot(load_steps(runs_dir), trials, name)
+    _atomic_write(out / "loss.png", lambda tmp: figure.savefig(tmp, format="png", dpi=120))
+    markdown = "\n\n".join(
+        [
+            f"# Sweep report: {name}",
+            MEMORY_NOTE,
+            text_table(table),
+            best_lr_line(table),
+            f"![{caption}](loss.png)",
+            "All trials, all columns: `trials.csv`.",
+        ]
+    )
+    _atomic_write(out / "summary.md", lambda tmp: tmp.write_text(markdown + "\n", "utf-8"))
+    return text_table(table)
+
+
+def best_lr_line(table: pd.DataFrame) -> str:
+    """Say which LR won per method, so a reader need not scan the table."""
+    picks = (f"{m} {lr or 'n/a'}" for m, lr in zip(table["method"], table["best lr"], strict=True))
+    return "Best LR per method: " + ", ".join(picks)
+
+
+def human_bytes(value: Any) -> str:
+    """Decimal units (GB = 1e9 bytes) to match how accelerator memory is usually quoted."""
+    if pd.isna(value):
+        return ""
+    if value >= 1e9:
+        return f"{value / 1e9:.2f} GB"
+    if value >= 1e6:
+        return f"{value / 1e6:.1f} MB"
+    return f"{value / 1e3:.1f} kB"
+
+
+def text_table(table: pd.DataFrame) -> str:
+    """Markdown (github) table; numbers are pre-formatted, so tabulate must not re-parse them."""
+    return table.fillna("").to_markdown(index=False, disable_numparse=True)
+
+
+def trial_labels(trials: pd.DataFrame) -> dict[tuple[str, str], str]:
+    """Legend text "<method> lr=<lr>", plus the seed only when seeds vary across trials."""
+    several_seeds = trials["seed"].nunique() > 1
+    labels = {}
+    columns = ["run_dir", "trial", "method", "lr", "seed"]
+    for run_dir, trial, method, lr, seed in trials[columns].itertuples(index=False):
+        label = f"{method} lr={'?' if pd.isna(lr) else format(lr, 'g')}"
+        labels[(run_dir, trial)] = label + (f" seed={_int(seed, '?')}" if several_seeds else "")
+    return labels
+
+
+def _method_row(label: str, group: pd.DataFrame) -> dict[str, str]:
+    """Best LR by mean eval ppl over seeds, among ok trials; blanks if none finished."""
+    row = dict.fromkeys(SUMMARY_COLUMNS, "")
+    row.update(method=label, trials=_status_counts(group["status"]))
+    ok = group[(group["status"] == "ok") & group["eval_ppl"].notna() & group["lr"].notna()]
+    if ok.empty:
+        return row
+    by_lr = ok.groupby("lr").agg(
+        ppl=("eval_ppl", "mean"),
+        rate=("tokens_per_s", "mean"),
+        peak=("peak_memory_bytes", "max"),
+        state=("optimizer_state_bytes", "max"),
+    )
+    best_lr = by_lr["ppl"].idxmin()
+    best = by_lr.loc[best_lr]
+    row.update(
+        {
+            "best lr": f"{best_lr:g}",
+            "eval ppl": _ppl(best["ppl"]),
+            "tok/s": _rate(best["rate"]),
+            "peak memory": human_bytes(best["peak"]),
+            "optimizer state": human_bytes(best["state"]),
+        }
+    )
+    return row
+
+
+def _status_counts(status: pd.Series) -> str:
+    """E.g. "1 ok / 3 (1 failed, 1 pending)": why a method has fewer results than planned."""
+    counts = status.fillna("unknown").value_counts().sort_index()
+    others = ", ".join(f"{n} {s}" for s, n in counts.items() if s != "ok")
+    text = f"{int(counts.get('ok', 0))} ok / {len(status)}"
+    return f"{text} ({others})" if others else text
+
+
+def _ordered(labels: pd.Series, order: Sequence[str]) -> list[str]:
+    """Sweep order first (how the author listed methods), the rest alphabetically."""
+    present = set(labels)
+    return [m for m in order if m in present] + sorted(present - set(order))
+
+
+def _sweep_methods(sweep: dict[str, Any]) -> list[str]:
+    methods = sweep.get("methods")
+    return [str(label) for label in methods] if isinstance(methods, dict) else []
+
+
+def _plot(steps: pd.DataFrame, trials: pd.DataFrame, name: str) -> tuple[Figure, str]:
+    """Eval perplexity per trial; training loss when no eval has run yet, so early runs plot."""
+    points, column, quantity = _points(steps, "eval", "eval_ppl"), "eval_ppl", "Eval perplexity"
+    if points.empty:
+        points, column, quantity = _points(steps, "train", "loss"), "loss", "Training loss"
+    figure = Figure(figsize=(8, 5), layout="constrained")
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot()
+    labels = trial_labels(trials)
+    for key, curve in points.groupby(["run_dir", "trial"], sort=False):
+        curve = curve.sort_values("tokens")
+        ax.plot(curve["tokens"], curve[column], marker="o", markersize=3, label=labels[key])
+    if points.empty:
+        ax.text(0.5, 0.5, "no metrics yet", ha="center", va="center", transform=ax.transAxes)
+    else:
+        ax.set_yscale("log")
+        # Plain numbers ("40", not "4x10^1"); minor labels only while the range is narrow.
+        ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
+        ax.legend(fontsize="small")
+    caption = f"{quantity} vs tokens seen"
+    ax.set_title(f"{name}: {caption.lower()}")
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel(f"{quantity.lower()} (log scale)")
+    ax.xaxis.set_major_formatter(EngFormatter())
+    ax.grid(True, which="both", alpha=0.3)
+    return figure, caption
+
+
+def _points(steps: pd.DataFrame, kind: str, column: str) -> pd.DataFrame:
+    if column not in steps:
+        return steps.iloc[0:0]
+    return steps[steps["kind"] == kind].dropna(subset=["tokens", column])
+
+
+def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    """Write beside the target then rename, so a reader never sees a half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _int(value: Any, missing: str) -> str:
+    return missing if pd.isna(value) else str(int(value))
+
+
+def _ppl(value: Any) -> str:
+    return "" if pd.isna(value) else f"{value:.2f}"
+
+
+def _rate(value: Any) -> str:
+    return "" if pd.isna(value) else f"{value:,.0f}"
