@@ -1,0 +1,62 @@
+"""Shared fixtures: a micro LLaMA on the embedded sample corpus, small enough for CI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+# No test may reach for the hub: fail fast instead of waiting on retries.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["WANDB_SILENT"] = "true"
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def micro_run(**train: Any) -> dict[str, Any]:
+    """A run config that trains in about a second a step on 2 CPU cores."""
+    return {
+        "name": "test",
+        "model": "llama_micro",
+        "task": {"dataset": "sample", "tokenizer": "sample", "seq_len": 32, "shuffle_buffer": 32},
+        "train": {
+            "lr": 0.003,
+            "steps": 6,
+            "batch_size": 2,
+            "total_batch_size": 4,
+            "warmup_steps": 1,
+            "log_every": 1,
+            **train,
+        },
+        "eval": {"every": 3, "tokens": 256},
+        "method": {"name": "full"},
+    }
+
+
+def write_yaml(path: Path, data: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def harness(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The real command line, in a child process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "harness.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ},
+        timeout=600,
+    )
+
+
+@pytest.fixture
+def micro() -> dict[str, Any]:
+    return micro_run()
