@@ -71,7 +71,7 @@ def test_bad_flags_and_files(tmp_path, capsys):
 def test_set_overrides_use_yaml_values():
     run = load_run(micro_run(), {"train.steps": 20, "train.lr": 1e-2, "task.packing": False})
     assert (run.train.steps, run.train.lr, run.task.packing) == (20, 0.01, False)
-    with pytest.raises(UserError, match="train.steps: 'many' is invalid"):
+    with pytest.raises(UserError, match=r"train.steps: 'many' is invalid"):
         load_run(micro_run(), {"train.steps": "many"})
 
 

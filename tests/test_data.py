@@ -92,12 +92,12 @@ def test_local_c4_shards_by_folder_and_by_glob(tmp_path):
 def test_missing_data_and_tokenizer_are_user_errors(tmp_path):
     with pytest.raises(UserError, match=r"task.dataset: no train shards match '.*c4-train"):
         open_documents(TaskConfig(dataset=str(tmp_path)), "train")
-    with pytest.raises(UserError, match="task.tokenizer: no folder './missing'"):
+    with pytest.raises(UserError, match=r"task.tokenizer: no folder './missing'"):
         load_tokenizer("./missing")
     start = time.time()
-    with pytest.raises(UserError, match="task.tokenizer: cannot load 't5-base'"):
+    with pytest.raises(UserError, match=r"task.tokenizer: cannot load 't5-base'"):
         load_tokenizer("t5-base")  # offline here: the hub is tried, then a clear message
-    with pytest.raises(UserError, match="task.dataset: cannot open 'c4'"):
+    with pytest.raises(UserError, match=r"task.dataset: cannot open 'c4'"):
         open_documents(TaskConfig(dataset="c4"), "train")
     assert time.time() - start < 60
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -142,5 +143,5 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     run = load_run(micro_run(steps=10, warmup_steps=2, min_lr_ratio=0.1))
     factors = [lr_factor(s, run.train) for s in range(10)]
     assert factors[:3] == [0.5, 1.0, 1.0]
-    assert all(a >= b for a, b in zip(factors[1:], factors[2:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(factors[1:]))
     assert lr_factor(10, run.train) == pytest.approx(0.1)
