@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 from pathlib import Path
 from typing import NoReturn
 
@@ -91,6 +92,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def type_name(annotation: object) -> str:
+    if typing.get_args(annotation):
+        return str(annotation).replace("typing.", "")
+    return getattr(annotation, "__name__", str(annotation))
+
+
 def cmd_methods(args: argparse.Namespace) -> int:
     from harness.methods import get_method, method_names
 
@@ -98,9 +105,19 @@ def cmd_methods(args: argparse.Namespace) -> int:
         cls = get_method(name)
         print(f"{name}: {cls.summary}")
         for key, field in cls.Config.model_fields.items():
-            kind = getattr(field.annotation, "__name__", None) or str(field.annotation)
+            kind = type_name(field.annotation)
             note = f"  - {field.description}" if field.description else ""
             print(f"    {key}: {kind} = {field.default!r}{note}")
+    return EXIT_OK
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from harness.bench import bench_loop, bench_run, report
+
+    run = bench_run(
+        args.model, args.steps, args.batch_size, args.seq_len, args.precision, args.device
+    )
+    print(report(run, bench_loop(run, args.rounds), args.json))
     return EXIT_OK
 
 
@@ -164,6 +181,23 @@ def build_parser() -> Parser:
     )
     r.add_argument("runs_dir", help="a sweep's run directory, e.g. runs/quickstart")
     r.set_defaults(func=cmd_report)
+
+    b = sub.add_parser(
+        "bench",
+        help="measure the harness's own cost",
+        description="loop: the harness's training loop against a bare PyTorch loop (same model, "
+        "data, batch, precision, steps), in alternating rounds; prints the throughput ratio.",
+    )
+    b.add_argument("what", choices=["loop"], help="what to measure")
+    b.add_argument("--model", default="llama_tiny", help="model preset (default llama_tiny)")
+    b.add_argument("--steps", type=positive_int, default=20, help="steps per run (default 20)")
+    b.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
+    b.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
+    b.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    b.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds")
+    b.add_argument("--json", action="store_true", help="print JSON records instead of a table")
+    b.set_defaults(func=cmd_bench)
 
     m = sub.add_parser(
         "methods",

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 
 
 class AdamConfig(Strict):
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
+    betas: tuple[float, float] = Field((0.9, 0.999), description="moment decay rates")
+    eps: float = Field(1e-8, gt=0, description="added to the second moment's root")
 
 
 @register("full")

@@ -116,3 +116,12 @@ def test_dry_run_prints_the_plan_offline(capsys):
 def test_shipped_sweeps_are_valid(name):
     trials = plan(load_sweep(Path(REPO / "sweeps" / f"{name}.yaml"), {}))
     assert trials and all(t.run.method_name in ("full", "adam8bit") for t in trials)
+
+
+def test_methods_lists_the_registry_with_types_and_defaults(capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("full: AdamW")
+    assert "adam8bit: AdamW with 8-bit" in out
+    assert "betas: tuple[float, float] = (0.9, 0.999)" in out
+    assert "min_8bit_size: int = 4096" in out

@@ -1,0 +1,35 @@
+"""`harness bench loop` measures both loops and reports a ratio with its target."""
+
+from __future__ import annotations
+
+import json
+
+from harness.cli import main
+
+
+def test_bench_loop_json_record(capsys):
+    argv = [
+        "bench",
+        "loop",
+        "--model",
+        "llama_micro",
+        "--steps",
+        "4",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--rounds",
+        "2",
+        "--json",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    records = json.loads(out[out.index("[\n") :])
+    (record,) = records
+    assert record["name"] == "loop/llama_micro/fp32/cpu" and record["target"] == 0.98
+    assert len(record["rounds"]) == 2
+    for r in record["rounds"]:
+        assert r["harness_tok_s"] > 0 and r["bare_tok_s"] > 0
+        assert abs(r["ratio"] - r["harness_tok_s"] / r["bare_tok_s"]) < 1e-9
+    assert 0.2 < record["ratio"] < 5
