@@ -27,9 +27,6 @@ from harness.methods import build_method
 from harness.models import build_model, describe
 from harness.records import Records
 
-FINISHED = ("ok", "nan", "oom", "failed", "pruned")
-
-
 class NonFinite(Exception):
     """The loss became NaN or Inf: the trial ends with status `nan`."""
 
@@ -121,6 +118,7 @@ class Trainer:
     def _resume(self) -> None:
         state = self.rec.load_checkpoint()
         if state is None:
+            self.rec.truncate_metrics(0)  # a start from scratch owns no earlier lines
             return
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -172,6 +170,10 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         if self._eval_data is None:
             self._eval_data = eval_blocks(self.run.task, self.tok, self.run.eval.tokens)
+            held = sum(n - 1 for _, n in self._eval_data)
+            if held < self.run.eval.tokens:
+                print(f"eval: the validation split holds {held:,} tokens, fewer than "
+                      f"eval.tokens {self.run.eval.tokens:,}; using them all", flush=True)
         self.model.eval()
         batch = self.run.eval.batch_size or self.run.train.batch_size
         total = torch.zeros((), dtype=torch.float64, device=self.device)
