@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from harness.config import UserError, load_run, parse_overrides, read_yaml
 
@@ -121,73 +122,45 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def build_parser() -> Parser:
-    p = Parser(
-        prog="harness",
-        description="Compare memory-efficient LLM training methods on "
-        "equal model, data and token budget.",
-    )
-    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
-    sets = {
-        "action": "append",
-        "default": [],
-        "metavar": "KEY=VALUE",
-        "help": "override a dotted config key, e.g. --set train.steps=20 (repeatable)",
-    }
+def command(sub: Any, name: str, func: Callable, summary: str, description: str) -> Parser:
+    parser = sub.add_parser(name, help=summary, description=description)
+    parser.set_defaults(func=func)
+    return parser
 
-    t = sub.add_parser(
-        "train",
-        help="run one training run",
-        description="Run (or resume) one training run from a run config.",
-    )
+
+def build_parser() -> Parser:
+    p = Parser(prog="harness", description="Compare memory-efficient LLM training methods on "
+               "equal model, data and token budget.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    sets = {"action": "append", "default": [], "metavar": "KEY=VALUE",
+            "help": "override a dotted config key, e.g. --set train.steps=20 (repeatable)"}
+    runs_dir = "a sweep's run directory, e.g. runs/quickstart"
+
+    t = command(sub, "train", cmd_train, "run one training run",
+                "Run (or resume) one training run from a run config.")
     t.add_argument("config", help="run config YAML")
     t.add_argument("--set", **sets)
-    t.add_argument(
-        "--out", help="run folder (default runs/<name>); resumes if it holds a checkpoint"
-    )
-    t.set_defaults(func=cmd_train)
+    t.add_argument("--out", help="run folder (default runs/<name>); resumes from its checkpoint")
 
-    s = sub.add_parser(
-        "sweep",
-        help="run a sweep of trials",
-        description="Expand a sweep into "
-        "trials (methods x search space x seeds) and run those not yet finished.",
-    )
+    s = command(sub, "sweep", cmd_sweep, "run a sweep of trials", "Expand a sweep into trials "
+                "(methods x search space x seeds) and run those not yet finished.")
     s.add_argument("sweep", help="sweep YAML, e.g. sweeps/quickstart.yaml")
     s.add_argument("--set", **sets)
     s.add_argument("--out", help="run directory (default runs/<sweep name>)")
     s.add_argument("--jobs", type=positive_int, help="trials run at once (default launcher.jobs)")
     s.add_argument("--dry-run", action="store_true", help="print the trial plan, run nothing")
-    s.add_argument(
-        "--retry-failed",
-        action="store_true",
-        help="also re-run trials that ended failed, oom or nan",
-    )
-    s.set_defaults(func=cmd_sweep)
+    s.add_argument("--retry-failed", action="store_true",
+                   help="also re-run trials that ended failed, oom or nan")
 
-    st = sub.add_parser(
-        "status",
-        help="one row per trial",
-        description="Show every trial's status, step, eval perplexity, tok/s and peak memory.",
-    )
-    st.add_argument("runs_dir", help="a sweep's run directory, e.g. runs/quickstart")
-    st.set_defaults(func=cmd_status)
+    command(sub, "status", cmd_status, "one row per trial", "Show every trial's status, step, "
+            "eval perplexity, tok/s and peak memory.").add_argument("runs_dir", help=runs_dir)
+    command(sub, "report", cmd_report, "write tables and plots", "Write RUNS_DIR/report/ "
+            "(trials.csv, summary.md, loss.png) and print the main table."
+            ).add_argument("runs_dir", help=runs_dir)
 
-    r = sub.add_parser(
-        "report",
-        help="write tables and plots",
-        description="Write RUNS_DIR/"
-        "report/ (trials.csv, summary.md, loss.png) and print the main table.",
-    )
-    r.add_argument("runs_dir", help="a sweep's run directory, e.g. runs/quickstart")
-    r.set_defaults(func=cmd_report)
-
-    b = sub.add_parser(
-        "bench",
-        help="measure the harness's own cost",
-        description="loop: the harness's training loop against a bare PyTorch loop (same model, "
-        "data, batch, precision, steps), in alternating rounds; prints the throughput ratio.",
-    )
+    b = command(sub, "bench", cmd_bench, "measure the harness's own cost", "loop: the harness's "
+                "training loop against a bare PyTorch loop (same model, data, batch, precision, "
+                "steps), in alternating rounds; prints the throughput ratio.")
     b.add_argument("what", choices=["loop"], help="what to measure")
     b.add_argument("--model", default="llama_tiny", help="model preset (default llama_tiny)")
     b.add_argument("--steps", type=positive_int, default=20, help="steps per run (default 20)")
@@ -197,14 +170,9 @@ def build_parser() -> Parser:
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     b.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds")
     b.add_argument("--json", action="store_true", help="print JSON records instead of a table")
-    b.set_defaults(func=cmd_bench)
 
-    m = sub.add_parser(
-        "methods",
-        help="list the registered methods",
-        description="Each method, its hyperparameters with types and defaults, and what it is.",
-    )
-    m.set_defaults(func=cmd_methods)
+    command(sub, "methods", cmd_methods, "list the registered methods", "Each method, its "
+            "hyperparameters with types and defaults, and what it is.")
     return p
 
 

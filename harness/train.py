@@ -27,6 +27,7 @@ from harness.methods import build_method
 from harness.models import build_model, describe
 from harness.records import Records
 
+
 class NonFinite(Exception):
     """The loss became NaN or Inf: the trial ends with status `nan`."""
 
