@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import typing
 from collections.abc import Callable
@@ -176,8 +178,16 @@ def build_parser() -> Parser:
     return p
 
 
+def quiet_libraries() -> None:
+    """Hub retry warnings and optional-kernel notices, not actionable offline, stay off stderr."""
+    for var in ("TRANSFORMERS_VERBOSITY", "DATASETS_VERBOSITY", "HF_HUB_VERBOSITY"):
+        os.environ.setdefault(var, "error")
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_libraries()
     try:
         return args.func(args)
     except UserError as e:

@@ -336,8 +336,8 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
         summary["status"] = trainer.fit()
     except NonFinite as e:
         summary.update(status="nan", error=str(e))
-    except torch.OutOfMemoryError as e:
-        summary.update(status="oom", error=str(e).splitlines()[0])
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        summary.update(status="oom", error=(str(e).splitlines() or [type(e).__name__])[0])
     except UserError as e:
         summary.update(status="failed", error=str(e))
         raise
