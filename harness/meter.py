@@ -66,13 +66,15 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def breakdown(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Counted from the real tensors, after a step, while gradients still exist."""
+def breakdown(method: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The method's own count of the real tensors, plus parameter counts."""
+    counted = method.measure(model, optimizer)
     params = list(model.parameters())
     return {
-        "param_bytes": sum(tensor_bytes(p) for p in params),
-        "grad_bytes": sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer_state_bytes": tensor_bytes(list(optimizer.state.values())),
+        "param_bytes": counted.weight_bytes,
+        "grad_bytes": counted.grad_bytes,
+        "optimizer_state_bytes": counted.optimizer_state_bytes,
+        "extra_bytes": counted.extra_bytes,
         "trainable_params": sum(p.numel() for p in params if p.requires_grad),
         "total_params": sum(p.numel() for p in params),
     }

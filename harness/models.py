@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from harness.config import suggest
 
 if TYPE_CHECKING:
@@ -65,3 +67,10 @@ def describe(model: LlamaForCausalLM) -> str:
     total = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings().weight.numel()
     return f"{total / 1e6:.2f}M parameters ({(total - embed) / 1e6:.2f}M without input embeddings)"
+
+
+def param_shapes(name: str, vocab_size: int, seq_len: int) -> dict[str, torch.Size]:
+    """Every parameter's shape, from a model built on the meta device: no memory, no data."""
+    with torch.device("meta"):
+        model = build_model(name, vocab_size, seq_len, None)
+    return {n: p.shape for n, p in model.named_parameters()}

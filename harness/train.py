@@ -98,7 +98,7 @@ class Trainer:
         self.model = self.method.prepare(model.to(self.device), run)
         self.optimizer = self.method.optimizer(self.model, run)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, t)
+            self.optimizer, lambda s: self.method.lr_factor(s, run)
         )
         self.stream = BlockStream(run.task, self.tok, run.seed)
         self.step, self.tokens = 0, 0
@@ -150,20 +150,26 @@ class Trainer:
         micro = [self.prefetch.next() for _ in range(self.run.train.accumulation)]
         targets = sum((labels[:, 1:] != IGNORE).sum() for _, labels in micro)
         total = torch.zeros((), device=self.device)
-        for ids, labels in micro:
+        layerwise = getattr(self.optimizer, "layerwise", False)
+        for i, (ids, labels) in enumerate(micro):
+            if layerwise:  # updates run inside backward: only once the gradient is complete
+                self.optimizer.sync = i == len(micro) - 1
             with self.autocast:
                 loss = loss_sum(self.model, ids, labels)
             (loss / targets).backward()
             total += loss.detach()
-        if self.run.train.grad_clip:
+        if self.run.train.grad_clip and not layerwise:  # layer-wise clips per parameter
             params = [p for p in self.model.parameters() if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, self.run.train.grad_clip, foreach=True)
         self.lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
-        self.method.on_step(self.step + 1, self.model, self.optimizer)
+        events = self.method.on_step(self.step + 1, self.model, self.optimizer)
+        if events:
+            self.rec.log({"kind": "event", "step": self.step + 1, **events})
+            print(f"step {self.step + 1}: {events}", flush=True)
         if not self.costs:  # gradients and states exist now: count them once
-            self.costs = meter.breakdown(self.model, self.optimizer)
+            self.costs = meter.breakdown(self.method, self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return total / targets
 

@@ -1,6 +1,8 @@
-"""Training methods. Each file registers one; importing this package fills the registry."""
+"""Training methods. Each module here registers its method(s); importing this package finds them."""
 
-from harness.methods import adam8bit, full
+import importlib
+import pkgutil
+
 from harness.methods.base import (
     MemoryEstimate,
     Method,
@@ -10,13 +12,7 @@ from harness.methods.base import (
     register,
 )
 
-__all__ = [
-    "MemoryEstimate",
-    "Method",
-    "adam8bit",
-    "build_method",
-    "full",
-    "get_method",
-    "method_names",
-    "register",
-]
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["MemoryEstimate", "Method", "build_method", "get_method", "method_names", "register"]

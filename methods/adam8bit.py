@@ -40,9 +40,8 @@ class Adam8bit(Method):
         )
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        total = sum(numel(s) for s, _ in shapes.values())
-        trained = [numel(s) for s, t in shapes.values() if t]
-        return MemoryEstimate(4 * total, 4 * sum(trained), sum(map(self._state_bytes, trained)))
+        sizes = [numel(s) for s in shapes.values()]
+        return MemoryEstimate(4 * sum(sizes), 4 * sum(sizes), sum(map(self._state_bytes, sizes)))
 
     def _state_bytes(self, n: int) -> int:
         if n < self.config.min_8bit_size:

@@ -13,21 +13,22 @@ from harness.config import Strict, suggest
 if TYPE_CHECKING:
     from harness.config import RunConfig
 
-Shapes = dict[str, tuple[torch.Size, bool]]  # parameter name -> (shape, trainable)
+Shapes = dict[str, torch.Size]  # parameter name -> shape, of the base model before `prepare`
 _REGISTRY: dict[str, type[Method]] = {}
 
 
 @dataclass
 class MemoryEstimate:
-    """Analytic bytes of what training keeps besides activations."""
+    """Bytes training keeps besides activations: predicted by `estimate`, counted by `measure`."""
 
-    param_bytes: int
+    weight_bytes: int
     grad_bytes: int
     optimizer_state_bytes: int
+    extra_bytes: int = 0  # projections, quantization constants: neither weights nor moments
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes
+        return self.weight_bytes + self.grad_bytes + self.optimizer_state_bytes + self.extra_bytes
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total_bytes": self.total_bytes}
@@ -49,12 +50,32 @@ class Method:
     def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
         raise NotImplementedError
 
-    def on_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Called after each optimizer step (e.g. ReLoRA's merge and reset)."""
+    def on_step(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any] | None:
+        """After each optimizer step (e.g. ReLoRA's merge and reset); what it returns is logged."""
+        return None
+
+    def lr_factor(self, step: int, run: RunConfig) -> float:
+        """The LR multiplier for `step` (from 0); ReLoRA makes it jagged."""
+        from harness.train import lr_factor
+
+        return lr_factor(step, run.train)
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        """Bytes of weights, gradients and optimizer state of the parameters in `shapes`."""
+        """Bytes predicted from the base model's shapes and the hyperparameters alone."""
         raise NotImplementedError
+
+    def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
+        """Bytes counted from the real tensors, after a step, while gradients still exist."""
+        from harness.meter import tensor_bytes
+
+        params = list(model.parameters())
+        return MemoryEstimate(
+            weight_bytes=sum(tensor_bytes(p) for p in params),
+            grad_bytes=sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
+            optimizer_state_bytes=tensor_bytes(list(optimizer.state.values())),
+        )
 
 
 def register(name: str):

@@ -36,8 +36,6 @@ class Full(Method):
         )
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        total = sum(numel(s) for s, _ in shapes.values())
-        trained = sum(numel(s) for s, t in shapes.values() if t)
-        # fp32 master weights and grads (bf16 is autocast); two fp32 moments; a scalar step each.
-        steps = sum(1 for _, t in shapes.values() if t)
-        return MemoryEstimate(4 * total, 4 * trained, 8 * trained + 4 * steps)
+        n = sum(numel(s) for s in shapes.values())
+        # fp32 master weights and grads (bf16 is autocast); two fp32 moments and a step each.
+        return MemoryEstimate(4 * n, 4 * n, 8 * n + 4 * len(shapes))

@@ -50,10 +50,10 @@ def test_user_error_from_the_real_command(tmp_path):
     path = write_yaml(tmp_path / "sweep.yaml", {"name": "s", "methods": {"adam8bt": {}}})
     done = harness("sweep", str(path), "--dry-run")
     assert done.returncode == 2
-    assert done.stderr.strip() == (
-        "error: methods.adam8bt.name: unknown method 'adam8bt' "
-        "(did you mean 'adam8bit'? allowed: adam8bit, full)"
-    )
+    line = done.stderr.strip()
+    assert "\n" not in line
+    assert line.startswith("error: methods.adam8bt.name: unknown method 'adam8bt' "
+                           "(did you mean 'adam8bit'? allowed: adam8bit, ")
 
 
 def test_bad_flags_and_files(tmp_path, capsys):
@@ -115,7 +115,7 @@ def test_dry_run_prints_the_plan_offline(capsys):
 @pytest.mark.parametrize("name", ["c4_60m", "c4_130m", "c4_350m", "c4_1b", "quickstart"])
 def test_shipped_sweeps_are_valid(name):
     trials = plan(load_sweep(Path(REPO / "sweeps" / f"{name}.yaml"), {}))
-    assert trials and all(t.run.method_name in ("full", "adam8bit") for t in trials)
+    assert trials and {"full", "adam8bit"} <= {t.run.method_name for t in trials}
 
 
 def test_methods_lists_the_registry_with_types_and_defaults(capsys):

@@ -15,6 +15,7 @@ from harness.config import UserError, load_run
 from harness.data.c4 import eval_blocks
 from harness.data.loader import IGNORE, to_batch
 from harness.methods import build_method
+from harness.models import param_shapes
 from harness.records import Records, read_jsonl
 from harness.train import Trainer, lr_factor, train
 
@@ -77,13 +78,12 @@ def test_summary_has_every_field_and_real_memory_counts(tmp_path):
 def test_estimator_matches_the_real_tensors(tmp_path, method):
     run = load_run({**micro_run(steps=1), "method": {"name": method}})
     summary = train(run, tmp_path / "t")
-    trainer = Trainer(run, Records(tmp_path / "fresh", run), lambda step: False)
-    shapes = {n: (p.shape, p.requires_grad) for n, p in trainer.model.named_parameters()}
-    trainer.close()
+    shapes = param_shapes(run.model, 8192, run.task.seq_len)  # the sample tokenizer's vocab
     estimate = build_method(run).estimate(shapes, run)
-    assert estimate.param_bytes == summary["param_bytes"]
+    assert estimate.weight_bytes == summary["param_bytes"]
     assert estimate.grad_bytes == summary["grad_bytes"]
     assert estimate.optimizer_state_bytes == summary["optimizer_state_bytes"]
+    assert estimate.extra_bytes == summary["extra_bytes"] == 0
 
 
 def test_nan_loss_ends_the_trial_with_status_nan(tmp_path):

@@ -1,0 +1,62 @@
+"""Layer-wise updates: each parameter's optimizer steps inside backward, its gradient freed at once.
+
+Only one parameter's gradient exists at a time, which is the memory saving. Two defects of
+the reference code are fixed here: under gradient accumulation the update runs only when the
+gradient is complete (the trainer sets `sync` before the last micro-batch's backward;
+GaLore#78, Q-GaLore#13), and the LR schedule ticks once per optimizer step because the
+scheduler drives this wrapper's `param_groups`, which are the inner optimizers' own groups
+(GaLore#62). A global gradient norm cannot be known before the first update runs, so clipping
+is per parameter: each gradient's norm is clipped to `clip` on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class LayerwiseOptimizer(torch.optim.Optimizer):
+    """Wraps one optimizer per parameter; `step()` and `zero_grad()` have nothing left to do."""
+
+    layerwise = True
+
+    def __init__(self, params: list[nn.Parameter],
+                 make: Callable[[nn.Parameter], torch.optim.Optimizer], clip: float | None):
+        self.inner = {p: make(p) for p in params}
+        self.clip = clip
+        self.sync = True
+        self.defaults = {}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._update) for p in params]
+
+    def _update(self, param: torch.Tensor) -> None:
+        if not self.sync:  # a middle micro-batch: let the gradient accumulate
+            return
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_([param], self.clip)
+        self.inner[param].step()
+        param.grad = None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return [g for opt in self.inner.values() for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:  # type: ignore[override]
+        return {p: s for opt in self.inner.values() for p, s in opt.state.items()}
+
+    def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
+        """Every update already ran in backward."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.inner.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": [opt.state_dict() for opt in self.inner.values()]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for opt, sd in zip(self.inner.values(), state_dict["inner"], strict=True):
+            opt.load_state_dict(sd)
