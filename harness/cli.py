@@ -95,6 +95,22 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from harness.estimate import estimate_sweep, format_table, paper_comparison, to_json
+    from harness.sweep import load_sweep
+
+    sweep = load_sweep(args.sweep, parse_overrides(args.set))
+    records = estimate_sweep(sweep)
+    if args.json:
+        print(to_json(records))
+        return EXIT_OK
+    print(format_table(records))
+    comparison = paper_comparison(records, sweep)
+    if comparison:
+        print(f"\n{comparison}")
+    return EXIT_OK
+
+
 def type_name(annotation: object) -> str:
     if typing.get_args(annotation):
         return str(annotation).replace("typing.", "")
@@ -110,7 +126,8 @@ def cmd_methods(args: argparse.Namespace) -> int:
         for key, field in cls.Config.model_fields.items():
             kind = type_name(field.annotation)
             note = f"  - {field.description}" if field.description else ""
-            print(f"    {key}: {kind} = {field.default!r}{note}")
+            default = field.get_default(call_default_factory=True)
+            print(f"    {key}: {kind} = {default!r}{note}")
     return EXIT_OK
 
 
@@ -172,6 +189,14 @@ def build_parser() -> Parser:
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     b.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds")
     b.add_argument("--json", action="store_true", help="print JSON records instead of a table")
+
+    e = command(sub, "estimate", cmd_estimate, "predict each trial's memory", "Predict each "
+                "trial's weight, gradient, optimizer-state and extra bytes from the model's shapes "
+                "alone (nothing allocated, no data read); on GaLore's presets, compare with the "
+                "paper's Table 2.")
+    e.add_argument("sweep", help="sweep YAML, e.g. sweeps/c4_1b.yaml")
+    e.add_argument("--set", **sets)
+    e.add_argument("--json", action="store_true", help="print JSON records instead of a table")
 
     command(sub, "methods", cmd_methods, "list the registered methods", "Each method, its "
             "hyperparameters with types and defaults, and what it is.")

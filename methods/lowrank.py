@@ -1,0 +1,108 @@
+"""Low-rank weights W = B·A, trained from scratch: the GaLore paper's Low-rank baseline (Table 2).
+
+Each target linear's full-rank weight is replaced by two trained factors, A (r × in) and
+B (out × r), so a matrix costs (m + n)·r parameters, gradients and Adam moments instead of
+m·n (GaLore Table 1). Unlike LoRA there is no frozen W behind the factors: the model can only
+ever express rank-r maps in those layers, which is why the paper's low-rank runs trail
+full-rank pretraining.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from harness.config import UserError
+from harness.methods.base import MemoryEstimate, Shapes, numel, register
+from harness.methods.full import AdamConfig, Full
+
+if TYPE_CHECKING:
+    from harness.config import RunConfig
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LowRankConfig(AdamConfig):
+    rank: int = Field(128, ge=1, description="rank r of W = B·A in each target linear")
+    target_modules: list[str] = Field(
+        list(TARGETS),  # pydantic copies it for each config
+        min_length=1,
+        description="linears (by last name component) factored into B·A",
+    )
+
+
+class LowRankLinear(nn.Module):
+    """x ↦ (x Aᵀ) Bᵀ (+ bias): a rank-r linear with no full-rank weight behind it.
+
+    Factors are Gaussian with equal std s, s² = σ/√r, so that Var((BA)ᵢⱼ) = r·s⁴ = σ², the
+    variance of the full-rank init it replaces: activations keep the scale the base model was
+    designed for, and both factors get gradient from step 1 (a zero B would stall A's first
+    step). A truncated SVD of the random init would cost an SVD per matrix and keep only part
+    of its norm (a Gaussian matrix's spectrum is flat), shrinking activations at every layer.
+    """
+
+    def __init__(self, linear: nn.Linear, rank: int, std: float) -> None:
+        super().__init__()
+        w = linear.weight
+        s = math.sqrt(std / math.sqrt(rank))
+        kw = {"device": w.device, "dtype": w.dtype}
+        self.A = nn.Parameter(torch.randn(rank, linear.in_features, **kw) * s)
+        self.B = nn.Parameter(torch.randn(linear.out_features, rank, **kw) * s)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.A), self.B, self.bias)
+
+    def extra_repr(self) -> str:
+        rank, in_features = self.A.shape
+        return f"in_features={in_features}, out_features={self.B.shape[0]}, rank={rank}"
+
+
+@register("lowrank")
+class LowRank(Full):
+    summary = "W = B·A of rank r in attention/MLP linears, trained from scratch with AdamW"
+    Config = LowRankConfig
+
+    def _is_target(self, module_name: str) -> bool:
+        return module_name.rsplit(".", 1)[-1] in self.config.target_modules
+
+    def _check_found(self, found: set[str]) -> None:
+        missing = sorted(set(self.config.target_modules) - found)
+        if missing:
+            raise UserError(
+                f"method.target_modules: no linear named {', '.join(missing)} in the model"
+            )
+
+    def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
+        std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
+        targets = [
+            (name, m)
+            for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and self._is_target(name)
+        ]
+        self._check_found({name.rsplit(".", 1)[-1] for name, _ in targets})
+        for name, linear in targets:
+            model.set_submodule(name, LowRankLinear(linear, self.config.rank, std))
+        return model
+
+    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
+        r = self.config.rank
+        sizes: list[int] = []  # one entry per trained tensor after `prepare`
+        found = set()
+        for name, shape in shapes.items():
+            module, _, leaf = name.rpartition(".")
+            if leaf == "weight" and len(shape) == 2 and self._is_target(module):
+                found.add(module.rsplit(".", 1)[-1])
+                out_features, in_features = shape
+                sizes += [r * in_features, out_features * r]
+            else:
+                sizes.append(numel(shape))
+        self._check_found(found)
+        n = sum(sizes)
+        # as in full: fp32 weights and grads, two fp32 moments and a step per tensor
+        return MemoryEstimate(4 * n, 4 * n, 8 * n + 4 * len(sizes))
