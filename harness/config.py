@@ -189,7 +189,7 @@ def validate(model: type[BaseModel], data: Any, prefix: str = "") -> Any:
 
 def _explain(model: type[BaseModel], err: dict[str, Any], prefix: str, count: int) -> str:
     loc = [str(p) for p in err["loc"]]
-    path = prefix + ".".join(loc)
+    path = (prefix + ".".join(loc)).rstrip(".")
     more = f" (and {count - 1} more problem{'s' * (count > 2)})" if count > 1 else ""
     value = err.get("input")
     kind = err["type"]
@@ -205,7 +205,7 @@ def _explain(model: type[BaseModel], err: dict[str, Any], prefix: str, count: in
         return f"{path}: {value!r} is not allowed (allowed: {expected}){more}"
     msg = err["msg"].removeprefix("Value error, ")
     if kind == "value_error":
-        return f"{path or prefix.rstrip('.') or 'config'}: {msg}{more}"
+        return f"{path or 'config'}: {msg}{more}"
     return f"{path}: {value!r} is invalid ({msg}){more}"
 
 

@@ -34,9 +34,15 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """PaLM's count: 6 per non-embedding parameter plus attention's 12 * layers * hidden * seq."""
     cfg = model.config
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(map(logical_numel, model.parameters()))
     params -= model.get_input_embeddings().weight.numel()
     return 6 * params + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+
+
+def logical_numel(p: torch.Tensor) -> int:
+    """Weights, not storage: a packed 4-bit tensor holds two weights per byte."""
+    state = getattr(p, "quant_state", None)
+    return state.shape.numel() if state is not None else p.numel()
 
 
 def current_memory(device: torch.device) -> int:
@@ -75,8 +81,8 @@ def breakdown(method: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -
         "grad_bytes": counted.grad_bytes,
         "optimizer_state_bytes": counted.optimizer_state_bytes,
         "extra_bytes": counted.extra_bytes,
-        "trainable_params": sum(p.numel() for p in params if p.requires_grad),
-        "total_params": sum(p.numel() for p in params),
+        "trainable_params": sum(logical_numel(p) for p in params if p.requires_grad),
+        "total_params": sum(map(logical_numel, params)),
     }
 
 

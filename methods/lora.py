@@ -1,0 +1,128 @@
+"""LoRA (Hu et al., 2022) through peft: frozen base linears plus trainable low-rank adapters B·A.
+
+For pretraining, the parameters outside the targets (embeddings, norms, lm_head) train at full
+rank by default, as in the papers' LoRA baseline. ReLoRA and QLoRA build on the helpers here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from harness.methods.base import MemoryEstimate, Method, Shapes, decay_groups, numel, register
+from harness.methods.full import AdamConfig
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer
+
+    from harness.config import RunConfig
+
+ADAPTER = "default"  # peft's name for the one adapter
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraParams(AdamConfig):
+    rank: int = Field(8, ge=1, description="adapter rank r")
+    alpha: float = Field(16.0, gt=0, description="adapter output scale is alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(TARGETS),
+        min_length=1,
+        description="linear layers (by last name component) that get frozen weights and adapters",
+    )
+    train_non_targets: bool = Field(
+        True, description="embeddings, norms and lm_head train at full rank (pretraining)"
+    )
+
+
+def add_adapters(model: nn.Module, config: LoraParams, init: bool | str = True) -> nn.Module:
+    """Wrap the targets with peft adapters (`init` as peft's `init_lora_weights`)."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_config = LoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=list(config.target_modules),
+        bias="none",
+        init_lora_weights=init,
+    )
+    model = get_peft_model(model, peft_config)
+    if config.train_non_targets:  # peft froze everything but the adapters
+        base = {id(p) for layer in lora_layers(model) for p in layer.get_base_layer().parameters()}
+        adapters = {id(p) for p in adapter_params(model)}
+        for p in model.parameters():
+            if id(p) not in base and id(p) not in adapters:
+                p.requires_grad_(True)
+    return model
+
+
+def lora_layers(model: nn.Module) -> list[LoraLayer]:
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+
+
+def adapter_params(model: nn.Module) -> list[nn.Parameter]:
+    """A and B of every adapter, in module order."""
+    return [
+        p
+        for layer in lora_layers(model)
+        for p in (layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight)
+    ]
+
+
+def is_target(name: str, targets: list[str]) -> bool:
+    """Whether a base-model parameter belongs to a target linear (peft matches the name's tail)."""
+    module = name.rsplit(".", 1)[0]
+    return module.rsplit(".", 1)[-1] in targets
+
+
+def adamw(model: nn.Module, run: RunConfig, config: AdamConfig) -> torch.optim.Optimizer:
+    """torch AdamW over the trainable parameters only (fused on CUDA)."""
+    on_cuda = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(
+        decay_groups(model, run.train.weight_decay),
+        lr=run.train.lr,
+        betas=config.betas,
+        eps=config.eps,
+        fused=on_cuda or None,
+    )
+
+
+def adam_bytes(weight_bytes: int, trainable: list[int]) -> MemoryEstimate:
+    """fp32 gradients, two fp32 moments and a float32 step per trainable tensor."""
+    n = sum(trainable)
+    return MemoryEstimate(weight_bytes, 4 * n, 8 * n + 4 * len(trainable))
+
+
+class LoraShapes:
+    """The base model's shapes split into target weights and the rest, plus the adapters' sizes."""
+
+    def __init__(self, shapes: Shapes, config: LoraParams) -> None:
+        targets = {n: s for n, s in shapes.items() if is_target(n, config.target_modules)}
+        self.target_weights = [s for n, s in targets.items() if n.endswith(".weight")]
+        self.frozen = [numel(s) for s in targets.values()]
+        self.others = [numel(s) for n, s in shapes.items() if n not in targets]
+        r = config.rank
+        self.adapters = [n for out, inp in self.target_weights for n in (r * inp, out * r)]
+
+
+@register("lora")
+class Lora(Method):
+    summary = "LoRA adapters on frozen linears (peft); embeddings, norms and head full-rank"
+    Config = LoraParams
+
+    def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
+        return add_adapters(model, self.config)
+
+    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
+        return adamw(model, run, self.config)
+
+    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
+        s = LoraShapes(shapes, self.config)
+        trainable = s.adapters + (s.others if self.config.train_non_targets else [])
+        return adam_bytes(4 * sum(s.frozen + s.others + s.adapters), trainable)

@@ -1,0 +1,141 @@
+"""QLoRA (Dettmers et al., 2023): LoRA adapters (peft) on NF4 base linears (bitsandbytes).
+
+The target linears become `bnb.nn.Linear4bit` holding 4-bit NormalFloat weights in blocks of
+`block_size`, with double quantization: each block's absmax is itself quantized to 8 bits in
+blocks of 256 (a float32 absmax per such block, a 256-entry float32 map and a float32 offset).
+The packed weights count as weights; the quantization constants as extras.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from harness.methods.base import MemoryEstimate, Shapes, register
+from harness.methods.lora import Lora, LoraParams, LoraShapes, adam_bytes, add_adapters, is_target
+
+if TYPE_CHECKING:
+    import bitsandbytes as bnb
+
+    from harness.config import RunConfig
+
+NESTED_BLOCK = 256  # bitsandbytes quantizes the absmax values in blocks of 256
+NF4_CODE = 16  # float32 entries of the NF4 code
+NESTED_CODE = 256  # float32 entries of the 8-bit dynamic map for the absmax values
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class QLoraParams(LoraParams):
+    block_size: Literal[32, 64, 128, 256, 512, 1024, 2048, 4096] = Field(
+        64, description="weights per NF4 quantization block"
+    )
+    compute_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype the NF4 weights are dequantized to for the matmul"
+    )
+    train_non_targets: bool = Field(
+        False, description="embeddings, norms and lm_head train too (QLoRA fine-tuning: frozen)"
+    )
+
+
+@register("qlora")
+class QLora(Lora):
+    summary = "LoRA adapters (peft) on NF4 double-quantized frozen linears (bitsandbytes)"
+    Config = QLoraParams
+
+    def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
+        from peft import prepare_model_for_kbit_training
+
+        targets = [
+            (name, m)
+            for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and is_target(f"{name}.weight", self.config.target_modules)
+        ]
+        for name, linear in targets:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, self._nf4(linear))
+        model.is_loaded_in_4bit = True  # peft then wraps these with its bnb LoRA layers
+        # Freezes everything and keeps non-quantized parameters fp32; checkpointing is the
+        # harness's `recompute` modifier, but inputs that require grad keep it compatible.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        model.enable_input_require_grads()
+        return add_adapters(model, self.config)
+
+    def _nf4(self, linear: nn.Linear) -> bnb.nn.Linear4bit:
+        import bitsandbytes as bnb
+
+        q = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            compute_dtype=DTYPES[self.config.compute_dtype],
+            compress_statistics=True,
+            quant_type="nf4",
+            device="meta",
+        )
+        # bnb 0.50 repacks the weights for a CPU inference kernel on the first eval forward
+        # (bf16 absmax, no backward) and never back: keep one layout for eval and training.
+        q.support_avx512bf16_for_cpu = False
+        q.weight = bnb.nn.Params4bit(
+            linear.weight.data,
+            requires_grad=False,
+            blocksize=self.config.block_size,
+            compress_statistics=True,
+            quant_type="nf4",
+            module=q,
+        ).to(linear.weight.device)  # quantizes
+        if linear.bias is not None:
+            q.bias = linear.bias
+        q.register_load_state_dict_pre_hook(_load_quant_state)
+        return q
+
+    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
+        s = LoraShapes(shapes, self.config)
+        packed = [math.ceil(out * inp / 2) for out, inp in s.target_weights]
+        biases = sum(s.frozen) - sum(out * inp for out, inp in s.target_weights)
+        trainable = s.adapters + (s.others if self.config.train_non_targets else [])
+        counted = adam_bytes(sum(packed) + 4 * (biases + sum(s.others + s.adapters)), trainable)
+        counted.extra_bytes = sum(self._constants_bytes(out * inp) for out, inp in s.target_weights)
+        return counted
+
+    def _constants_bytes(self, n: int) -> int:
+        """uint8 absmax per block; float32 absmax per 256 of those, offset, and both maps."""
+        blocks = math.ceil(n / self.config.block_size)
+        return blocks + 4 * (math.ceil(blocks / NESTED_BLOCK) + 1 + NESTED_CODE + NF4_CODE)
+
+    def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
+        import bitsandbytes as bnb
+
+        from harness.meter import tensor_bytes
+
+        counted = super().measure(model, optimizer)
+        constants = {
+            t.data_ptr(): t
+            for m in model.modules()
+            if isinstance(m, bnb.nn.Linear4bit)
+            for t in quant_tensors(m.weight.quant_state)
+        }
+        counted.extra_bytes = tensor_bytes(list(constants.values()))
+        return counted
+
+
+def quant_tensors(state: Any) -> list[torch.Tensor]:
+    """Every tensor of a bitsandbytes QuantState, the nested one's included."""
+    tensors = [state.absmax, state.code]
+    if state.nested:
+        tensors += [state.offset, state.state2.absmax, state.state2.code]
+    return tensors
+
+
+def _load_quant_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """bnb saves the NF4 constants beside the weight, but a strict load refuses them: load here."""
+    from bitsandbytes.functional import QuantState
+
+    keys = [k for k in state_dict if k.startswith(f"{prefix}weight.")]
+    if keys:
+        stats = {k.removeprefix(f"{prefix}weight."): state_dict.pop(k) for k in keys}
+        state = QuantState.from_dict(stats, device=module.weight.device)
+        module.weight.quant_state = module.quant_state = state
