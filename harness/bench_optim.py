@@ -1,0 +1,147 @@
+"""The optimizer step alone, on a preset's real shapes: AdamW vs our GaLore vs galore-torch.
+
+Each candidate steps its own copy of the model's parameters with the same fixed random
+gradients (the step does not depend on where gradients come from). Candidates alternate
+step by step so drift in a shared machine hits them alike, and each is reported by its
+median. The SVD is amortised honestly: a normal step and a step that recomputes every
+projection are timed separately and combined as ((gap - 1) · normal + svd) / gap, which is
+the mean step time over one projection period.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness.config import load_run
+from harness.methods import build_method
+from harness.models import build_model
+
+VOCAB = 32000  # the papers' t5-base tokenizer
+SVD_ROUNDS = 3
+
+
+def _run(preset: str, method: dict[str, Any], seq_len: int = 64) -> Any:
+    return load_run({"model": preset, "task": {"seq_len": seq_len},
+                     "train": {"lr": 1e-3, "batch_size": 1}, "method": method})
+
+
+def _galore_torch(model: nn.Module, rank: int, gap: int, targeted: Callable) -> Any:
+    from galore_torch import GaLoreAdamW
+
+    params = dict(model.named_parameters())
+    low = [p for n, p in params.items() if targeted(n, tuple(p.shape))]
+    rest = [p for n, p in params.items() if not targeted(n, tuple(p.shape))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return GaLoreAdamW([{"params": low, "rank": rank, "update_proj_gap": gap, "scale": 0.25,
+                             "proj_type": "std"}, {"params": rest}], lr=1e-3,
+                           no_deprecation_warning=True)
+
+
+def _force_svd(opt: torch.optim.Optimizer, gap: int) -> None:
+    """Every projection due on the next step (gap 1), or back to `gap`."""
+    for group in opt.param_groups:
+        if "update_proj_gap" in group:
+            group["update_proj_gap"] = gap
+    for state in opt.state.values():
+        if "projector" in state:  # galore-torch keeps the gap in each projector
+            state["projector"].update_proj_gap = gap
+
+
+def _time(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _alternate(steps: dict[str, Callable[[], Any]], opts: dict[str, torch.optim.Optimizer],
+               rounds: int, svd_rounds: int, gap: int) -> dict[str, dict[str, float]]:
+    """Median ms of a normal and of an SVD step, and the amortised mean, per candidate."""
+    names = list(steps)
+    for fn in steps.values():  # warm-up: states and first projections exist afterwards
+        fn()
+    normal: dict[str, list[float]] = {n: [] for n in names}
+    svd: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds + svd_rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            if r < rounds:
+                normal[name].append(_time(steps[name]))
+                continue
+            _force_svd(opts[name], 1)
+            svd[name].append(_time(steps[name]))
+            _force_svd(opts[name], gap)
+    out = {}
+    for n in names:
+        t_normal, t_svd = statistics.median(normal[n]), statistics.median(svd[n])
+        out[n] = {"ms_per_step": ((gap - 1) * t_normal + t_svd) / gap, "ms_normal": t_normal,
+                  "ms_svd": t_svd}
+    return out
+
+
+def bench_optim(preset: str = "llama_60m", gap: int = 200, steps: int = 20, rank: int = 128,
+                e2e_preset: str | None = "llama_tiny") -> list[dict[str, Any]]:
+    """Optimizer-step time per candidate on `preset` (CPU, fp32, random gradients), plus the
+    end-to-end step (forward, backward, update) of GaLore over AdamW on `e2e_preset`.
+
+    Records: name, ms_per_step (SVD amortised over `gap`), ratio_to_adamw, and for ours
+    ratio_to_galore_torch. "adamw" is torch AdamW as the `full` method builds it (on CPU
+    torch's per-tensor loop); "adamw_fused" is torch's fused kernel, for reference.
+    """
+    galore = {"name": "galore", "rank": rank, "update_proj_gap": gap}
+    method = build_method(_run(preset, galore))
+    torch.manual_seed(0)
+    base = build_model(preset, VOCAB, 64, None)
+    grads = [torch.randn_like(p) for p in base.parameters()]
+    models = {n: copy.deepcopy(base) for n in ("adamw", "adamw_fused", "galore", "galore_torch")}
+    for model in models.values():
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g
+    opts = {
+        "adamw": build_method(_run(preset, {"name": "full"})).optimizer(
+            models["adamw"], _run(preset, {"name": "full"})),
+        "adamw_fused": torch.optim.AdamW(models["adamw_fused"].parameters(), fused=True),
+        "galore": method.optimizer(models["galore"], _run(preset, galore)),
+        "galore_torch": _galore_torch(models["galore_torch"], rank, gap, method.targeted),
+    }
+    times = _alternate({n: o.step for n, o in opts.items()}, opts, steps, SVD_ROUNDS, gap)
+    ms = {n: t["ms_per_step"] for n, t in times.items()}
+    records = [{"name": n, **t, "ratio_to_adamw": ms[n] / ms["adamw"]} for n, t in times.items()]
+    for r in records:
+        if r["name"] == "galore":
+            r["ratio_to_galore_torch"] = ms["galore"] / ms["galore_torch"]
+    if e2e_preset:
+        records.append(_end_to_end(e2e_preset, gap, steps, rank))
+    return records
+
+
+def _end_to_end(preset: str, gap: int, steps: int, rank: int, batch: int = 4,
+                seq_len: int = 128) -> dict[str, Any]:
+    """Forward + backward + update on random tokens, GaLore against AdamW, same init."""
+    torch.manual_seed(0)
+    base = build_model(preset, VOCAB, seq_len, None)
+    ids = torch.randint(0, VOCAB, (batch, seq_len))
+    methods = {"adamw": {"name": "full"},
+               "galore": {"name": "galore", "rank": rank, "update_proj_gap": gap}}
+    models = {n: copy.deepcopy(base) for n in methods}
+    opts = {n: build_method(_run(preset, m, seq_len)).optimizer(models[n], _run(preset, m))
+            for n, m in methods.items()}
+
+    def step(name: str) -> Callable[[], None]:
+        def run() -> None:
+            models[name](input_ids=ids, labels=ids).loss.backward()
+            opts[name].step()
+            opts[name].zero_grad(set_to_none=True)
+        return run
+
+    times = _alternate({n: step(n) for n in methods}, opts, steps, SVD_ROUNDS, gap)
+    ms = {n: t["ms_per_step"] for n, t in times.items()}
+    return {"name": f"e2e_galore/{preset}", **times["galore"],
+            "adamw_ms_per_step": ms["adamw"], "ratio_to_adamw": ms["galore"] / ms["adamw"]}
