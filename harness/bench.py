@@ -78,7 +78,7 @@ def bare_tokens_per_s(run: RunConfig) -> float:
         model.parameters(),
         lr=t.lr,
         weight_decay=t.weight_decay,
-        fused=device.type == "cuda" or None,
+        fused=True,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t))
     autocast = (

@@ -20,20 +20,24 @@ class AdamConfig(Strict):
     eps: float = Field(1e-8, gt=0, description="added to the second moment's root")
 
 
+def adamw(model: nn.Module, run: RunConfig, config: AdamConfig) -> torch.optim.Optimizer:
+    """torch's fused AdamW (CPU and CUDA) over the trainable parameters: the fastest baseline."""
+    return torch.optim.AdamW(
+        decay_groups(model, run.train.weight_decay),
+        lr=run.train.lr,
+        betas=config.betas,
+        eps=config.eps,
+        fused=True,
+    )
+
+
 @register("full")
 class Full(Method):
-    summary = "AdamW on every parameter (torch, fused on CUDA)"
+    summary = "AdamW on every parameter (torch, fused kernel)"
     Config = AdamConfig
 
     def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
-        on_cuda = next(model.parameters()).is_cuda
-        return torch.optim.AdamW(
-            decay_groups(model, run.train.weight_decay),
-            lr=run.train.lr,
-            betas=self.config.betas,
-            eps=self.config.eps,
-            fused=on_cuda or None,
-        )
+        return adamw(model, run, self.config)
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         n = sum(numel(s) for s in shapes.values())

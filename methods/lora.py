@@ -12,8 +12,8 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from harness.methods.base import MemoryEstimate, Method, Shapes, decay_groups, numel, register
-from harness.methods.full import AdamConfig
+from harness.methods.base import MemoryEstimate, Method, Shapes, numel, register
+from harness.methods.full import AdamConfig, adamw
 
 if TYPE_CHECKING:
     from peft.tuners.lora import LoraLayer
@@ -79,18 +79,6 @@ def is_target(name: str, targets: list[str]) -> bool:
     """Whether a base-model parameter belongs to a target linear (peft matches the name's tail)."""
     module = name.rsplit(".", 1)[0]
     return module.rsplit(".", 1)[-1] in targets
-
-
-def adamw(model: nn.Module, run: RunConfig, config: AdamConfig) -> torch.optim.Optimizer:
-    """torch AdamW over the trainable parameters only (fused on CUDA)."""
-    on_cuda = next(model.parameters()).is_cuda
-    return torch.optim.AdamW(
-        decay_groups(model, run.train.weight_decay),
-        lr=run.train.lr,
-        betas=config.betas,
-        eps=config.eps,
-        fused=on_cuda or None,
-    )
 
 
 def adam_bytes(weight_bytes: int, trainable: list[int]) -> MemoryEstimate:

@@ -27,13 +27,13 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from harness.methods.base import MemoryEstimate, Shapes, register
+from harness.methods.full import adamw
 from harness.methods.lora import (
     ADAPTER,
     Lora,
     LoraParams,
     LoraShapes,
     adam_bytes,
-    adamw,
     adapter_params,
     add_adapters,
     lora_layers,
