@@ -140,3 +140,14 @@ def report(run: RunConfig, rows: list[dict[str, Any]], as_json: bool) -> str:
     )
     verdict = "meets" if ratio >= TARGET else "misses"
     return f"{table}\n\n{record['name']}: median ratio {ratio:.3f} ({verdict} target {TARGET})"
+
+
+def optim_table(records: list[dict[str, Any]]) -> str:
+    """ms per step and the ratios; `target` is the bound the ratio it sits beside must meet."""
+    rows = []
+    for r in records:
+        versus = r.get("ratio_to_galore_torch")
+        rows.append([r["name"], f"{r['ms_per_step']:.1f}", f"{r['ratio_to_adamw']:.3f}",
+                     "" if versus is None else f"{versus:.3f}", r.get("target", "")])
+    return tabulate(rows, headers=["candidate", "ms/step", "vs AdamW", "vs galore-torch",
+                                   "target"])

@@ -132,12 +132,23 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from harness.bench import bench_loop, bench_run, report
+    import json
 
-    run = bench_run(
-        args.model, args.steps, args.batch_size, args.seq_len, args.precision, args.device
-    )
-    print(report(run, bench_loop(run, args.rounds), args.json))
+    import torch
+
+    from harness.bench import bench_loop, bench_run, optim_table, report
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.what == "loop":
+        run = bench_run(args.model, args.steps, args.batch_size, args.seq_len, args.precision,
+                        args.device)
+        print(report(run, bench_loop(run, args.rounds), args.json))
+        return EXIT_OK
+    from harness.bench_optim import bench_optim
+
+    records = bench_optim(args.preset, args.gap, args.steps, args.rank)
+    print(json.dumps(records, indent=2) if args.json else optim_table(records))
     return EXIT_OK
 
 
@@ -177,17 +188,24 @@ def build_parser() -> Parser:
             "(trials.csv, summary.md, loss.png) and print the main table."
             ).add_argument("runs_dir", help=runs_dir)
 
-    b = command(sub, "bench", cmd_bench, "measure the harness's own cost", "loop: the harness's "
-                "training loop against a bare PyTorch loop (same model, data, batch, precision, "
-                "steps), in alternating rounds; prints the throughput ratio.")
-    b.add_argument("what", choices=["loop"], help="what to measure")
+    b = command(sub, "bench", cmd_bench, "measure costs", "loop: the harness's training loop "
+                "against a bare PyTorch loop (same model, data, batch, precision, steps), in "
+                "alternating rounds. optim: the optimizer step alone on a preset's shapes, GaLore "
+                "against AdamW and galore-torch (SVD amortised over the gap), plus GaLore's "
+                "end-to-end step on llama_tiny.")
+    b.add_argument("what", choices=["loop", "optim"], help="loop: harness vs bare loop; optim: "
+                   "optimizer step per method vs AdamW and galore-torch")
     b.add_argument("--model", default="llama_tiny", help="model preset (default llama_tiny)")
     b.add_argument("--steps", type=positive_int, default=20, help="steps per run (default 20)")
     b.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
     b.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
     b.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    b.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds")
+    b.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds (loop)")
+    b.add_argument("--preset", default="llama_60m", help="shapes for optim (default llama_60m)")
+    b.add_argument("--gap", type=positive_int, default=200, help="GaLore update_proj_gap (optim)")
+    b.add_argument("--rank", type=positive_int, default=128, help="GaLore rank (optim)")
+    b.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
     b.add_argument("--json", action="store_true", help="print JSON records instead of a table")
 
     e = command(sub, "estimate", cmd_estimate, "predict each trial's memory", "Predict each "

@@ -33,3 +33,13 @@ def test_bench_loop_json_record(capsys):
         assert r["harness_tok_s"] > 0 and r["bare_tok_s"] > 0
         assert abs(r["ratio"] - r["harness_tok_s"] / r["bare_tok_s"]) < 1e-9
     assert 0.2 < record["ratio"] < 5
+
+
+def test_bench_optim_table_from_the_command(capsys):
+    argv = ["bench", "optim", "--preset", "llama_micro", "--gap", "4", "--steps", "2", "--rank",
+            "8", "--threads", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for name in ("adamw", "galore", "galore_torch", "e2e_galore/llama_tiny"):
+        assert name in out
+    assert "vs galore-torch" in out and "0.8" in out and "1.05" in out
