@@ -111,7 +111,7 @@ class GaLore(Method):
                 extra += 4 * basis_numel(shape, side, c.rank)
                 shape = lowrank_shape(shape, side, c.rank)
             state += state_bytes(shape, c.optimizer, c.min_8bit_size, c.adafactor_beta1)
-        grads = _grad_bytes(sizes, c.layerwise, run.train.accumulation)
+        grads = grad_bytes_of(sizes, c.layerwise, run.train.accumulation)
         return MemoryEstimate(4 * sum(sizes), grads, state, extra)
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
@@ -121,7 +121,7 @@ class GaLore(Method):
         states = list(optimizer.state.values())
         moments = [{k: v for k, v in s.items() if k not in BASIS_KEYS} for s in states]
         if self.config.layerwise:  # gradients were freed inside backward: count what existed
-            grads = _grad_bytes([p.numel() for p in params], True, self._accumulation)
+            grads = grad_bytes_of([p.numel() for p in params], True, self._accumulation)
         else:
             grads = sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
         return MemoryEstimate(
@@ -149,7 +149,7 @@ def state_bytes(shape: tuple[int, ...], inner: str, min_8bit_size: int,
     return 8 * n
 
 
-def _grad_bytes(sizes: list[int], layerwise: bool, accumulation: int) -> int:
+def grad_bytes_of(sizes: list[int], layerwise: bool, accumulation: int) -> int:
     """Layer-wise without accumulation holds one gradient at a time: the largest is the peak.
     With accumulation every gradient lives until the last micro-batch's backward."""
     if layerwise and accumulation == 1:

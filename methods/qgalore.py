@@ -1,0 +1,188 @@
+"""Q-GaLore (Zhang et al., 2024): GaLore on INT8 weights, INT4 projections, lazy SVDs.
+
+The targeted linears become quant.Int8Linear (INT8 codes, no float weight) and are updated
+inside backward (methods/qgalore_optim.py); every other parameter trains with the inner
+optimizer at full rank. `simulate` keeps float weights, fake-quantized to INT8 in forward with a
+straight-through gradient, and runs GaLore's ordinary optimizer with the same INT4 bases and
+lazy schedule: the form that data parallelism can use.
+
+Memory, counted as the real tensors hold it (estimate == measure):
+- weights: one byte per INT8 code plus the float32 non-target parameters (simulate: all float);
+- extras: INT8 scales and zero points, the packed INT4 bases with their scales and zero points,
+  and LazyGap's previous first singular vector (float32); simulate keeps float bases instead;
+- gradients: fused, they are freed inside backward, so what is counted is what existed: the
+  largest single one (a target's G is out×in float32) without accumulation, and with it every
+  accumulation buffer at its peak, an SVD step, where targets accumulate the full G (other steps
+  hold the projected r×n or m×r); simulate keeps every `.grad`;
+- optimizer state: the low-rank moments of targets and the full-size ones of the others (8-bit
+  blockwise with their maps and absmax when the inner optimizer is adam8bit and a tensor has at
+  least `min_8bit_size` values, as methods/galore.py counts them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+from torch.nn.utils import parametrize
+
+from harness.methods.base import MemoryEstimate, Shapes, numel, register
+from harness.methods.full import AdamConfig
+from harness.methods.galore import TARGETS, GaLore, basis_numel, grad_bytes_of, state_bytes
+from harness.methods.galore_optim import BASIS_KEYS, lowrank_shape, side_of
+from harness.methods.qgalore_optim import (
+    QGaLoreOptimizer,
+    QGaLoreSimOptimizer,
+    basis_shapes,
+)
+from harness.methods.quant import (
+    Int8Linear,
+    dequantize_int8,
+    int4_packed_bytes,
+    int8_bytes,
+    quantize_int8,
+)
+
+if TYPE_CHECKING:
+    from harness.config import RunConfig
+
+
+class QGaLoreConfig(AdamConfig):
+    rank: int = Field(128, ge=1, description="r: the projected gradient's rank")
+    update_proj_gap: int = Field(200, ge=1, description="base steps between SVDs (T)")
+    scale: float = Field(0.25, gt=0, description="α: multiplies the back-projected update")
+    proj_type: Literal["std", "reverse_std", "left", "right", "full"] = Field(
+        "std", description="side projected: std = the smaller one, full = both")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(TARGETS), min_length=1,
+        description="a linear is INT8 and projected when one of these is a component of its name")
+    weight_group: int = Field(256, ge=1, description="values per INT8 weight quantization group")
+    proj_group: int = Field(256, ge=1, description="values per INT4 projection group")
+    queue_size: int = Field(5, ge=1, description="lazy update: cosines averaged before growing")
+    threshold: float = Field(0.4, ge=0, le=1, description="lazy update: mean |cosine| to grow")
+    gamma: float = Field(2.0, ge=1, description="lazy update: the gap's growth factor")
+    optimizer: Literal["adamw", "adam8bit"] = Field(
+        "adam8bit", description="inner optimizer, also used at full rank for the other weights")
+    min_8bit_size: int = Field(4096, ge=1, description="adam8bit: smaller states stay 32-bit")
+    simulate: bool = Field(
+        False, description="float weights fake-quantized in forward; ordinary gradients (DDP)")
+
+
+class FakeInt8(nn.Module):
+    """A parametrization: forward sees the INT8-rounded weight, backward passes straight
+    through to the float weight (the straight-through estimator)."""
+
+    def __init__(self, group: int) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        q = dequantize_int8(*quantize_int8(w, self.group), self.group).to(w.dtype)
+        return w + (q - w).detach()
+
+
+@register("qgalore")
+class QGaLore(GaLore):
+    summary = "Q-GaLore: INT8 weights updated in backward, INT4 projections, lazy SVDs"
+    Config = QGaLoreConfig
+
+    def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
+        c = self.config
+        targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)
+                   and self.targeted(f"{name}.weight", tuple(m.weight.shape))]
+        for name, linear in targets:
+            if c.simulate:
+                parametrize.register_parametrization(linear, "weight", FakeInt8(c.weight_group))
+            else:
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child,
+                        Int8Linear.from_linear(linear, c.weight_group))
+        return model
+
+    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
+        c, wd = self.config, run.train.weight_decay
+        self._accumulation = run.train.accumulation
+        common: dict[str, Any] = {"lr": run.train.lr, "betas": c.betas, "eps": c.eps,
+                                  "inner": c.optimizer, "min_8bit_size": c.min_8bit_size}
+        lazy = {"base_gap": c.update_proj_gap, "queue_size": c.queue_size,
+                "threshold": c.threshold, "gamma": c.gamma}
+        if c.simulate:
+            named = list(model.named_parameters())
+            groups = [
+                {"params": [p for n, p in named if self.targeted(n, tuple(p.shape))],
+                 "rank": c.rank, "weight_decay": wd},
+                {"params": [p for n, p in named if not self.targeted(n, tuple(p.shape))
+                            and p.dim() >= 2], "weight_decay": wd},
+                {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+            ]
+            return QGaLoreSimOptimizer([g for g in groups if g["params"]], lazy=lazy,
+                                       proj_group=c.proj_group, proj_type=c.proj_type,
+                                       scale=c.scale, **common)
+        layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+        return QGaLoreOptimizer(  # Int8Linear keeps no weight parameter: the rest are others
+            layers, list(model.parameters()), weight_decay=wd, rank=c.rank,
+            proj_type=c.proj_type, scale=c.scale, proj_group=c.proj_group, lazy=lazy,
+            clip=run.train.grad_clip, seed=run.seed, **common)
+
+    def on_step(self, step: int, model: nn.Module,
+                optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """An event only on steps that ran an SVD; `svd_skipped` counts those GaLore's fixed
+        schedule would have run by now and the lazy gap did not."""
+        attempts = optimizer.take_svd_attempts()  # type: ignore[attr-defined]
+        if not attempts:
+            return None
+        return {"qgalore_svd": attempts, **optimizer.svd_stats()}  # type: ignore[attr-defined]
+
+    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
+        c = self.config
+        weights = state = extra = 0
+        for name, full in shapes.items():
+            shape, n = tuple(full), numel(full)
+            if not self.targeted(name, shape):
+                weights += 4 * n
+                state += state_bytes(shape, c.optimizer, c.min_8bit_size, None)
+                continue
+            side = side_of(shape, c.proj_type, c.rank)
+            state += state_bytes(lowrank_shape(shape, side, c.rank), c.optimizer,
+                                 c.min_8bit_size, None)
+            prev = 4 * {"left": shape[0], "full": shape[0], "right": shape[1]}.get(side, 0)
+            if c.simulate:
+                weights += 4 * n
+                extra += 4 * basis_numel(shape, side, c.rank) + prev
+            else:
+                weights += n
+                extra += int8_bytes(shape, c.weight_group) - n + prev + sum(
+                    int4_packed_bytes(s, c.proj_group)
+                    for s in basis_shapes(shape, side, c.rank).values())
+        sizes = [numel(s) for s in shapes.values()]
+        grads = 4 * sum(sizes) if c.simulate else grad_bytes_of(sizes, True, run.train.accumulation)
+        return MemoryEstimate(weights, grads, state, extra)
+
+    def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
+        from harness.meter import tensor_bytes
+
+        params = list(model.parameters())
+        floats = sum(tensor_bytes(p) for p in params)
+        if self.config.simulate:
+            states = list(optimizer.state.values())
+            skip = (*BASIS_KEYS, "lazy")
+            return MemoryEstimate(
+                weight_bytes=floats,
+                grad_bytes=sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
+                optimizer_state_bytes=tensor_bytes(
+                    [{k: v for k, v in s.items() if k not in skip} for s in states]),
+                extra_bytes=tensor_bytes([[s.get(k) for k in BASIS_KEYS] + [s["lazy"]["prev"]]
+                                          for s in states if "lazy" in s]))
+        assert isinstance(optimizer, QGaLoreOptimizer)
+        layers = optimizer.layers
+        layer_states = [optimizer.layer_state[m] for m in layers]
+        sizes = [p.numel() for p in params] + [m.codes.numel() for m in layers]
+        return MemoryEstimate(
+            weight_bytes=floats + sum(tensor_bytes(m.codes) for m in layers),
+            grad_bytes=grad_bytes_of(sizes, True, self._accumulation),
+            optimizer_state_bytes=tensor_bytes([st["moments"] for st in layer_states])
+            + tensor_bytes([list(o.state.values()) for o in optimizer.inner.values()]),
+            extra_bytes=tensor_bytes([[m.scale, m.zero, optimizer.gaps[m].prev] for m in layers])
+            + tensor_bytes([st.get("basis") for st in layer_states]))

@@ -1,0 +1,249 @@
+"""Q-GaLore's optimizers (Zhang et al., 2024): GaLore on INT8 weights with INT4 projections and
+lazy, similarity-driven subspace updates.
+
+`QGaLoreOptimizer` is the fused, layer-wise form of the paper. Each INT8 layer's weight gradient
+G reaches `_receive` inside backward (quant.Int8Linear's grad hook) and is dropped after it.
+Under gradient accumulation it is summed until the last micro-batch (the trainer's `sync`,
+fixing Q-GaLore#13): in projected form (r×n or m×r) when no SVD is due, since projection is
+linear, and in full only when the step needs an SVD. On the last micro-batch: the SVD (with
+GaLore's float64 retry and keep-previous fallback), the LazyGap check, the basis stored as packed
+INT4, the low-rank Adam step (GaLore's kernels, 32- or 8-bit), and the back-projected, α- and
+lr-scaled update applied to the INT8 codes by stochastic rounding from a seeded generator whose
+state is checkpointed. Embeddings, norms and lm_head train too (fixing Q-GaLore#12), each
+parameter with the same inner optimizer at full rank, stepped in its own post-accumulate-grad
+hook by the LayerwiseOptimizer this class extends; the scheduler drives every group's LR.
+Gradient clipping, which cannot be global here, clips each layer's low-rank gradient (what Adam
+sees) and each other parameter's gradient on its own.
+
+`QGaLoreSimOptimizer` is the simulated form: float weights with ordinary `.grad` (so data
+parallelism works), GaLore's optimizer with the same INT4 round trip on each basis and the same
+lazy SVD schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from harness.methods.galore_optim import (
+    GaLoreOptimizer,
+    compute_basis,
+    project,
+    project_back_,
+    side_of,
+)
+from harness.methods.layerwise import LayerwiseOptimizer
+from harness.methods.quant import (
+    Int8Linear,
+    LazyGap,
+    dequantize_int4_packed,
+    quantize_int4_packed,
+)
+
+INT4_KEYS = ("packed", "scale", "zero")
+
+
+def basis_shapes(shape: tuple[int, ...], side: str, rank: int) -> dict[str, tuple[int, int]]:
+    m, n = shape
+    return {k: s for k, s in (("left", (m, rank)), ("right", (rank, n)))
+            if side in (k, "full")}
+
+
+def first_vector(basis: dict[str, Tensor]) -> Tensor:
+    """The first singular vector of the projected side, which LazyGap compares across SVDs."""
+    return basis["left"][:, 0] if "left" in basis else basis["right"][0]
+
+
+def safe_basis(grad: Tensor, side: str, rank: int) -> tuple[dict[str, Tensor] | None, bool]:
+    """(basis, retried): float32 SVD, else float64, else None (keep the previous basis)."""
+    for dtype in (torch.float32, torch.float64):
+        basis = compute_basis(grad, side, rank, False, 0, dtype)
+        if basis is not None and all(bool(t.isfinite().all()) for t in basis.values()):
+            return basis, dtype == torch.float64
+    return None, False
+
+
+def lazy_stats(gaps: list[LazyGap], steps: list[int], base_gap: int) -> dict[str, Any]:
+    """SVDs done, those the lazy gap skipped against GaLore's fixed schedule (an SVD at every
+    multiple of the base gap: ceil(steps / gap) of them), and the mean current gap."""
+    total = sum(g.svd_count for g in gaps)
+    fixed = sum(math.ceil(s / base_gap) for s in steps)
+    return {"svd_total": total, "svd_skipped": fixed - total,
+            "gap_mean": sum(g.gap for g in gaps) / max(1, len(gaps))}
+
+
+class QGaLoreOptimizer(LayerwiseOptimizer):
+    """INT8 layers updated in their backward; the other parameters layer-wise at full rank."""
+
+    def __init__(self, layers: list[Int8Linear], params: list[nn.Parameter], *, lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float, inner: str,
+                 min_8bit_size: int, rank: int, proj_type: str, scale: float, proj_group: int,
+                 lazy: dict[str, Any], clip: float | None, seed: int) -> None:
+        def make(p: nn.Parameter) -> GaLoreOptimizer:  # decay on matrices only
+            decay = weight_decay if p.dim() >= 2 else 0.0
+            return GaLoreOptimizer([{"params": [p], "weight_decay": decay}], lr=lr, betas=betas,
+                                   eps=eps, inner=inner, min_8bit_size=min_8bit_size)
+
+        super().__init__(params, make, clip)
+        self.group: dict[str, Any] = {"params": [], "lr": lr, "betas": betas, "eps": eps,
+                                      "weight_decay": weight_decay, "rank": rank, "scale": scale}
+        # Only its Adam kernels run (`_adam`), on the moments this optimizer keeps per layer.
+        self.kernels = GaLoreOptimizer([torch.empty(0, requires_grad=True)], lr=lr,
+                                       inner=inner, min_8bit_size=min_8bit_size)
+        self.layers, self.proj_group, self.base_gap = layers, proj_group, lazy["base_gap"]
+        self.sides = {m: side_of((m.out_features, m.in_features), proj_type, rank)
+                      for m in layers}
+        self.gaps = {m: LazyGap(**lazy) for m in layers}
+        self.layer_state: dict[Int8Linear, dict[str, Any]] = {
+            m: {"updates": 0, "moments": {}} for m in layers}
+        self.pending: dict[Int8Linear, Tensor] = {}  # accumulated gradients, full or projected
+        device = layers[0].codes.device if layers else torch.device("cpu")
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self.svd_attempts = self.svd_retries = self.svd_failures = 0
+        for m in layers:
+            m.grad_hook = self._receive
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return [self.group, *super().param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:  # type: ignore[override]
+        return {**super().state, **self.layer_state}
+
+    def _needs_svd(self, m: Int8Linear) -> bool:
+        return self.sides[m] != "none" and self.gaps[m].due(self.layer_state[m]["updates"])
+
+    def _receive(self, m: Int8Linear, g: Tensor) -> None:
+        """Inside backward: accumulate G (full when an SVD is due or nothing is projected,
+        else projected) and update once the gradient is complete."""
+        side, full = self.sides[m], self._needs_svd(m)
+        part = g if full or side == "none" else project(g, self.dequantized_basis(m), side)
+        acc = self.pending.get(m)
+        self.pending[m] = part if acc is None else acc.add_(part)
+        if self.sync:
+            self._step_layer(m, self.pending.pop(m), full)
+
+    def dequantized_basis(self, m: Int8Linear) -> dict[str, Tensor]:
+        """The INT4 basis, dequantized for this use only."""
+        st, shapes = self.layer_state[m], basis_shapes(
+            (m.out_features, m.in_features), self.sides[m], self.group["rank"])
+        return {k: dequantize_int4_packed(*(q[i] for i in INT4_KEYS), shapes[k], self.proj_group)
+                for k, q in st.get("basis", {}).items()}
+
+    @torch.no_grad()
+    def _step_layer(self, m: Int8Linear, g: Tensor, full: bool) -> None:
+        side, st, group = self.sides[m], self.layer_state[m], self.group
+        if full:
+            self._refresh(m, g)
+            if "basis" not in st:
+                return  # the first SVD failed: this layer waits for the next step
+        basis = self.dequantized_basis(m)
+        low = project(g, basis, side) if full else g
+        if self.clip:
+            low.mul_((self.clip / (low.norm() + 1e-6)).clamp(max=1.0))
+        scratch = torch.zeros_like(low)  # Adam with lr 1 and no decay leaves -N here
+        self.kernels._adam(group, [scratch], [low], [st["moments"]], 1.0, 0.0)
+        lr, wd = group["lr"], group["weight_decay"]
+        delta = torch.zeros(m.out_features, m.in_features, device=low.device)
+        project_back_(delta, scratch, basis, side, lr * group["scale"])
+        if wd:  # decoupled, on the full weight
+            delta.add_(m.dequantized(), alpha=-lr * wd)
+        m.apply_update(delta, self.generator)
+        st["updates"] += 1
+
+    def _refresh(self, m: Int8Linear, g: Tensor) -> None:
+        st = self.layer_state[m]
+        self.svd_attempts += 1
+        basis, retried = safe_basis(g, self.sides[m], self.group["rank"])
+        if basis is None:  # keep the previous basis; the SVD is due again next step
+            self.svd_failures += 1
+            return
+        self.svd_retries += retried
+        self.gaps[m].observe(st["updates"], first_vector(basis))
+        st["basis"] = {k: dict(zip(INT4_KEYS, quantize_int4_packed(v, self.proj_group),
+                                   strict=True)) for k, v in basis.items()}
+
+    def take_svd_attempts(self) -> int:
+        n, self.svd_attempts = self.svd_attempts, 0
+        return n
+
+    def svd_stats(self) -> dict[str, Any]:
+        projected = [m for m in self.layers if self.sides[m] != "none"]
+        return {**lazy_stats([self.gaps[m] for m in projected],
+                             [self.layer_state[m]["updates"] for m in projected], self.base_gap),
+                "svd_retries": self.svd_retries, "svd_failures": self.svd_failures}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.pending.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(),
+                "group": {k: v for k, v in self.group.items() if k != "params"},
+                "layers": [self.layer_state[m] for m in self.layers],
+                "lazy": [self.gaps[m].state_dict() for m in self.layers],
+                "generator": self.generator.get_state(),
+                "svd_counts": {"retries": self.svd_retries, "failures": self.svd_failures}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.group.update(state_dict["group"])
+        for m, st, lazy in zip(self.layers, state_dict["layers"], state_dict["lazy"],
+                               strict=True):
+            self.layer_state[m] = _to(st, m.codes.device)
+            self.gaps[m].load_state_dict(_to(lazy, m.codes.device))
+        self.generator.set_state(state_dict["generator"])
+        counts = state_dict["svd_counts"]
+        self.svd_retries, self.svd_failures = counts["retries"], counts["failures"]
+
+
+def _to(v: Any, device: torch.device) -> Any:
+    """Checkpoints load on the CPU: every tensor inside goes back to its layer's device."""
+    if isinstance(v, Tensor):
+        return v.to(device)
+    if isinstance(v, dict):
+        return {k: _to(x, device) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_to(x, device) for x in v]
+    return v
+
+
+class QGaLoreSimOptimizer(GaLoreOptimizer):
+    """GaLore with INT4-rounded bases and the lazy schedule, on float weights (`simulate`)."""
+
+    def __init__(self, params: Iterable[Any], *, lazy: dict[str, Any], proj_group: int,
+                 **kwargs: Any) -> None:
+        super().__init__(params, update_proj_gap=1, moments="keep", **kwargs)  # LazyGap decides
+        self.lazy, self.proj_group = lazy, proj_group
+
+    def _gap(self, st: dict[str, Any]) -> LazyGap:
+        gap = LazyGap(**self.lazy)
+        if "lazy" in st:
+            gap.load_state_dict(st["lazy"])
+        return gap
+
+    def _refresh(self, group: dict[str, Any], params: list[Tensor],
+                 states: list[dict[str, Any]], sides: list[str]) -> None:
+        due = [i for i, st in enumerate(states) if self._gap(st).due(st["proj_step"])]
+        super()._refresh(group, [params[i] for i in due], [states[i] for i in due],
+                         [sides[i] for i in due])
+
+    def _switch(self, policy: str, st: dict[str, Any], basis: dict[str, Tensor]) -> None:
+        gap = self._gap(st)
+        gap.observe(st["proj_step"], first_vector(basis))
+        st["lazy"] = gap.state_dict()
+        rounded = {k: dequantize_int4_packed(*quantize_int4_packed(v, self.proj_group), v.shape,
+                                             self.proj_group) for k, v in basis.items()}
+        super()._switch(policy, st, rounded)
+
+    def svd_stats(self) -> dict[str, Any]:
+        states = [st for st in self.state.values() if "lazy" in st]
+        return {**lazy_stats([self._gap(st) for st in states],
+                             [st["proj_step"] for st in states], self.lazy["base_gap"]),
+                "svd_retries": self.svd_retries, "svd_failures": self.svd_failures}
+
