@@ -34,8 +34,7 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """PaLM's count: 6 per non-embedding parameter plus attention's 12 * layers * hidden * seq."""
     cfg = model.config
-    params = sum(map(logical_numel, model.parameters()))
-    params -= model.get_input_embeddings().weight.numel()
+    params = weight_counts(model)[1] - model.get_input_embeddings().weight.numel()
     return 6 * params + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
 
 
@@ -43,6 +42,16 @@ def logical_numel(p: torch.Tensor) -> int:
     """Weights, not storage: a packed 4-bit tensor holds two weights per byte."""
     state = getattr(p, "quant_state", None)
     return state.shape.numel() if state is not None else p.numel()
+
+
+def weight_counts(model: nn.Module) -> tuple[int, int]:
+    """(trained, all) weights, including INT8 weights held as buffers and updated in backward."""
+    from harness.methods.quant import Int8Linear
+
+    params = list(model.parameters())
+    int8 = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Int8Linear))
+    trained = sum(logical_numel(p) for p in params if p.requires_grad) + int8
+    return trained, sum(map(logical_numel, params)) + int8
 
 
 def current_memory(device: torch.device) -> int:
@@ -75,14 +84,14 @@ def tensor_bytes(obj: Any) -> int:
 def breakdown(method: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """The method's own count of the real tensors, plus parameter counts."""
     counted = method.measure(model, optimizer)
-    params = list(model.parameters())
+    trained, total = weight_counts(model)
     return {
         "param_bytes": counted.weight_bytes,
         "grad_bytes": counted.grad_bytes,
         "optimizer_state_bytes": counted.optimizer_state_bytes,
         "extra_bytes": counted.extra_bytes,
-        "trainable_params": sum(logical_numel(p) for p in params if p.requires_grad),
-        "total_params": sum(map(logical_numel, params)),
+        "trainable_params": trained,
+        "total_params": total,
     }
 
 
