@@ -78,16 +78,18 @@ def test_set_overrides_use_yaml_values():
 def test_sweep_expands_methods_space_and_seeds():
     sweep = load_sweep(REPO / "sweeps/quickstart.yaml", {})
     trials = plan(sweep)
-    assert [(t.label, t.run.train.lr) for t in trials] == [
-        ("full", 0.001),
-        ("full", 0.003),
-        ("adam8bit", 0.001),
-        ("adam8bit", 0.003),
-    ]
-    assert len(plan(load_sweep(REPO / "sweeps/quickstart.yaml", {"seeds": [0, 1, 2]}))) == 12
+    assert len(trials) == 2 * len(sweep.methods)
+    assert [(t.label, t.run.train.lr) for t in trials[:4]] == [
+        ("full", 0.001), ("full", 0.003), ("adam8bit", 0.001), ("adam8bit", 0.003)]
+    # a per-method space replaces the global one for that method
+    assert [t.run.train.lr for t in trials if t.label == "galore"] == [0.003, 0.01]
+    layerwise = next(t for t in trials if t.label == "galore_8bit_layerwise")
+    assert layerwise.run.method_name == "galore" and layerwise.run.method["layerwise"] is True
+    three = plan(load_sweep(REPO / "sweeps/quickstart.yaml", {"seeds": [0, 1, 2]}))
+    assert len(three) == 3 * len(trials)
     # --set on a searched key replaces that dimension for every trial
     fixed = plan(load_sweep(REPO / "sweeps/quickstart.yaml", {"train.lr": 0.01}))
-    assert [t.run.train.lr for t in fixed] == [0.01, 0.01]
+    assert len(fixed) == len(sweep.methods) and {t.run.train.lr for t in fixed} == {0.01}
 
 
 def test_trial_ids_are_stable_and_follow_the_config(tmp_path):
@@ -112,10 +114,13 @@ def test_dry_run_prints_the_plan_offline(capsys):
     assert "13,107,200,000" in out  # 100K steps x 512 sequences x 256 tokens: the paper's 13.1B
 
 
-@pytest.mark.parametrize("name", ["c4_60m", "c4_130m", "c4_350m", "c4_1b", "quickstart"])
+@pytest.mark.parametrize(
+    "name", ["c4_60m", "c4_130m", "c4_350m", "c4_1b", "c4_7b", "quickstart"])
 def test_shipped_sweeps_are_valid(name):
     trials = plan(load_sweep(Path(REPO / "sweeps" / f"{name}.yaml"), {}))
-    assert trials and {"full", "adam8bit"} <= {t.run.method_name for t in trials}
+    names = {t.run.method_name for t in trials}
+    every = {"full", "adam8bit", "lora", "relora", "lowrank", "galore", "qgalore"}
+    assert names == {"galore", "adam8bit", "qgalore"} if name == "c4_7b" else every <= names
 
 
 def test_methods_lists_the_registry_with_types_and_defaults(capsys):
