@@ -90,7 +90,9 @@ def human_bytes(value: Any) -> str:
         return f"{value / 1e9:.2f} GB"
     if value >= 1e6:
         return f"{value / 1e6:.1f} MB"
-    return f"{value / 1e3:.1f} kB"
+    if value >= 1e3:
+        return f"{value / 1e3:.1f} kB"
+    return f"{value:.0f} B"
 
 
 def text_table(table: pd.DataFrame) -> str:

@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER
+    except BrokenPipeError:  # `harness ... | head`: the reader left, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

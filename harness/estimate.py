@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
+from harness.analysis.report import human_bytes
 from harness.config import SweepConfig
-from harness.methods import build_method, get_method
+from harness.methods import build_method
+from harness.methods.base import changed_params
 from harness.models import param_shapes
 from harness.sweep import plan
 
@@ -76,26 +78,15 @@ def estimate_sweep(sweep: SweepConfig) -> list[dict[str, Any]]:
     return records
 
 
-def human(n: float) -> str:
-    """Decimal units, as GPU vendors and the papers print them."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
 def _changed(record: dict[str, Any]) -> str:
-    """The hyperparameters set away from the method's defaults: the ones that tell rows apart."""
-    fields = get_method(record["method_name"]).Config.model_fields
-    defaults = {k: f.get_default(call_default_factory=True) for k, f in fields.items()}
-    changed = {k: v for k, v in record["params"].items() if defaults.get(k) != v}
+    changed = changed_params(record["method_name"], record["params"])
     return ", ".join(f"{k}={v}" for k, v in changed.items())
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
     rows = [
         [r["trial"], r["method"], _changed(r),
-         *(human(r[k]) for k in (*BYTE_FIELDS, "total_bytes"))]
+         *(human_bytes(r[k]) for k in (*BYTE_FIELDS, "total_bytes"))]
         for r in records
     ]  # fmt: skip
     headers = ["trial", "method", "set hyperparameters", "weights", "grads", "optimizer", "extra",

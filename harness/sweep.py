@@ -22,6 +22,7 @@ from harness.config import (
     set_dotted,
     validate,
 )
+from harness.methods.base import changed_params
 from harness.models import check_preset
 from harness.records import read_json, write_yaml
 
@@ -117,7 +118,8 @@ def _alive(pid: int | None) -> bool:
 def plan_table(trials: list[Trial]) -> str:
     rows = []
     for t in trials:
-        params = {**{k: v for k, v in t.run.method_params.items()}, **t.point, "seed": t.run.seed}
+        changed = changed_params(t.run.method_name, t.run.method_params)
+        params = {**changed, **t.point, "seed": t.run.seed}
         hp = ", ".join(f"{k}={v}" for k, v in params.items())
         rows.append([t.id, t.label, hp, t.run.train.steps, f"{t.tokens:,}"])
     return tabulate(rows, headers=["trial", "method", "hyperparameters", "steps", "tokens"])

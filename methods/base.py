@@ -102,6 +102,13 @@ def build_method(run: RunConfig) -> Method:
     return cls(cls.Config.model_validate(run.method_params))
 
 
+def changed_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters set away from the method's defaults: the ones that tell trials apart."""
+    fields = get_method(name).Config.model_fields
+    defaults = {k: f.get_default(call_default_factory=True) for k, f in fields.items()}
+    return {k: v for k, v in params.items() if defaults.get(k) != v}
+
+
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices only, never on norms and biases."""
     params = [p for p in model.parameters() if p.requires_grad]
