@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-class GaLoreConfig(AdamConfig):
+class ProjectionConfig(AdamConfig):
+    """What GaLore and Q-GaLore share: which weights are projected, how, and how often."""
+
     rank: int = Field(128, ge=1, description="r: the projected gradient's rank")
     update_proj_gap: int = Field(200, ge=1, description="steps between SVDs (T)")
     scale: float = Field(0.25, gt=0, description="α: multiplies the back-projected update")
@@ -42,6 +44,9 @@ class GaLoreConfig(AdamConfig):
     target_modules: list[str] = Field(
         default_factory=lambda: list(TARGETS), min_length=1,
         description="a 2-D weight is projected when one of these is a component of its name")
+
+
+class GaLoreConfig(ProjectionConfig):
     optimizer: Literal["adamw", "adam8bit", "adafactor"] = Field(
         "adamw", description="inner optimizer, also used at full rank for the other weights")
     moments: Literal["keep", "reset", "reproject"] = Field(

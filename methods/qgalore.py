@@ -29,8 +29,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from harness.methods.base import MemoryEstimate, Shapes, numel, register
-from harness.methods.full import AdamConfig
-from harness.methods.galore import TARGETS, GaLore, basis_numel, grad_bytes_of, state_bytes
+from harness.methods.galore import GaLore, ProjectionConfig, basis_numel, grad_bytes_of, state_bytes
 from harness.methods.galore_optim import BASIS_KEYS, lowrank_shape, side_of
 from harness.methods.qgalore_optim import (
     QGaLoreOptimizer,
@@ -49,15 +48,9 @@ if TYPE_CHECKING:
     from harness.config import RunConfig
 
 
-class QGaLoreConfig(AdamConfig):
-    rank: int = Field(128, ge=1, description="r: the projected gradient's rank")
-    update_proj_gap: int = Field(200, ge=1, description="base steps between SVDs (T)")
-    scale: float = Field(0.25, gt=0, description="α: multiplies the back-projected update")
-    proj_type: Literal["std", "reverse_std", "left", "right", "full"] = Field(
-        "std", description="side projected: std = the smaller one, full = both")
-    target_modules: list[str] = Field(
-        default_factory=lambda: list(TARGETS), min_length=1,
-        description="a linear is INT8 and projected when one of these is a component of its name")
+class QGaLoreConfig(ProjectionConfig):
+    """GaLore's projection settings (the gap is the base of the lazy schedule; targets are INT8)."""
+
     weight_group: int = Field(256, ge=1, description="values per INT8 weight quantization group")
     proj_group: int = Field(256, ge=1, description="values per INT4 projection group")
     queue_size: int = Field(5, ge=1, description="lazy update: cosines averaged before growing")

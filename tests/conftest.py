@@ -60,3 +60,23 @@ def harness(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 @pytest.fixture
 def micro() -> dict[str, Any]:
     return micro_run()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """OpenMP threads spin-wait when 2 cores are oversubscribed (a CI box running other work),
+    which turns a 1 s SVD into a minute; one thread keeps test times steady."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def assert_estimate_matches(estimate: Any, summary: dict[str, Any]) -> None:
+    """The analytic prediction equals the bytes counted from the trained model's tensors."""
+    assert estimate.weight_bytes == summary["param_bytes"]
+    assert estimate.grad_bytes == summary["grad_bytes"]
+    assert estimate.optimizer_state_bytes == summary["optimizer_state_bytes"]
+    assert estimate.extra_bytes == summary["extra_bytes"]

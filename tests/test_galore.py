@@ -21,16 +21,6 @@ VOCAB = 8192  # the sample tokenizer's
 TARGETS = 2 * 7  # llama_micro: 2 blocks × 7 linears
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """LAPACK's OpenMP threads spin-wait when the 2 cores are oversubscribed (tests running
-    side by side), which turns a 1 s SVD step into a minute: one thread keeps time steady."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def galore_run(steps: int, **method) -> dict:
     data = micro_run(steps=steps, lr=0.01)
     data["eval"] = {"every": 0, "tokens": 256}
