@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from harness.methods.galore_optim import (
+    AdamKernel,
     GaLoreOptimizer,
     compute_basis,
     project,
@@ -91,9 +92,7 @@ class QGaLoreOptimizer(LayerwiseOptimizer):
         super().__init__(params, make, clip)
         self.group: dict[str, Any] = {"params": [], "lr": lr, "betas": betas, "eps": eps,
                                       "weight_decay": weight_decay, "rank": rank, "scale": scale}
-        # Only its Adam kernels run (`_adam`), on the moments this optimizer keeps per layer.
-        self.kernels = GaLoreOptimizer([torch.empty(0, requires_grad=True)], lr=lr,
-                                       inner=inner, min_8bit_size=min_8bit_size)
+        self.adam = AdamKernel(inner == "adam8bit", min_8bit_size)  # the low-rank moments' update
         self.layers, self.proj_group, self.base_gap = layers, proj_group, lazy["base_gap"]
         self.sides = {m: side_of((m.out_features, m.in_features), proj_type, rank)
                       for m in layers}
@@ -147,7 +146,7 @@ class QGaLoreOptimizer(LayerwiseOptimizer):
         if self.clip:
             low.mul_((self.clip / (low.norm() + 1e-6)).clamp(max=1.0))
         scratch = torch.zeros_like(low)  # Adam with lr 1 and no decay leaves -N here
-        self.kernels._adam(group, [scratch], [low], [st["moments"]], 1.0, 0.0)
+        self.adam(group, [scratch], [low], [st["moments"]], 1.0, 0.0)
         lr, wd = group["lr"], group["weight_decay"]
         delta = torch.zeros(m.out_features, m.in_features, device=low.device)
         project_back_(delta, scratch, basis, side, lr * group["scale"])
