@@ -47,6 +47,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from harness.sweep import load_sweep, plan, plan_table, run_sweep
 
     sweep = load_sweep(args.sweep, parse_overrides(args.set))
+    if args.dry_run and sweep.search.sampler != "grid":
+        from harness.search import describe
+
+        print(describe(sweep))
+        return EXIT_OK
     if args.dry_run:
         trials = plan(sweep)
         print(plan_table(trials))

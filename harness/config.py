@@ -119,9 +119,38 @@ class RunConfig(Common):
 
 
 class SearchConfig(Strict):
-    sampler: Literal["grid"] = "grid"
-    space: dict[str, list[Any]] = Field(default_factory=dict)
+    sampler: Literal["grid", "random", "tpe", "cmaes"] = "grid"
+    space: dict[str, Any] = Field(
+        default_factory=dict,
+        description="grid: dotted key -> list of values; other samplers: key -> distribution",
+    )
     metric: Literal["eval_ppl", "eval_loss"] = "eval_ppl"
+    direction: Literal["minimize", "maximize"] = "minimize"
+    n_trials: int | None = Field(None, ge=1, description="Optuna trials per method")
+    timeout_min: float | None = Field(None, gt=0, description="stop asking new trials after this")
+    enqueue: list[dict[str, Any]] = Field(
+        default_factory=list, description="fixed points each method's study tries first"
+    )
+    pruner: Literal["none", "median", "hyperband"] = "none"
+
+    @model_validator(mode="after")
+    def _fits_sampler(self) -> SearchConfig:
+        if self.sampler == "grid":
+            extra = [k for k in ("n_trials", "timeout_min") if getattr(self, k) is not None]
+            extra += ["enqueue"] * bool(self.enqueue) + ["pruner"] * (self.pruner != "none")
+            if extra:
+                raise ValueError(
+                    f"{extra[0]} needs an Optuna sampler (random, tpe, cmaes), not grid"
+                )
+            check_space(self.space, "search.space")
+        elif self.n_trials is None:
+            raise ValueError(
+                f"n_trials is required for sampler '{self.sampler}' "
+                "(the number of trials per method)"
+            )
+        else:
+            check_distributions(self.space, "search.space")
+        return self
 
 
 class LauncherConfig(Strict):
@@ -132,9 +161,12 @@ class LauncherConfig(Strict):
 class SweepConfig(Common):
     name: str
     methods: dict[str, dict[str, Any]] = Field(min_length=1)
-    search: SearchConfig = SearchConfig()
+    search: SearchConfig = Field(default_factory=SearchConfig)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     launcher: LauncherConfig = LauncherConfig()
+    storage: str | None = Field(
+        None, description="Optuna storage: a journal file path or a database URL"
+    )
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -258,3 +290,51 @@ def check_space(space: Any, path: str) -> dict[str, list[Any]]:
             f"{path}: expected a mapping of dotted keys to non-empty lists, got {space!r}"
         )
     return space
+
+
+def check_distributions(space: Any, path: str) -> dict[str, dict[str, Any]]:
+    if not isinstance(space, dict):
+        raise UserError(
+            f"{path}: expected a mapping of dotted keys to distributions, got {space!r}"
+        )
+    return {key: distribution(value, f"{path}.{key}") for key, value in space.items()}
+
+
+def _number(value: Any) -> float | int | None:
+    """YAML 1.1 reads `1e-4` as a string; accept it as the number it looks like."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def distribution(value: Any, path: str) -> dict[str, Any]:
+    """A list is categorical; `{low, high}` is a float range, or an int range when all are ints."""
+    if isinstance(value, list):
+        if not value:
+            raise UserError(f"{path}: an empty list (a categorical needs at least one choice)")
+        return {"choices": value}
+    allowed = "a list of choices, or {low, high} with optional log: true or step"
+    if not isinstance(value, dict) or not {"low", "high"} <= value.keys():
+        raise UserError(f"{path}: {value!r} is not a distribution (allowed: {allowed})")
+    if value.keys() - {"low", "high", "log", "step"}:
+        extra = sorted(value.keys() - {"low", "high", "log", "step"})[0]
+        raise UserError(f"{path}: unknown key '{extra}' (allowed: low, high, log, step)")
+    low, high, step = (_number(value.get(k)) for k in ("low", "high", "step"))
+    log = value.get("log", False)
+    if low is None or high is None or (step is None and value.get("step") is not None):
+        raise UserError(f"{path}: low, high and step must be numbers, got {value!r}")
+    if not isinstance(log, bool):
+        raise UserError(f"{path}.log: {log!r} is not allowed (allowed: true, false)")
+    if low >= high:
+        raise UserError(f"{path}: low {low} must be below high {high}")
+    if log and (low <= 0 or step is not None):
+        raise UserError(f"{path}: log: true needs low > 0 and no step, got {value!r}")
+    if step is not None and step <= 0:
+        raise UserError(f"{path}.step: {step} must be positive")
+    is_int = all(isinstance(v, int) for v in (low, high, step if step is not None else 1))
+    return {"low": low, "high": high, "log": log, "step": step, "int": is_int}

@@ -60,34 +60,47 @@ def load_sweep(path: str | Path, overrides: dict[str, Any]) -> SweepConfig:
     return sweep
 
 
+def method_entry(sweep: SweepConfig, label: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """A method's registered name, its fixed parameters (checked) and its own search space."""
+    entry = dict(sweep.methods[label] or {})
+    name = entry.pop("method", label)
+    space = entry.pop("space", {})
+    resolve_method({"name": name, **entry}, f"methods.{label}")
+    return name, entry, space
+
+
+def make_trial(sweep: SweepConfig, label: str, point: dict[str, Any], seed: int) -> Trial:
+    """The resolved run for one point of a method's space; its id hashes the resolved config."""
+    name, entry, _ = method_entry(sweep, label)
+    data = {
+        **sweep.model_dump(include=set(Common.model_fields)),
+        "name": sweep.name,
+        "label": label,
+        "seed": seed,
+        "method": {"name": name, **entry},
+    }
+    for key, value in point.items():
+        set_dotted(data, key, value)
+    try:
+        run = load_run(data)
+    except UserError as e:
+        raise UserError(f"methods.{label} with {point}: {e}") from None
+    return Trial(f"{label}-{run.identity()}", label, run, point)
+
+
 def plan(sweep: SweepConfig) -> list[Trial]:
-    common = sweep.model_dump(include=set(Common.model_fields))
+    """Grid trials; for an Optuna sampler, each method's base point (the space left unset)."""
     trials: dict[str, Trial] = {}
-    for label, entry in sweep.methods.items():
-        entry = dict(entry or {})
-        name = entry.pop("method", label)
-        space = {
-            **sweep.search.space,
-            **check_space(entry.pop("space", {}), f"methods.{label}.space"),
-        }
-        resolve_method({"name": name, **entry}, f"methods.{label}")
+    for label in sweep.methods:
+        _, _, own = method_entry(sweep, label)
+        if sweep.search.sampler == "grid":
+            space = {**sweep.search.space, **check_space(own, f"methods.{label}.space")}
+        else:
+            space = {}
         for values in itertools.product(*space.values()):
             point = dict(zip(space, values, strict=True))
             for seed in sweep.seeds:
-                data = {
-                    **common,
-                    "name": sweep.name,
-                    "label": label,
-                    "seed": seed,
-                    "method": {"name": name, **entry},
-                }
-                for key, value in point.items():
-                    set_dotted(data, key, value)
-                try:
-                    run = load_run(data)
-                except UserError as e:
-                    raise UserError(f"methods.{label} with {point}: {e}") from None
-                trial = Trial(f"{label}-{run.identity()}", label, run, point)
+                trial = make_trial(sweep, label, point, seed)
                 trials.setdefault(trial.id, trial)
     return list(trials.values())
 
@@ -139,6 +152,11 @@ def run_sweep(sweep: SweepConfig, out: Path, jobs: int, retry_failed: bool = Fal
     from harness.analysis import load_runs, status_table
     from harness.launch import run_local
 
+    if sweep.search.sampler != "grid":
+        from harness.search import run_search
+
+        preflight(sweep)
+        return run_search(sweep, out, jobs)
     trials = plan(sweep)
     preflight(sweep)
     out.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,20 @@ class NonFinite(Exception):
     """The loss became NaN or Inf: the trial ends with status `nan`."""
 
 
+class Pruned(Exception):
+    """The trial's Optuna study cut it at an evaluation: it ends with status `pruned`."""
+
+
+def should_prune(out: Path, step: int, metrics: dict[str, float]) -> bool:
+    """Only a trial started by an Optuna sweep (its folder holds optuna.json) reports evals."""
+    link = out / "optuna.json"
+    if not link.exists():
+        return False
+    from harness.search import report
+
+    return report(link, step, metrics)
+
+
 def lr_factor(step: int, t: TrainConfig) -> float:
     """Linear warmup, then cosine (or linear) decay to `min_lr_ratio`; `step` counts from 0."""
     if step < t.warmup_steps:
@@ -261,6 +275,10 @@ class Trainer:
             flush=True,
         )
         self.meter.resume()
+        if self.step < self.run.train.steps and should_prune(
+            self.rec.out, self.step, self.last_eval
+        ):
+            raise Pruned(f"pruned by the study at step {self.step}")
 
     def results(self) -> dict[str, Any]:
         tps = self.meter.tokens_per_s
@@ -342,6 +360,9 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
         summary["status"] = trainer.fit()
     except NonFinite as e:
         summary.update(status="nan", error=str(e))
+    except Pruned as e:
+        print(e, flush=True)
+        summary["status"] = "pruned"
     except (torch.OutOfMemoryError, MemoryError) as e:
         summary.update(status="oom", error=(str(e).splitlines() or [type(e).__name__])[0])
     except UserError as e:

@@ -1,0 +1,157 @@
+"""Optuna search through the real command: study per method, resume, enqueue, pruning."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+from conftest import harness, micro_run, write_yaml
+
+from harness.config import UserError, load_run
+from harness.records import read_json, write_json
+from harness.search import _tell, method_space, open_storage, open_study
+from harness.sweep import load_sweep, make_trial
+from harness.train import train
+
+
+def search_file(tmp_path, **search):
+    run = micro_run(steps=2)
+    data = {k: run[k] for k in ("model", "task", "train", "eval")}
+    data["eval"] = {"every": 0, "tokens": 64}
+    data.update(name="tpe", methods={"full": {}}, search=search)
+    return write_yaml(tmp_path / "tpe.yaml", data)
+
+
+@pytest.mark.parametrize(
+    ("search", "message"),
+    [
+        ({"sampler": "tpe", "space": {"train.lr": {"low": 1e-4}}}, "n_trials is required"),
+        (
+            {"sampler": "tpe", "n_trials": 2, "space": {"train.lr": {"low": 1e-4}}},
+            "search.space.train.lr: {'low': 0.0001} is not a distribution",
+        ),
+        (
+            {"sampler": "tpe", "n_trials": 2, "space": {"train.lr": {"low": 1, "high": 0.1}}},
+            "low 1 must be below high 0.1",
+        ),
+        (
+            {
+                "sampler": "random",
+                "n_trials": 2,
+                "space": {"train.lr": {"low": 0, "high": 1, "log": True}},
+            },
+            "log: true needs low > 0",
+        ),
+        ({"sampler": "grid", "n_trials": 3}, "n_trials needs an Optuna sampler"),
+    ],
+)
+def test_search_config_errors_are_one_line(tmp_path, search, message):
+    with pytest.raises(UserError, match=message) as e:
+        load_sweep(search_file(tmp_path, **search), {})
+    assert "\n" not in str(e.value)
+
+
+def test_method_space_is_conditional_and_ints_stay_ints(tmp_path):
+    path = search_file(
+        tmp_path,
+        sampler="random",
+        n_trials=2,
+        space={"train.lr": {"low": "1e-4", "high": "1e-2", "log": True}},
+    )
+    data = read_json_yaml(path)
+    data["methods"] = {
+        "full": {},
+        "lowrank": {"space": {"method.rank": {"low": 4, "high": 16, "step": 4}}},
+    }
+    sweep = load_sweep(write_yaml(path, data), {})
+    assert set(method_space(sweep, "full")) == {"train.lr"}
+    rank = method_space(sweep, "lowrank")["method.rank"]
+    assert isinstance(rank, optuna.distributions.IntDistribution) and rank.step == 4
+    trial = make_trial(sweep, "lowrank", {"train.lr": 1e-3, "method.rank": 8}, 0)
+    assert trial.run.method["rank"] == 8 and trial.id.startswith("lowrank-")
+    dry = harness("sweep", str(path), "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "lowrank: study tpe/lowrank" in dry.stdout and "method.rank" in dry.stdout
+    assert "2 trials per method x 2 methods = 4 trials" in dry.stdout
+
+
+def read_json_yaml(path):
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def test_tpe_sweep_runs_a_study_and_resumes_without_rerunning(tmp_path):
+    path = search_file(
+        tmp_path,
+        sampler="tpe",
+        n_trials=4,
+        space={"train.lr": {"low": 1e-4, "high": 1e-2, "log": True}},
+        enqueue=[{"train.lr": 0.003}],
+    )
+    out = tmp_path / "runs"
+    done = harness("sweep", str(path), "--out", str(out), "--jobs", "2")
+    assert done.returncode == 0, done.stderr
+    assert (out / "optuna.journal").is_file()
+    study = optuna.load_study(
+        study_name="tpe/full", storage=open_storage(str(out / "optuna.journal"))
+    )
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 4
+    assert trials[0].params == {"train.lr": 0.003}
+    ids = {t.user_attrs["trial_id"] for t in trials}
+    assert ids == {d.name for d in (out / "trials").iterdir()}
+    for t in trials:
+        summary = read_json(out / "trials" / t.user_attrs["trial_id"] / "summary.json")
+        assert summary["eval_ppl"] == pytest.approx(t.value)
+        assert summary["lr"] == pytest.approx(t.params["train.lr"])
+
+    again = harness("sweep", str(path), "--out", str(out))
+    assert again.returncode == 0, again.stderr
+    assert "tpe/full: 4 of 4 trials finished" in again.stdout
+    assert (
+        len(
+            optuna.load_study(
+                study_name="tpe/full", storage=open_storage(str(out / "optuna.journal"))
+            ).trials
+        )
+        == 4
+    )
+
+
+def test_a_trial_stops_as_pruned_when_its_study_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(optuna.pruners.MedianPruner, "prune", lambda self, study, trial: True)
+    path = search_file(tmp_path, sampler="tpe", n_trials=1, pruner="median")
+    sweep = load_sweep(path, {})
+    target = str(tmp_path / "optuna.journal")
+    study = open_study(sweep, "full", open_storage(target))
+    asked = study.ask()
+    out = tmp_path / "trial"
+    write_json(
+        out / "optuna.json",
+        {
+            "storage": target,
+            "study": "tpe/full",
+            "trial": 0,
+            "metric": "eval_ppl",
+            "pruner": "median",
+        },
+    )
+    summary = train(load_run(micro_run(steps=6)), out)
+    assert summary["status"] == "pruned" and summary["step"] == 3
+    assert summary["eval_ppl"] is not None
+    _tell(study, asked.number, summary, "eval_ppl")
+    frozen = study.trials[0]
+    assert frozen.state == optuna.trial.TrialState.PRUNED
+    assert list(frozen.intermediate_values) == [3]
+
+
+@pytest.mark.parametrize(("sampler", "kind"), [("random", "RandomSampler"), ("tpe", "TPESampler"),
+                                               ("cmaes", "CmaEsSampler")])
+def test_each_sampler_is_built_seeded(tmp_path, sampler, kind):
+    from harness.search import make_sampler
+
+    data = {"name": "s", "model": "llama_micro", "methods": {"full": {}}, "seeds": [3],
+            "search": {"sampler": sampler, "n_trials": 2,
+                       "space": {"train.lr": {"low": 1e-4, "high": 1e-2, "log": True}}}}
+    built = make_sampler(load_sweep(write_yaml(tmp_path / "s.yaml", data), {}))
+    assert type(built).__name__ == kind
