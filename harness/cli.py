@@ -85,10 +85,25 @@ def _load(runs_dir: str):
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from harness.analysis import status_table
+    """With --watch, redraw every N seconds until every trial has finished (or Ctrl-C)."""
+    import time
 
-    print(status_table(_load(args.runs_dir)))
-    return EXIT_OK
+    from harness.analysis import status_table
+    from harness.sweep import FINISHED
+
+    while True:
+        trials = _load(args.runs_dir)
+        table = status_table(trials)
+        if not args.watch:
+            print(table)
+            return EXIT_OK
+        print(f"\033[2J\033[H{args.runs_dir}  {time.strftime('%H:%M:%S')}\n{table}", flush=True)
+        if len(trials) and trials["status"].isin(FINISHED).all():
+            return EXIT_OK
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return EXIT_OK
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -187,8 +202,11 @@ def build_parser() -> Parser:
     s.add_argument("--retry-failed", action="store_true",
                    help="also re-run trials that ended failed, oom or nan")
 
-    command(sub, "status", cmd_status, "one row per trial", "Show every trial's status, step, "
-            "eval perplexity, tok/s and peak memory.").add_argument("runs_dir", help=runs_dir)
+    st = command(sub, "status", cmd_status, "one row per trial", "Show every trial's status, "
+                 "step, eval perplexity, tok/s and peak memory.")
+    st.add_argument("runs_dir", help=runs_dir)
+    st.add_argument("--watch", type=positive_int, nargs="?", const=5, metavar="SECONDS",
+                    help="redraw every SECONDS (default 5) until every trial has finished")
     command(sub, "report", cmd_report, "write tables and plots", "Write RUNS_DIR/report/ "
             "(trials.csv, summary.md, loss.png) and print the main table."
             ).add_argument("runs_dir", help=runs_dir)

@@ -64,6 +64,9 @@ def test_sweep_resumes_skips_finished_and_survives_a_nan_trial(tmp_path):
     status = harness("status", str(out))
     assert status.returncode == 0
     assert all(t.id in status.stdout for t in trials.values()) and "nan" in status.stdout
+    watched = harness("status", str(out), "--watch", "1")  # all finished: one frame, then exit
+    assert watched.returncode == 0 and watched.stdout.count("\033[2J") == 1
+    assert all(t.id in watched.stdout for t in trials.values())
 
     report = harness("report", str(out))
     assert report.returncode == 0, report.stderr
