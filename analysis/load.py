@@ -6,7 +6,6 @@ trial that has not started, and an unparsable line or file is skipped instead of
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -15,6 +14,8 @@ from typing import Any
 
 import pandas as pd
 import yaml
+
+from harness.records import read_json, read_jsonl
 
 PathArg = str | os.PathLike
 Paths = PathArg | Iterable[PathArg]
@@ -57,7 +58,7 @@ def load_steps(paths: Paths) -> pd.DataFrame:
     rows = [
         {"run_dir": row["run_dir"], "trial": row["trial"], "method": row["method"], **record}
         for trial_dir, row in _trials(paths)
-        for record in _read_jsonl(trial_dir / "metrics.jsonl")
+        for record in read_jsonl(trial_dir / "metrics.jsonl")
     ]
     return pd.DataFrame(rows) if rows else pd.DataFrame(columns=list(STEP_COLUMNS))
 
@@ -109,7 +110,7 @@ def _run_dirs(paths: Paths) -> list[Path]:
 def _trial_row(run_dir: Path, trial_dir: Path) -> dict[str, Any]:
     """Merge config and summary; the summary wins since it records what actually ran."""
     config = flatten(_read_yaml(trial_dir / "config.yaml"))
-    summary = _read_json(trial_dir / "summary.json")
+    summary = read_json(trial_dir / "summary.json")
     row: dict[str, Any] = {"run_dir": str(run_dir), **dict.fromkeys(SUMMARY_FIELDS), **config}
     row.update(flatten(summary or {}))
     # The folder name is what a user types to find the trial's files, so it is the id.
@@ -134,26 +135,3 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except (FileNotFoundError, yaml.YAMLError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """Yield metric records, skipping lines a crash or a concurrent write left unparsable."""
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            yield record

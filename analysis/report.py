@@ -6,8 +6,8 @@ trials that finished), the protocol of the papers this harness compares.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
+import io
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,8 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, LogFormatter
+
+from harness.records import atomic_write
 
 from .load import PathArg, load_runs, load_steps, read_sweep
 
@@ -59,9 +61,11 @@ def write_report(runs_dir: PathArg) -> str:
     table = summary_table(trials, order=_sweep_methods(sweep))
     out = runs_dir / "report"
     out.mkdir(exist_ok=True)
-    _atomic_write(out / "trials.csv", lambda tmp: trials.to_csv(tmp, index=False))
+    atomic_write(out / "trials.csv", trials.to_csv(index=False))
     figure, caption = _plot(load_steps(runs_dir), trials, name)
-    _atomic_write(out / "loss.png", lambda tmp: figure.savefig(tmp, format="png", dpi=120))
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=120)
+    atomic_write(out / "loss.png", png.getvalue())
     markdown = "\n\n".join(
         [
             f"# Sweep report: {name}",
@@ -72,7 +76,7 @@ def write_report(runs_dir: PathArg) -> str:
             "All trials, all columns: `trials.csv`.",
         ]
     )
-    _atomic_write(out / "summary.md", lambda tmp: tmp.write_text(markdown + "\n", "utf-8"))
+    atomic_write(out / "summary.md", markdown + "\n")
     return text_table(table)
 
 
@@ -190,16 +194,6 @@ def _points(steps: pd.DataFrame, kind: str, column: str) -> pd.DataFrame:
     if column not in steps:
         return steps.iloc[0:0]
     return steps[steps["kind"] == kind].dropna(subset=["tokens", column])
-
-
-def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """Write beside the target then rename, so a reader never sees a half-written file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _int(value: Any, missing: str) -> str:

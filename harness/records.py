@@ -22,8 +22,11 @@ def atomic_write(path: Path, data: str | bytes) -> None:
     """Write-then-rename, so a crash never leaves a half-written file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -31,10 +34,12 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
+    """None for a file that is missing, half-written or not a JSON object."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 def write_yaml(path: Path, obj: Any) -> None:
@@ -42,14 +47,19 @@ def write_yaml(path: Path, obj: Any) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every whole line; a line cut short by a crash is skipped."""
+    """Every whole record; a line cut short by a crash or a concurrent write is skipped."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
     rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            rows.append(record)
     return rows
 
 
