@@ -178,12 +178,8 @@ def run_study(sweep: SweepConfig, label: str, out: Path, jobs: int, target: str)
         done += len(asked)
 
 
-def run_search(sweep: SweepConfig, out: Path, jobs: int) -> int:
-    """Run each method's study to `n_trials`; 0 unless some trial failed (pruned is fine)."""
-    from harness.analysis import load_runs, status_table
-
-    out.mkdir(parents=True, exist_ok=True)
-    write_yaml(out / "sweep.yaml", sweep.model_dump())
+def run_search(sweep: SweepConfig, out: Path, jobs: int) -> bool:
+    """Run each method's study to `n_trials`; True if some trial failed (pruned is fine)."""
     target = storage_target(sweep, out)
     enqueued(sweep, {label: method_space(sweep, label) for label in sweep.methods})
     failed = False
@@ -191,8 +187,7 @@ def run_search(sweep: SweepConfig, out: Path, jobs: int) -> int:
         run_study(sweep, label, out, jobs, target)
         study = optuna.load_study(study_name=f"{sweep.name}/{label}", storage=open_storage(target))
         failed |= bool(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
-    print(status_table(load_runs(out)), flush=True)
-    return 1 if failed else 0
+    return failed
 
 
 def describe(sweep: SweepConfig) -> str:

@@ -150,17 +150,25 @@ def preflight(sweep: SweepConfig) -> None:
 def run_sweep(sweep: SweepConfig, out: Path, jobs: int, retry_failed: bool = False) -> int:
     """Run every unfinished trial; 0 if all are ok, 1 if any failed (all are still recorded)."""
     from harness.analysis import load_runs, status_table
-    from harness.launch import run_local
 
-    if sweep.search.sampler != "grid":
-        from harness.search import run_search
-
-        preflight(sweep)
-        return run_search(sweep, out, jobs)
-    trials = plan(sweep)
     preflight(sweep)
     out.mkdir(parents=True, exist_ok=True)
     write_yaml(out / "sweep.yaml", sweep.model_dump())
+    if sweep.search.sampler == "grid":
+        failed = run_grid(sweep, out, jobs, retry_failed)
+    else:
+        from harness.search import run_search
+
+        failed = run_search(sweep, out, jobs)
+    print(status_table(load_runs(out)), flush=True)
+    return 1 if failed else 0
+
+
+def run_grid(sweep: SweepConfig, out: Path, jobs: int, retry_failed: bool) -> bool:
+    """Run the plan's unfinished trials; True if any trial ended failed, oom or nan."""
+    from harness.launch import run_local
+
+    trials = plan(sweep)
     skip = set(FINISHED) - (set(FAILED) if retry_failed else set())
     todo = []
     for t in trials:
@@ -175,6 +183,4 @@ def run_sweep(sweep: SweepConfig, out: Path, jobs: int, retry_failed: bool = Fal
         flush=True,
     )
     run_local(todo, jobs)
-    statuses = [trial_status(out / "trials" / t.id) for t in trials]
-    print(status_table(load_runs(out)), flush=True)
-    return 1 if any(s in FAILED for s in statuses) else 0
+    return any(trial_status(out / "trials" / t.id) in FAILED for t in trials)
