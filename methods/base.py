@@ -13,6 +13,8 @@ from harness.config import Strict, suggest
 if TYPE_CHECKING:
     from harness.config import RunConfig
 
+# The papers' targets for adapters, factors and projections: every attention and MLP linear.
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 Shapes = dict[str, torch.Size]  # parameter name -> shape, of the base model before `prepare`
 _REGISTRY: dict[str, type[Method]] = {}
 

@@ -14,7 +14,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from harness.methods.base import MemoryEstimate, Method, Shapes, numel, register
+from harness.methods.base import TARGETS, MemoryEstimate, Method, Shapes, numel, register
 from harness.methods.full import AdamConfig
 from harness.methods.galore_optim import (
     BASIS_KEYS,
@@ -29,8 +29,6 @@ from harness.methods.layerwise import LayerwiseOptimizer
 if TYPE_CHECKING:
     from harness.config import RunConfig
 
-# The paper's targets: every attention and MLP linear of a LLaMA block.
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class ProjectionConfig(AdamConfig):

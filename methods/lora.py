@@ -12,7 +12,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from harness.methods.base import MemoryEstimate, Method, Shapes, numel, register
+from harness.methods.base import TARGETS, MemoryEstimate, Method, Shapes, numel, register
 from harness.methods.full import AdamConfig, adamw
 
 if TYPE_CHECKING:
@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from harness.config import RunConfig
 
 ADAPTER = "default"  # peft's name for the one adapter
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 class LoraParams(AdamConfig):

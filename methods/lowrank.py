@@ -18,13 +18,12 @@ from pydantic import Field
 from torch import nn
 
 from harness.config import UserError
-from harness.methods.base import MemoryEstimate, Shapes, numel, register
+from harness.methods.base import TARGETS, MemoryEstimate, Shapes, numel, register
 from harness.methods.full import AdamConfig, Full
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 class LowRankConfig(AdamConfig):
