@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import subprocess
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -166,3 +168,35 @@ class Records:
             self.wandb.summary.update({k: v for k, v in summary.items() if v is not None})
             self.wandb.finish()
             self.wandb = None
+
+
+def base_summary(run: RunConfig, out: Path) -> dict[str, Any]:
+    """A trial's summary.json as it starts: every field the tables read, filled in at the end."""
+    return {
+        "trial": out.name,
+        "status": "running",
+        "method": run.label or run.method_name,
+        "method_name": run.method_name,
+        "params": run.method_params,
+        "lr": run.train.lr,
+        "seed": run.seed,
+        "model": run.model,
+        "steps": run.train.steps,
+        "step": 0,
+        "tokens": 0,
+        "eval_loss": None,
+        "eval_ppl": None,
+        "tokens_per_s": None,
+        "mfu": None,
+        "peak_memory_bytes": None,
+        "param_bytes": None,
+        "grad_bytes": None,
+        "optimizer_state_bytes": None,
+        "trainable_params": None,
+        "wall_s": None,
+        "device": None,
+        "error": None,
+        "requeues": 0,
+        "host": socket.gethostname(),
+        "started_at": time.time(),
+    }

@@ -19,13 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness import meter
+from harness import distributed, meter
 from harness.config import RunConfig, TrainConfig, UserError
 from harness.data.c4 import BlockStream, eval_blocks, load_tokenizer
 from harness.data.loader import IGNORE, Prefetcher, to_batch
 from harness.methods import build_method
 from harness.models import build_model, describe
-from harness.records import Records
+from harness.records import Records, base_summary
 
 
 class NonFinite(Exception):
@@ -98,16 +98,25 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class Trainer:
+    """One trial's model, optimizer, data and loop; with W processes, one data-parallel rank:
+    `total_batch_size / (batch_size·W)` micro-batches, its share of the step (Prefetcher). The
+    loss is divided by the step's target count over all ranks and multiplied by W, which DDP's
+    gradient average cancels: gradients equal one process's. Layer-wise optimizers reduce in
+    their hooks (methods/layerwise.py). Logged and eval losses are summed over ranks; stop and
+    prune are agreed every step; only rank 0 writes (train() gives the others `main_only`)."""
+
     def __init__(self, run: RunConfig, rec: Records, should_stop: Callable[[int], bool]):
         self.run, self.rec, self.should_stop = run, rec, should_stop
         t = run.train
-        self.device = pick_device(run.device)
+        self.accumulation = distributed.local_accumulation(t)  # per process, checked before init
+        self.device = distributed.init(pick_device(run.device))
+        self.world = distributed.world_size()
         torch.manual_seed(run.seed)
         random.seed(run.seed)
         np.random.seed(run.seed)
         self.tok = load_tokenizer(run.task.tokenizer)
         model = build_model(run.model, len(self.tok), run.task.seq_len, self.tok.pad_token_id)
-        print(f"model {run.model}: {describe(model)}", flush=True)
+        distributed.say(f"model {run.model}: {describe(model)}")
         self.method = build_method(run)
         self.model = self.method.prepare(model.to(self.device), run)
         self.optimizer = self.method.optimizer(self.model, run)
@@ -119,7 +128,11 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         self.costs: dict[str, Any] = {}
         self._resume()
-        self.prefetch = Prefetcher(self.stream, t.batch_size, self.device)
+        self.layerwise = getattr(self.optimizer, "layerwise", False)
+        self._wrap()
+        self.prefetch = Prefetcher(
+            self.stream, t.batch_size, self.device, rank=distributed.rank(), world=self.world
+        )
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if t.precision == "bf16"
@@ -143,9 +156,17 @@ class Trainer:
         self.step, self.tokens = state["step"], state["tokens"]
         self.last_eval, self.costs = state["last_eval"], state["costs"]
         self.rec.truncate_metrics(self.step)
-        print(f"resumed from {self.rec.ckpt_path} at step {self.step}", flush=True)
+        distributed.say(f"resumed from {self.rec.ckpt_path} at step {self.step}")
+
+    def _wrap(self) -> None:
+        """`net` is what forward runs through: DDP, or the model itself (one process, or
+        layer-wise). Wrapped again when ReLoRA's warm start freezes weights DDP waits for."""
+        self.net = distributed.wrap(self.model, self.device, self.layerwise)
+        self._trainable = distributed.trainable(self.model)
 
     def save(self) -> None:
+        """Rank 0 writes the bare model's state: the same checkpoint as one process's."""
+        distributed.check_same(self.model, self.step)
         self.rec.save_checkpoint(
             {
                 "model": self.model.state_dict(),
@@ -161,18 +182,23 @@ class Trainer:
         )
 
     def train_step(self) -> torch.Tensor:
-        micro = [self.prefetch.next() for _ in range(self.run.train.accumulation)]
+        """One optimizer step; returns this rank's share of the step's mean loss."""
+        micro = [self.prefetch.next() for _ in range(self.accumulation)]
         targets = sum((labels[:, 1:] != IGNORE).sum() for _, labels in micro)
+        targets = distributed.all_sum(targets)  # the whole step's, over every rank
         total = torch.zeros((), device=self.device)
-        layerwise = getattr(self.optimizer, "layerwise", False)
         for i, (ids, labels) in enumerate(micro):
-            if layerwise:  # updates run inside backward: only once the gradient is complete
-                self.optimizer.sync = i == len(micro) - 1
-            with self.autocast:
-                loss = loss_sum(self.model, ids, labels)
-            (loss / targets).backward()
+            last = i == len(micro) - 1
+            if self.layerwise:  # updates run inside backward: only once the gradient is complete
+                self.optimizer.sync = last
+            # DDP reduces in the last micro-batch's backward only; before it, gradients add up
+            wait = self.net.no_sync() if self.net is not self.model and not last else nullcontext()
+            with wait:
+                with self.autocast:
+                    loss = loss_sum(self.net, ids, labels)
+                (loss * self.world / targets).backward()  # × W undoes DDP's average over ranks
             total += loss.detach()
-        if self.run.train.grad_clip and not layerwise:  # layer-wise clips per parameter
+        if self.run.train.grad_clip and not self.layerwise:  # layer-wise clips per parameter
             params = [p for p in self.model.parameters() if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, self.run.train.grad_clip, foreach=True)
         self.lr = self.optimizer.param_groups[0]["lr"]
@@ -181,10 +207,12 @@ class Trainer:
         events = self.method.on_step(self.step + 1, self.model, self.optimizer)
         if events:
             self.rec.log({"kind": "event", "step": self.step + 1, **events})
-            print(f"step {self.step + 1}: {events}", flush=True)
+            distributed.say(f"step {self.step + 1}: {events}")
         if not self.costs:  # gradients and states exist now: count them once
             self.costs = meter.breakdown(self.method, self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.net is not self.model and distributed.trainable(self.model) != self._trainable:
+            self._wrap()
         return total / targets
 
     @torch.no_grad()
@@ -193,19 +221,23 @@ class Trainer:
             self._eval_data = eval_blocks(self.run.task, self.tok, self.run.eval.tokens)
             held = sum(n - 1 for _, n in self._eval_data)
             if held < self.run.eval.tokens:
-                print(f"eval: the validation split holds {held:,} tokens, fewer than "
-                      f"eval.tokens {self.run.eval.tokens:,}; using them all", flush=True)
+                distributed.say(f"eval: the validation split holds {held:,} tokens, fewer "
+                                f"than eval.tokens {self.run.eval.tokens:,}; using them all")
         self.model.eval()
         batch = self.run.eval.batch_size or self.run.train.batch_size
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
-        for i in range(0, len(self._eval_data), batch):
+        starts = range(0, len(self._eval_data), batch)  # data parallel: every W-th batch each
+        for i in starts[distributed.rank() :: self.world]:
             ids, labels = to_batch(self._eval_data[i : i + batch], pin=False)
             ids, labels = ids.to(self.device), labels.to(self.device)
             with self.autocast:
                 total += loss_sum(self.model, ids, labels).double()
             count += int((labels[:, 1:] != IGNORE).sum())
         self.model.train()
+        if self.world > 1:  # float64 sums: the same loss as one process, to rounding
+            sums = distributed.all_sum(torch.stack([total, total.new_tensor(count)]))
+            total, count = sums[0], int(sums[1])
         loss = float(total) / count
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700)), "eval_tokens": count}
 
@@ -224,12 +256,12 @@ class Trainer:
             if self.step == first + 1:  # the first step pays one-off costs: not steady state
                 self.meter.lap(steady=steps == first + 1)
             if self.step % t.log_every == 0 or self.step == steps:
-                self._log(loss, running)
+                self._log(*distributed.all_sum(torch.stack([loss, running])))  # global losses
                 running.zero_()
             eval_due = self.run.eval.every and self.step % self.run.eval.every == 0
             if eval_due or self.step == steps:
                 self._eval()
-            stop = self.should_stop(self.step)
+            stop = distributed.any_rank(self.should_stop(self.step), self.device)
             if (
                 stop
                 or self.step == steps
@@ -259,25 +291,24 @@ class Trainer:
                 "memory_bytes": meter.current_memory(self.device),
             }
         )
-        print(
+        distributed.say(
             f"step {self.step}/{self.run.train.steps} loss {value:.4f} lr {lr:.2e} "
-            f"tok/s {tps:,.0f}",
-            flush=True,
+            f"tok/s {tps:,.0f}"
         )
 
     def _eval(self) -> None:
         self.meter.pause()
         self.last_eval = self.evaluate()
         self.rec.log({"kind": "eval", "step": self.step, "tokens": self.tokens, **self.last_eval})
-        print(
+        distributed.say(
             f"eval step {self.step}: loss {self.last_eval['eval_loss']:.4f} "
-            f"ppl {self.last_eval['eval_ppl']:.2f}",
-            flush=True,
+            f"ppl {self.last_eval['eval_ppl']:.2f}"
         )
         self.meter.resume()
-        if self.step < self.run.train.steps and should_prune(
-            self.rec.out, self.step, self.last_eval
-        ):
+        if self.step >= self.run.train.steps:
+            return
+        prune = distributed.is_main() and should_prune(self.rec.out, self.step, self.last_eval)
+        if distributed.any_rank(prune, self.device):  # rank 0 asks the study; all obey
             raise Pruned(f"pruned by the study at step {self.step}")
 
     def results(self) -> dict[str, Any]:
@@ -298,36 +329,9 @@ class Trainer:
         self.prefetch.close()
 
 
-def base_summary(run: RunConfig, out: Path) -> dict[str, Any]:
-    return {
-        "trial": out.name,
-        "status": "running",
-        "method": run.label or run.method_name,
-        "method_name": run.method_name,
-        "params": run.method_params,
-        "lr": run.train.lr,
-        "seed": run.seed,
-        "model": run.model,
-        "steps": run.train.steps,
-        "step": 0,
-        "tokens": 0,
-        "eval_loss": None,
-        "eval_ppl": None,
-        "tokens_per_s": None,
-        "mfu": None,
-        "peak_memory_bytes": None,
-        "param_bytes": None,
-        "grad_bytes": None,
-        "optimizer_state_bytes": None,
-        "trainable_params": None,
-        "wall_s": None,
-        "device": None,
-        "error": None,
-    }
-
-
 class _StopFlag:
-    """SIGINT/SIGTERM ask for a clean stop: the current step ends, a checkpoint is saved."""
+    """SIGINT, SIGTERM and USR2 (Slurm: preemption or time limit) ask for a clean stop: the
+    current step ends and a checkpoint is saved."""
 
     def __init__(self) -> None:
         self.set = False
@@ -337,8 +341,9 @@ class _StopFlag:
 
 
 def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None = None) -> dict:
-    """Run (or resume) one trial in `out`; returns its summary, which is also on disk."""
-    rec = Records(out, run)
+    """Run (or resume) one trial in `out`; returns its summary, which is also on disk.
+    Under DDP every rank calls this; only rank 0's records write."""
+    rec = distributed.main_only(Records(out, run))
     previous = rec.summary()
     if previous and previous.get("status") == "ok" and rec.ckpt_path.exists():
         rec.load_checkpoint()  # refuses a folder that holds another config's run
@@ -347,9 +352,11 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
     out.mkdir(parents=True, exist_ok=True)
     rec.write_config()
     summary = base_summary(run, out)
+    summary["requeues"] = (previous or {}).get("requeues", 0)
     rec.write_summary({**summary, "pid": os.getpid()})
     flag = _StopFlag()
-    handlers = {s: signal.signal(s, flag) for s in (signal.SIGINT, signal.SIGTERM)}
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+    handlers = {s: signal.signal(s, flag) for s in stops}
     start, trainer = time.time(), None
     try:
         trainer = Trainer(
@@ -381,4 +388,5 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
         summary["wall_s"] = time.time() - start + ((resumed and previous.get("wall_s")) or 0)
         rec.write_summary(summary)
         rec.finish_wandb(summary)
+        distributed.teardown(failed=summary["status"] in ("failed", "oom", "running"))
     return summary

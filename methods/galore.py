@@ -14,6 +14,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from harness import distributed
 from harness.methods.base import TARGETS, MemoryEstimate, Method, Shapes, numel, register
 from harness.methods.full import AdamConfig
 from harness.methods.galore_optim import (
@@ -68,7 +69,8 @@ class GaLore(Method):
 
     def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
         c, wd = self.config, run.train.weight_decay
-        self._accumulation = run.train.accumulation  # layer-wise gradient memory depends on it
+        # Layer-wise gradient memory depends on the micro-batches each process accumulates.
+        self._accumulation = max(1, run.train.accumulation // distributed.world_size())
         settings: dict[nn.Parameter, dict[str, Any]] = {}
         for name, p in model.named_parameters():
             if self.targeted(name, tuple(p.shape)):

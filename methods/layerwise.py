@@ -7,6 +7,17 @@ GaLore#78, Q-GaLore#13), and the LR schedule ticks once per optimizer step becau
 scheduler drives this wrapper's `param_groups`, which are the inner optimizers' own groups
 (GaLore#62). A global gradient norm cannot be known before the first update runs, so clipping
 is per parameter: each gradient's norm is clipped to `clip` on its own.
+
+Data parallel (harness/distributed.py): DDP's wrapper would reduce gradients in buckets after
+they were complete, which either fails here (the hook has already freed them) or needs every
+gradient kept until the bucket is reduced, doubling gradient memory. So the trainer does not
+wrap a layer-wise model. Instead this hook all-reduces its parameter's gradient right before the
+update: summed over ranks and divided by W, the average DDP would have taken (the trainer scales
+each rank's loss by W over the step's global target count, so the average is the 1-process
+gradient). Then it clips, steps and frees it; peak gradient memory stays one parameter (plus
+what accumulation keeps). Hooks fire in autograd order, identical on every rank for the same
+graph, so the per-parameter collectives match up. Ranks start equal (the trainer broadcasts rank
+0's weights) and stay equal, since every rank steps on the same reduced gradient.
 """
 
 from __future__ import annotations
@@ -16,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from harness import distributed
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
@@ -34,6 +47,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def _update(self, param: torch.Tensor) -> None:
         if not self.sync:  # a middle micro-batch: let the gradient accumulate
             return
+        if distributed.active():  # the average over ranks, before anything reads the gradient
+            distributed.all_sum(param.grad).div_(distributed.world_size())
         if self.clip:
             torch.nn.utils.clip_grad_norm_([param], self.clip)
         self.inner[param].step()

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from harness import distributed
 from harness.methods.galore_optim import (
     AdamKernel,
     GaLoreOptimizer,
@@ -124,8 +125,9 @@ class QGaLoreOptimizer(LayerwiseOptimizer):
         part = g if full or side == "none" else project(g, self.dequantized_basis(m), side)
         acc = self.pending.get(m)
         self.pending[m] = part if acc is None else acc.add_(part)
-        if self.sync:
-            self._step_layer(m, self.pending.pop(m), full)
+        if self.sync:  # under DDP the (linear) projection commutes with the ranks' average
+            g = distributed.all_sum(self.pending.pop(m)).div_(distributed.world_size())
+            self._step_layer(m, g, full)
 
     def dequantized_basis(self, m: Int8Linear) -> dict[str, Tensor]:
         """The INT4 basis, dequantized for this use only."""

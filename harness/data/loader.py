@@ -25,12 +25,20 @@ def to_batch(blocks: list[tuple[np.ndarray, int]], pin: bool) -> tuple[torch.Ten
 
 
 class Prefetcher:
-    """Keeps `depth` micro-batches ready; `state()` is the position after the last one taken."""
+    """Keeps `depth` micro-batches ready; `state()` is the position after the last one taken.
 
-    def __init__(self, stream: BlockStream, batch_size: int, device: torch.device, depth: int = 8):
+    Data parallel (`world` > 1): every rank reads the same seeded stream in rounds of `world`
+    micro-batches and keeps the `rank`-th of each, so in one step the ranks together see exactly
+    the micro-batches one process would. The position is taken after the whole round, so rank 0's
+    checkpoint restores every rank.
+    """
+
+    def __init__(self, stream: BlockStream, batch_size: int, device: torch.device, depth: int = 8,
+                 rank: int = 0, world: int = 1):
         self.stream = stream
         self.batch_size = batch_size
         self.device = device
+        self.rank, self.world = rank, world
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
         self._state = stream.state()
@@ -41,8 +49,9 @@ class Prefetcher:
         pin = self.device.type == "cuda"
         try:
             while not self.stop.is_set():
-                blocks = [self.stream.next_block() for _ in range(self.batch_size)]
-                item = (to_batch(blocks, pin), self.stream.state())
+                blocks = [self.stream.next_block() for _ in range(self.batch_size * self.world)]
+                mine = blocks[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+                item = (to_batch(mine, pin), self.stream.state())
                 while not self.stop.is_set():
                     try:
                         self.queue.put(item, timeout=0.1)
