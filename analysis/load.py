@@ -6,6 +6,7 @@ trial that has not started, and an unparsable line or file is skipped instead of
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -25,12 +26,12 @@ SUMMARY_FIELDS = (
     "trial", "status", "method", "method_name", "lr", "seed", "model", "steps", "step",
     "tokens", "eval_loss", "eval_ppl", "tokens_per_s", "mfu", "peak_memory_bytes",
     "param_bytes", "grad_bytes", "optimizer_state_bytes", "trainable_params", "total_params",
-    "wall_s", "device", "error",
+    "wall_s", "device", "error", "requeues", "last_loss",
 )  # fmt: skip
 NUMERIC_FIELDS = (
     "lr", "steps", "step", "tokens", "eval_loss", "eval_ppl", "tokens_per_s", "mfu",
     "peak_memory_bytes", "param_bytes", "grad_bytes", "optimizer_state_bytes",
-    "trainable_params", "total_params", "wall_s",
+    "trainable_params", "total_params", "wall_s", "requeues", "last_loss",
 )  # fmt: skip
 # Where a trial without a summary (or with nulls in it) finds the same fact in its config.
 CONFIG_FALLBACKS = {
@@ -117,10 +118,40 @@ def _trial_row(run_dir: Path, trial_dir: Path) -> dict[str, Any]:
     row["trial"] = trial_dir.name
     if summary is None:
         row["status"] = "pending"
+    row.update(_progress(trial_dir, row))
     for field, keys in CONFIG_FALLBACKS.items():
         if row[field] is None:
             row[field] = next((config[k] for k in keys if config.get(k) is not None), None)
     return row
+
+
+def _progress(trial_dir: Path, row: dict[str, Any]) -> dict[str, Any]:
+    """The last logged losses: the summary of a running trial is only rewritten at its end."""
+    try:
+        with (trial_dir / "metrics.jsonl").open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
+            tail = f.read().decode("utf-8", "replace").splitlines()[1:]
+    except OSError:
+        return {}
+    rows = [r for r in (_json_line(line) for line in tail) if isinstance(r, dict)]
+    train = [r for r in rows if r.get("kind") == "train"]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    out: dict[str, Any] = {}
+    if train:
+        out["last_loss"] = train[-1].get("loss")
+        if row.get("status") == "running":
+            out["step"] = train[-1].get("step")
+            out["tokens_per_s"] = train[-1].get("tokens_per_s")
+    if evals and row.get("status") == "running":
+        out["eval_ppl"] = evals[-1].get("eval_ppl")
+    return out
+
+
+def _json_line(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
 
 
 def _natural_key(name: str) -> list[int | str]:

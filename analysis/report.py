@@ -44,9 +44,11 @@ def status_table(trials: pd.DataFrame) -> str:
                 f"{_int(step, '0')}/{_int(steps, '?')}"
                 for step, steps in zip(trials["step"], trials["steps"], strict=True)
             ],
+            "loss": trials["last_loss"].map(_loss),
             "eval ppl": trials["eval_ppl"].map(_ppl),
             "tok/s": trials["tokens_per_s"].map(_rate),
             "peak memory": trials["peak_memory_bytes"].map(human_bytes),
+            "requeues": trials["requeues"].map(lambda v: _int(v, "0")),
         }
     )
     return text_table(table)
@@ -198,6 +200,10 @@ def _points(steps: pd.DataFrame, kind: str, column: str) -> pd.DataFrame:
 
 def _int(value: Any, missing: str) -> str:
     return missing if pd.isna(value) else str(int(value))
+
+
+def _loss(value: Any) -> str:
+    return "" if pd.isna(value) else f"{value:.4f}"
 
 
 def _ppl(value: Any) -> str:

@@ -59,7 +59,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return EXIT_OK
     out = Path(args.out) if args.out else Path("runs") / sweep.name
     try:
-        return run_sweep(sweep, out, args.jobs or sweep.launcher.jobs, args.retry_failed)
+        if args.jobs:
+            sweep.launcher.jobs = args.jobs
+        return run_sweep(sweep, out, args.retry_failed)
     except KeyboardInterrupt:
         print(
             "\ninterrupted: running trials saved checkpoints; run the same command to resume",

@@ -132,6 +132,9 @@ class SearchConfig(Strict):
         default_factory=list, description="fixed points each method's study tries first"
     )
     pruner: Literal["none", "median", "hyperband"] = "none"
+    heartbeat_s: int = Field(
+        60, ge=1, description="database storage: a trial silent 3x this long is retried"
+    )
 
     @model_validator(mode="after")
     def _fits_sampler(self) -> SearchConfig:
@@ -154,8 +157,34 @@ class SearchConfig(Strict):
 
 
 class LauncherConfig(Strict):
-    kind: Literal["local"] = "local"
-    jobs: int = Field(1, ge=1, description="trials run at once")
+    """Where trials run; the Slurm keys may come from a named profile in `slurm/<name>.yaml`."""
+
+    kind: Literal["local", "submitit-local", "slurm"] = "local"
+    jobs: int = Field(1, ge=1, description="trials run at once (Optuna: workers)")
+    profile: str | None = Field(None, description="cluster profile: slurm/<profile>.yaml")
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    nodes: int = Field(1, ge=1)
+    tasks_per_node: int = Field(1, ge=1, description="processes per node (DDP ranks)")
+    gpus_per_node: int = Field(0, ge=0)
+    cpus_per_task: int | None = Field(None, ge=1)
+    mem: str | None = Field(None, description="memory per node, e.g. 64G")
+    timeout_min: int = Field(60, ge=1, description="time limit per job; it requeues after it")
+    signal_delay_s: int = Field(90, ge=1, description="USR2 this long before the time limit")
+    max_timeouts: int = Field(3, ge=0, description="requeues after a time limit (preemption: any)")
+    array_parallelism: int | None = Field(None, ge=1, description="default: jobs")
+    sbatch: dict[str, str | int | bool] = Field(
+        default_factory=dict, description="extra #SBATCH options, e.g. {exclusive: true}"
+    )
+    setup: list[str] = Field(
+        default_factory=list, description="shell lines run first (module load, conda activate)"
+    )
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.tasks_per_node
 
 
 class SweepConfig(Common):
@@ -167,6 +196,20 @@ class SweepConfig(Common):
     storage: str | None = Field(
         None, description="Optuna storage: a journal file path or a database URL"
     )
+
+    @model_validator(mode="after")
+    def _launcher_fits(self) -> SweepConfig:
+        if self.launcher.ranks > 1 and self.launcher.kind == "local":
+            raise ValueError(
+                "launcher: nodes x tasks_per_node > 1 (a DDP trial) needs kind submitit-local "
+                "or slurm (or run `torchrun ... harness train`)"
+            )
+        if self.launcher.ranks > 1 and self.search.sampler != "grid":
+            raise ValueError(
+                "launcher: DDP trials (nodes x tasks_per_node > 1) run in grid sweeps; "
+                "Optuna workers run one process each"
+            )
+        return self
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

@@ -9,7 +9,9 @@ to the study, so the training process reports each evaluation and obeys the prun
 from __future__ import annotations
 
 import math
-import time
+import threading
+import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +22,18 @@ from optuna.distributions import (
     FloatDistribution,
     IntDistribution,
 )
-from optuna.storages import BaseStorage, RDBStorage
+from optuna.exceptions import ExperimentalWarning
+from optuna.storages import (
+    BaseStorage,
+    RDBStorage,
+    RetryHeartbeatStaleTrialCallback,
+)
 from optuna.storages.journal import JournalFileBackend, JournalStorage
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from harness.config import SweepConfig, UserError, check_distributions
-from harness.records import read_json, write_json, write_yaml
-from harness.sweep import FINISHED, Trial, make_trial, method_entry, trial_status
+from harness.records import read_json
+from harness.sweep import FAILED, FINISHED, Trial, make_trial, method_entry, trial_status
 
 LINK = "optuna.json"
 DONE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -36,10 +43,19 @@ def storage_target(sweep: SweepConfig, out: Path) -> str:
     return sweep.storage or str(out / "optuna.journal")
 
 
-def open_storage(target: str) -> BaseStorage:
-    """A database URL goes to RDBStorage; anything else is a journal file (no server needed)."""
+def open_storage(target: str, heartbeat_s: int | None = None) -> BaseStorage:
+    """A database URL goes to RDBStorage, with heartbeats for the workers when asked (a trial
+    silent for 3 beats is failed and queued again); anything else is a journal file."""
     if "://" in target:
-        return RDBStorage(target)
+        if heartbeat_s is None:
+            return RDBStorage(target)
+        warnings.filterwarnings("ignore", category=ExperimentalWarning)  # heartbeat API
+        return RDBStorage(
+            target,
+            heartbeat_interval=heartbeat_s,
+            grace_period=3 * heartbeat_s,
+            failed_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3),
+        )
     Path(target).parent.mkdir(parents=True, exist_ok=True)
     return JournalStorage(JournalFileBackend(target))
 
@@ -52,8 +68,10 @@ def make_pruner(name: str) -> optuna.pruners.BasePruner:
     return optuna.pruners.NopPruner()
 
 
-def make_sampler(sweep: SweepConfig) -> optuna.samplers.BaseSampler:
-    seed = sweep.seeds[0]
+def make_sampler(sweep: SweepConfig, worker: str = "") -> optuna.samplers.BaseSampler:
+    """Seeded by the sweep's first seed; each further worker draws its own stream, since
+    workers with equal seeds would propose the same points."""
+    seed = sweep.seeds[0] if not worker else zlib.crc32(f"{sweep.seeds[0]}/{worker}".encode())
     if sweep.search.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if sweep.search.sampler == "cmaes":
@@ -103,18 +121,20 @@ def enqueued(
     return points
 
 
-def open_study(sweep: SweepConfig, label: str, storage: BaseStorage) -> optuna.Study:
+def open_study(
+    sweep: SweepConfig, label: str, storage: BaseStorage, worker: str = ""
+) -> optuna.Study:
     return optuna.create_study(
         storage=storage,
         study_name=f"{sweep.name}/{label}",
-        sampler=make_sampler(sweep),
+        sampler=make_sampler(sweep, worker),
         pruner=make_pruner(sweep.search.pruner),
         direction=sweep.search.direction,
         load_if_exists=True,
     )
 
 
-def _tell(study: optuna.Study, number: int, summary: dict[str, Any] | None, metric: str) -> None:
+def tell(study: optuna.Study, number: int, summary: dict[str, Any] | None, metric: str) -> None:
     """ok with a finite metric: COMPLETE; pruned: PRUNED; failed, nan, oom or no metric: FAIL."""
     summary = summary or {}
     value = summary.get(metric)
@@ -126,67 +146,99 @@ def _tell(study: optuna.Study, number: int, summary: dict[str, Any] | None, metr
         study.tell(number, state=TrialState.FAIL)
 
 
+def retry(study: optuna.Study, trial: FrozenTrial) -> None:
+    """Queue the same point and seed again: it maps to the same folder and resumes there."""
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=TrialState.WAITING,
+            params=trial.params,
+            distributions=trial.distributions,
+            user_attrs={**trial.user_attrs, "retry_of": trial.number},
+        )
+    )
+
+
+def retried(trials: list[FrozenTrial]) -> set[int]:
+    """Failed trials already queued again, by us or by the heartbeat callback."""
+    return {t.user_attrs.get("retry_of", t.system_attrs.get("failed_trial")) for t in trials} - {
+        None
+    }
+
+
+def budget_used(trials: list[FrozenTrial]) -> int:
+    """Trials counted against n_trials: a failure that is being retried counts once."""
+    again = retried(trials)
+    return sum(not (t.state == TrialState.FAIL and t.number in again) for t in trials)
+
+
 def recover(study: optuna.Study, out: Path, metric: str) -> None:
-    """Trials a killed sweep left RUNNING: told from their summary if the run finished, else
-    failed (their folder keeps its checkpoint; the same point asked again resumes from it)."""
+    """Trials a killed sweep left RUNNING (journal storage has no heartbeats) are told from
+    their summary if the run finished, else failed and queued again: their folder keeps the
+    checkpoint they resume from."""
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        trial_dir = out / "trials" / str(t.user_attrs.get("trial_id", ""))
-        status = trial_status(trial_dir)
-        if status == "running":  # a live process on this machine still owns it
+        status = trial_status(out / "trials" / str(t.user_attrs.get("trial_id", "")))
+        if status in ("running", "queued"):  # a live process still owns it
             continue
-        summary = read_json(trial_dir / "summary.json") if status in FINISHED else None
-        _tell(study, t.number, summary, metric)
+        summary = read_json(out / "trials" / t.user_attrs["trial_id"] / "summary.json")
+        tell(study, t.number, summary if status in FINISHED else None, metric)
+        if status not in FINISHED:
+            retry(study, study.get_trials(deepcopy=False)[t.number])
 
 
-def _harness_trial(sweep: SweepConfig, label: str, ot: optuna.Trial) -> Trial:
-    """Seeds cycle over Optuna trials: the seed is part of the trial, as in a grid."""
-    seed = sweep.seeds[ot.number % len(sweep.seeds)]
+def retry_failures(study: optuna.Study, out: Path) -> None:
+    """`--retry-failed`: failed, oom and nan trials are queued again, each once."""
+    trials = study.get_trials(deepcopy=False)
+    again = retried(trials)
+    for t in trials:
+        status = trial_status(out / "trials" / str(t.user_attrs.get("trial_id", "")))
+        if t.state == TrialState.FAIL and t.number not in again and status in FAILED:
+            retry(study, t)
+
+
+def harness_trial(sweep: SweepConfig, label: str, ot: optuna.Trial) -> Trial:
+    """Seeds cycle over Optuna trials (the seed is part of the trial, as in a grid); a retried
+    trial keeps its seed."""
+    seed = ot.user_attrs.get("seed", sweep.seeds[ot.number % len(sweep.seeds)])
     trial = make_trial(sweep, label, dict(ot.params), seed)
     ot.set_user_attr("trial_id", trial.id)
     ot.set_user_attr("seed", seed)
     return trial
 
 
-def run_study(sweep: SweepConfig, label: str, out: Path, jobs: int, target: str) -> None:
-    """Ask `jobs` points at a time, run them as trial processes, tell their final metric."""
-    from harness.launch import run_local
+def run_search(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> bool:
+    """Run each method's study to `n_trials` with `jobs` workers; True if some trial failed
+    (pruned is fine)."""
+    from harness.launch import LocalLauncher, run_workers
+    from harness.worker import Worker, WorkerJob
 
-    s = sweep.search
-    study = open_study(sweep, label, open_storage(target))
-    space = method_space(sweep, label)
-    recover(study, out, s.metric)
-    for point in enqueued(sweep, {label: space})[label]:
-        study.enqueue_trial(point, skip_if_exists=True)
-    done = len(study.get_trials(deepcopy=False, states=DONE))
-    print(f"{study.study_name}: {done} of {s.n_trials} trials finished", flush=True)
-    deadline = time.time() + s.timeout_min * 60 if s.timeout_min else math.inf
-    while done < (s.n_trials or 0) and time.time() < deadline:
-        asked = [study.ask(space) for _ in range(min(jobs, s.n_trials - done))]
-        trials = [_harness_trial(sweep, label, ot) for ot in asked]
-        todo: dict[str, Path] = {}
-        for ot, t in zip(asked, trials, strict=True):
-            trial_dir = out / "trials" / t.id
-            if t.id in todo or trial_status(trial_dir) in FINISHED:
-                continue  # the same point asked twice: run it once, tell both
-            write_yaml(trial_dir / "config.yaml", t.run.model_dump())
-            link = {"storage": target, "study": study.study_name, "trial": ot.number}
-            write_json(trial_dir / LINK, {**link, "metric": s.metric, "pruner": s.pruner})
-            todo[t.id] = trial_dir
-        run_local(list(todo.items()), jobs)
-        for ot, t in zip(asked, trials, strict=True):
-            _tell(study, ot.number, read_json(out / "trials" / t.id / "summary.json"), s.metric)
-        done += len(asked)
-
-
-def run_search(sweep: SweepConfig, out: Path, jobs: int) -> bool:
-    """Run each method's study to `n_trials`; True if some trial failed (pruned is fine)."""
     target = storage_target(sweep, out)
-    enqueued(sweep, {label: method_space(sweep, label) for label in sweep.methods})
-    failed = False
+    storage = open_storage(target, sweep.search.heartbeat_s)
+    points = enqueued(sweep, {label: method_space(sweep, label) for label in sweep.methods})
     for label in sweep.methods:
-        run_study(sweep, label, out, jobs, target)
-        study = optuna.load_study(study_name=f"{sweep.name}/{label}", storage=open_storage(target))
-        failed |= bool(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
+        study = open_study(sweep, label, storage)
+        if not isinstance(storage, RDBStorage):  # heartbeats find dead workers there
+            recover(study, out, sweep.search.metric)
+        if retry_failed:
+            retry_failures(study, out)
+        for point in points[label]:
+            study.enqueue_trial(point, skip_if_exists=True)
+        trials = study.get_trials(deepcopy=False)
+        again = retried(trials)
+        done = sum(t.state in DONE and t.number not in again for t in trials)
+        print(f"{study.study_name}: {done} of {sweep.search.n_trials} trials finished", flush=True)
+    labels = list(sweep.methods)
+    jobs = sweep.launcher.jobs
+    if sweep.launcher.kind == "local":
+        slots, lock = LocalLauncher(jobs), threading.Lock()
+        workers = [Worker(sweep, out, slots.run_one, i) for i in range(jobs)]
+        slots.pool([lambda w=w: w.run(labels, lock) for w in workers])
+    else:
+        run_workers([WorkerJob(sweep, out, i) for i in range(jobs)], sweep.launcher, out)
+    failed = False
+    for label in labels:
+        trials = open_study(sweep, label, storage).get_trials(deepcopy=False)
+        again = retried(trials)
+        failed |= any(t.state == TrialState.FAIL and t.number not in again for t in trials)
     return failed
 
 

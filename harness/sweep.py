@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from tabulate import tabulate
 
 from harness.config import (
     Common,
+    LauncherConfig,
     RunConfig,
     SweepConfig,
     UserError,
@@ -20,6 +22,7 @@ from harness.config import (
     read_yaml,
     resolve_method,
     set_dotted,
+    suggest,
     validate,
 )
 from harness.methods.base import changed_params
@@ -55,9 +58,25 @@ def load_sweep(path: str | Path, overrides: dict[str, Any]) -> SweepConfig:
         for space in spaces:
             if isinstance(space, dict):
                 space.pop(key, None)
+    launcher = data.get("launcher")
+    if isinstance(launcher, dict) and launcher.get("profile"):
+        data["launcher"] = {**read_profile(launcher["profile"], Path(path)), **launcher}
     sweep = validate(SweepConfig, data)
     check_preset(sweep.model, "model")
     return sweep
+
+
+def read_profile(name: str, sweep_path: Path) -> dict[str, Any]:
+    """A named cluster profile, `slurm/<name>.yaml` beside the working or the sweep's folder;
+    the sweep's own launcher keys override it."""
+    places = [Path("slurm"), sweep_path.resolve().parent.parent / "slurm"]
+    found = [p / f"{name}.yaml" for p in places if (p / f"{name}.yaml").is_file()]
+    if not found:
+        known = sorted({f.stem for p in places if p.is_dir() for f in p.glob("*.yaml")})
+        raise suggest(name, known, "cluster profile", "launcher.profile")
+    data = read_yaml(found[0])
+    validate(LauncherConfig, data, prefix=f"{found[0]}: ")
+    return data
 
 
 def method_entry(sweep: SweepConfig, label: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
@@ -106,17 +125,26 @@ def plan(sweep: SweepConfig) -> list[Trial]:
 
 
 def trial_status(trial_dir: Path) -> str:
-    """A `running` summary whose process is gone is an interrupted trial."""
+    """A `running` summary whose process is gone is an interrupted trial; a trial whose Slurm
+    job is still queued or running is that, whatever its folder says."""
+    from harness.launch import live_job
+
     summary = read_json(trial_dir / "summary.json")
-    if summary is None:
-        return "pending"
-    status = summary.get("status", "pending")
-    if status == "running" and not _alive(summary.get("pid")):
+    status = (summary or {}).get("status", "pending")
+    if status in ("pending", "running", "interrupted"):
+        job = live_job(trial_dir)
+        if job is not None:
+            return "running" if status == "running" else job
+    if status == "running" and not _alive(summary):
         return "interrupted"
     return status
 
 
-def _alive(pid: int | None) -> bool:
+def _alive(summary: dict[str, Any]) -> bool:
+    """Only a process on this host can be checked; one elsewhere is taken to be running."""
+    if summary.get("host", socket.gethostname()) != socket.gethostname():
+        return True
+    pid = summary.get("pid")
     if not pid:
         return False
     try:
@@ -147,7 +175,7 @@ def preflight(sweep: SweepConfig) -> None:
         open_documents(sweep.task, split)
 
 
-def run_sweep(sweep: SweepConfig, out: Path, jobs: int, retry_failed: bool = False) -> int:
+def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> int:
     """Run every unfinished trial; 0 if all are ok, 1 if any failed (all are still recorded)."""
     from harness.analysis import load_runs, status_table
 
@@ -155,32 +183,39 @@ def run_sweep(sweep: SweepConfig, out: Path, jobs: int, retry_failed: bool = Fal
     out.mkdir(parents=True, exist_ok=True)
     write_yaml(out / "sweep.yaml", sweep.model_dump())
     if sweep.search.sampler == "grid":
-        failed = run_grid(sweep, out, jobs, retry_failed)
+        failed = run_grid(sweep, out, retry_failed)
     else:
         from harness.search import run_search
 
-        failed = run_search(sweep, out, jobs)
+        failed = run_search(sweep, out, retry_failed)
     print(status_table(load_runs(out)), flush=True)
     return 1 if failed else 0
 
 
-def run_grid(sweep: SweepConfig, out: Path, jobs: int, retry_failed: bool) -> bool:
-    """Run the plan's unfinished trials; True if any trial ended failed, oom or nan."""
-    from harness.launch import run_local
+def run_grid(sweep: SweepConfig, out: Path, retry_failed: bool) -> bool:
+    """Run the plan's unfinished trials; True if any trial ended failed, oom or nan. Trials
+    whose Slurm job is still queued or running are left to it (a sweep run again collects)."""
+    from harness.launch import run_jobs, run_local
 
     trials = plan(sweep)
     skip = set(FINISHED) - (set(FAILED) if retry_failed else set())
-    todo = []
+    todo, live = [], 0
     for t in trials:
         trial_dir = out / "trials" / t.id
-        if trial_status(trial_dir) in skip:
+        status = trial_status(trial_dir)
+        live += status in ("queued", "running")
+        if status in skip or status in ("queued", "running"):
             continue
         write_yaml(trial_dir / "config.yaml", t.run.model_dump())
         todo.append((t.id, trial_dir))
+    in_slurm = f"{live} still in Slurm, " if live else ""
     print(
-        f"{sweep.name}: {len(trials)} trials, {len(trials) - len(todo)} already finished, "
-        f"{len(todo)} to run in {out}",
+        f"{sweep.name}: {len(trials)} trials, {len(trials) - len(todo) - live} already "
+        f"finished, {in_slurm}{len(todo)} to run in {out}",
         flush=True,
     )
-    run_local(todo, jobs)
+    if sweep.launcher.kind == "local":
+        run_local(todo, sweep.launcher.jobs)
+    else:
+        run_jobs(todo, sweep.launcher, out)
     return any(trial_status(out / "trials" / t.id) in FAILED for t in trials)

@@ -60,7 +60,7 @@ class QGaLoreConfig(ProjectionConfig):
         "adam8bit", description="inner optimizer, also used at full rank for the other weights")
     min_8bit_size: int = Field(4096, ge=1, description="adam8bit: smaller states stay 32-bit")
     simulate: bool = Field(
-        False, description="float weights fake-quantized in forward; ordinary gradients (DDP)")
+        False, description="float weights fake-quantized in forward; ordinary gradients")
 
 
 class FakeInt8(nn.Module):

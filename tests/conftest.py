@@ -80,3 +80,31 @@ def assert_estimate_matches(estimate: Any, summary: dict[str, Any]) -> None:
     assert estimate.grad_bytes == summary["grad_bytes"]
     assert estimate.optimizer_state_bytes == summary["optimizer_state_bytes"]
     assert estimate.extra_bytes == summary["extra_bytes"]
+
+
+def require_service(env: str, what: str, start: str) -> str:
+    """Tests on a real cluster or database: skipped (with the reason) on a developer's machine
+    where it is not running, but never in CI, where `.ci/run` starts it."""
+    value = os.environ.get(env)
+    if value:
+        return value
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is required in CI but {env} is unset (.ci/run starts it)")
+    pytest.skip(f"needs {what}: `{start}`, then set {env}")
+
+
+def train_losses(trial_dir: Path) -> dict[int, float]:
+    """Logged training loss by step, for comparing an interrupted run with a clean one."""
+    from harness.records import read_jsonl
+
+    return {r["step"]: r["loss"] for r in read_jsonl(trial_dir / "metrics.jsonl")
+            if r["kind"] == "train"}
+
+
+def wait_for_step(trial_dir: Path, step: int, timeout_s: float = 300) -> None:
+    import time
+
+    deadline = time.time() + timeout_s
+    while max(train_losses(trial_dir), default=0) < step:
+        assert time.time() < deadline, f"{trial_dir} never reached step {step}"
+        time.sleep(0.2)

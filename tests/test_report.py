@@ -194,13 +194,29 @@ def test_summary_orders_alphabetically_without_sweep(runs: Path) -> None:
 def test_status_table_shows_progress(runs: Path) -> None:
     lines = status_table(load_runs(runs)).splitlines()
     assert [cell.strip() for cell in lines[0].split("|")[1:-1]] == [
-        "id", "method", "status", "step", "eval ppl", "tok/s", "peak memory",
+        "id", "method", "status", "step", "loss", "eval ppl", "tok/s", "peak memory", "requeues",
     ]  # fmt: skip
     t4 = next(line for line in lines if "| t4 " in line)
-    assert "failed" in t4 and "20/40" in t4
+    assert "failed" in t4 and "20/40" in t4 and "| 3.0000 |" in t4
     t10 = next(line for line in lines if "| t10 " in line)
     assert "pending" in t10 and "0/40" in t10
     assert len(lines) == 2 + 6
+
+
+def test_status_of_a_running_trial_comes_from_its_metrics(runs: Path) -> None:
+    """A running trial's summary is only rewritten at its end: progress is read from the
+    tail of metrics.jsonl."""
+    folder = runs / "trials" / "t4"
+    summary = json.loads((folder / "summary.json").read_text())
+    summary.update(status="running", step=0, eval_ppl=None, requeues=2)
+    (folder / "summary.json").write_text(json.dumps(summary))
+    with (folder / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"kind": "train", "step": 45, "loss": 2.5, "tokens_per_s": 777.0}))
+        f.write("\n" + json.dumps({"kind": "eval", "step": 45, "eval_ppl": 12.34}) + "\n")
+    row = next(line for line in status_table(load_runs(runs)).splitlines() if "| t4 " in line)
+    cells = [cell.strip() for cell in row.split("|")[1:-1]]
+    assert cells[2:7] == ["running", "45/40", "2.5000", "12.34", "777"]
+    assert cells[-1] == "2"
 
 
 def test_trial_labels_add_seed_only_when_seeds_vary(runs: Path) -> None:

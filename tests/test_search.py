@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
 import optuna
 import pytest
-from conftest import harness, micro_run, write_yaml
+from conftest import harness, micro_run, wait_for_step, write_yaml
 
 from harness.config import UserError, load_run
 from harness.records import read_json, write_json
-from harness.search import _tell, method_space, open_storage, open_study
+from harness.search import method_space, open_storage, open_study, tell
 from harness.sweep import load_sweep, make_trial
 from harness.train import train
 
@@ -139,7 +147,7 @@ def test_a_trial_stops_as_pruned_when_its_study_says_so(tmp_path, monkeypatch):
     summary = train(load_run(micro_run(steps=6)), out)
     assert summary["status"] == "pruned" and summary["step"] == 3
     assert summary["eval_ppl"] is not None
-    _tell(study, asked.number, summary, "eval_ppl")
+    tell(study, asked.number, summary, "eval_ppl")
     frozen = study.trials[0]
     assert frozen.state == optuna.trial.TrialState.PRUNED
     assert list(frozen.intermediate_values) == [3]
@@ -155,3 +163,61 @@ def test_each_sampler_is_built_seeded(tmp_path, sampler, kind):
                        "space": {"train.lr": {"low": 1e-4, "high": 1e-2, "log": True}}}}
     built = make_sampler(load_sweep(write_yaml(tmp_path / "s.yaml", data), {}))
     assert type(built).__name__ == kind
+
+
+def test_median_pruner_cuts_a_bad_trial_from_real_statistics(tmp_path):
+    """Five good learning rates finish; a sixth that barely learns is above their median at
+    its first evaluation and ends `pruned`, keeping its metrics."""
+    lrs = [0.003, 0.004, 0.005, 0.006, 0.007, 1e-7]
+    path = search_file(tmp_path, sampler="random", n_trials=6, pruner="median",
+                       space={"train.lr": {"low": 1e-8, "high": 1e-2, "log": True}},
+                       enqueue=[{"train.lr": lr} for lr in lrs])
+    data = read_json_yaml(path)
+    data["train"]["steps"], data["eval"]["every"] = 4, 2
+    out = tmp_path / "runs"
+    done = harness("sweep", str(write_yaml(path, data)), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    study = optuna.load_study(study_name="tpe/full",
+                              storage=open_storage(str(out / "optuna.journal")))
+    states = [t.state.name for t in study.get_trials()]
+    assert states == ["COMPLETE"] * 5 + ["PRUNED"]
+    pruned = study.get_trials()[5]
+    assert list(pruned.intermediate_values) == [2]
+    median = statistics.median(t.intermediate_values[2] for t in study.get_trials()[:5])
+    assert pruned.intermediate_values[2] > median
+    summary = read_json(out / "trials" / pruned.user_attrs["trial_id"] / "summary.json")
+    assert summary["status"] == "pruned" and summary["step"] == 2
+    assert summary["eval_ppl"] == pytest.approx(pruned.intermediate_values[2])
+    assert "pruned" in harness("status", str(out)).stdout
+
+
+def test_retry_failed_queues_a_crashed_optuna_trial_again(tmp_path):
+    path = search_file(tmp_path, sampler="random", n_trials=1,
+                       space={"train.lr": {"low": 1e-3, "high": 1e-2, "log": True}})
+    data = read_json_yaml(path)
+    data["train"].update(steps=60, checkpoint_every=5)
+    write_yaml(path, data)
+    out = tmp_path / "runs"
+    sweep = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", str(path),
+                              "--out", str(out)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    while not (out / "trials").is_dir() or not any((out / "trials").iterdir()):
+        time.sleep(0.2)
+    (trial_dir,) = (out / "trials").iterdir()
+    wait_for_step(trial_dir, 7)
+    os.kill(read_json(trial_dir / "summary.json")["pid"], signal.SIGKILL)
+    assert sweep.wait(timeout=120) == 1  # the crash is recorded failed; the sweep says so
+    assert read_json(trial_dir / "summary.json")["status"] == "failed"
+
+    again = harness("sweep", str(path), "--out", str(out), "--retry-failed")
+    assert again.returncode == 0, again.stderr
+    resumed = re.search(rf"resumed from {trial_dir}/checkpoint/state.pt at step (\d+)",
+                        again.stdout)
+    assert resumed and int(resumed.group(1)) >= 5, again.stdout[-2000:]
+    trials = optuna.load_study(study_name="tpe/full",
+                               storage=open_storage(str(out / "optuna.journal"))).get_trials()
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"]
+    assert trials[1].user_attrs["retry_of"] == 0
+    assert trials[1].user_attrs["trial_id"] == trials[0].user_attrs["trial_id"] == trial_dir.name
+    assert "tpe/full: 1 of 1 trials finished" in harness("sweep", str(path), "--out",
+                                                         str(out)).stdout
