@@ -78,16 +78,22 @@ class Worker:
         self.name = f"{socket.gethostname()}/{os.getpid()}/{index}" if shared else str(index or "")
         self.current: tuple[str, int, Path] | None = None
 
-    def run(self, labels: list[str], lock: threading.Lock, resume: tuple[str, int] | None = None):
+    def run(
+        self, labels: list[str], lock: threading.Lock, resume: tuple[str, int] | None = None
+    ) -> None:
         for label in labels:
-            self.study(label, lock, resume if resume and resume[0] == label else None)
+            if not self.study(label, lock, resume if resume and resume[0] == label else None):
+                return
 
-    def study(self, label: str, lock: threading.Lock, resume: tuple[str, int] | None) -> None:
+    def study(self, label: str, lock: threading.Lock, resume: tuple[str, int] | None) -> bool:
+        """Work on one method's study until its budget is spent; False if stopped early."""
         s = self.sweep.search
         study = open_study(self.sweep, label, self.storage, self.name)
         space = method_space(self.sweep, label)
-        if resume is not None:
-            self.finish(study, label, optuna.Trial(study, self._trial_id(study, resume[1])))
+        if resume is not None and not self.finish(
+            study, label, optuna.Trial(study, self._trial_id(study, resume[1]))
+        ):
+            return False
         deadline = time.time() + s.timeout_min * 60 if s.timeout_min else math.inf
         while time.time() < deadline:
             with lock:
@@ -96,14 +102,16 @@ class Worker:
                 waiting = any(t.state == TrialState.WAITING for t in trials)
                 if not waiting and budget_used(trials) >= s.n_trials:
                     if not self._others_running(trials):
-                        return
+                        return True
                     ot = None
                 else:
                     ot = study.ask(space)
             if ot is None:  # another worker's trial may still go stale: wait for it
                 time.sleep(self.sweep.search.heartbeat_s)
                 continue
-            self.finish(study, label, ot)
+            if not self.finish(study, label, ot):
+                return False
+        return True
 
     def _others_running(self, trials: list[FrozenTrial]) -> bool:
         running = any(t.state == TrialState.RUNNING for t in trials)
@@ -113,12 +121,14 @@ class Worker:
         study_id = self.storage.get_study_id_from_name(study.study_name)
         return self.storage.get_trial_id_from_study_id_trial_number(study_id, number)
 
-    def finish(self, study: optuna.Study, label: str, ot: optuna.Trial) -> None:
-        """Run the asked trial unless its folder already holds a result, then tell it."""
+    def finish(self, study: optuna.Study, label: str, ot: optuna.Trial) -> bool:
+        """Run the asked trial unless its folder already holds a result, then tell it. A trial
+        that stopped unfinished (Ctrl-C) stays RUNNING and this worker stops: the next sweep
+        (or, with a database, the heartbeat check) queues it again and it resumes."""
         s = self.sweep.search
         frozen = self.storage.get_trial(ot._trial_id)
         if frozen.state != TrialState.RUNNING:
-            return  # resumed after a requeue, but the study has moved on
+            return True  # resumed after a requeue, but the study has moved on
         trial = harness_trial(self.sweep, label, ot)
         trial_dir = self.out / "trials" / trial.id
         again = "retry_of" in frozen.user_attrs or "failed_trial" in frozen.system_attrs
@@ -134,7 +144,11 @@ class Worker:
             with heartbeat(self.storage, ot._trial_id):
                 self.run_trial(trial.id, trial_dir)
             self.current = None
-        tell(study, ot.number, read_json(trial_dir / "summary.json"), s.metric)
+        summary = read_json(trial_dir / "summary.json")
+        if (summary or {}).get("status") not in FINISHED:
+            return False
+        tell(study, ot.number, summary, s.metric)
+        return True
 
 
 class WorkerJob:

@@ -221,3 +221,34 @@ def test_retry_failed_queues_a_crashed_optuna_trial_again(tmp_path):
     assert trials[1].user_attrs["trial_id"] == trials[0].user_attrs["trial_id"] == trial_dir.name
     assert "tpe/full: 1 of 1 trials finished" in harness("sweep", str(path), "--out",
                                                          str(out)).stdout
+
+
+def test_ctrl_c_leaves_the_trial_to_resume_on_the_next_run(tmp_path):
+    path = search_file(tmp_path, sampler="random", n_trials=1,
+                       space={"train.lr": {"low": 1e-3, "high": 1e-2, "log": True}})
+    data = read_json_yaml(path)
+    data["train"].update(steps=60, checkpoint_every=0)
+    write_yaml(path, data)
+    out = tmp_path / "runs"
+    sweep = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", str(path),
+                              "--out", str(out)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    while not (out / "trials").is_dir() or not any((out / "trials").iterdir()):
+        time.sleep(0.2)
+    (trial_dir,) = (out / "trials").iterdir()
+    wait_for_step(trial_dir, 3)
+    sweep.send_signal(signal.SIGINT)
+    assert sweep.wait(timeout=120) == 130
+    assert read_json(trial_dir / "summary.json")["status"] == "interrupted"
+    storage = open_storage(str(out / "optuna.journal"))
+    assert [t.state.name for t in optuna.load_study(study_name="tpe/full",
+                                                    storage=storage).get_trials()] == ["RUNNING"]
+
+    again = harness("sweep", str(path), "--out", str(out))
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from {trial_dir}/checkpoint/state.pt" in again.stdout
+    trials = optuna.load_study(study_name="tpe/full", storage=storage).get_trials()
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"]  # told, then retried in place
+    assert trials[1].user_attrs["trial_id"] == trial_dir.name
+    assert "tpe/full: 1 of 1 trials finished" in harness("sweep", str(path), "--out",
+                                                         str(out)).stdout
