@@ -159,3 +159,22 @@ def test_optuna_workers_run_as_array_tasks(tmp_path):
     assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
     ids = {t.user_attrs["trial_id"] for t in trials}
     assert ids == {d.name for d in (out / "trials").iterdir()}
+
+
+def test_a_two_task_job_is_one_ddp_trial(tmp_path):
+    """tasks_per_node=2: Slurm starts two tasks; each gives its trial process torchrun's
+    variables from submitit's environment, and the trial equals a 1-process run."""
+    out = tmp_path / "runs"
+    proc = start_sweep(sweep_file(tmp_path, 4, [3e-3]), out, "launcher.tasks_per_node=2")
+    log = finish(proc)
+    assert proc.returncode == 0, log
+    trial_dir = only_trial(out)
+    run = micro_run(steps=4, lr=3e-3, log_every=1) | {"eval": {"every": 0, "tokens": 128}}
+    single = train(load_run(run), tmp_path / "single")
+    ddp, one = train_losses(trial_dir), train_losses(tmp_path / "single")
+    assert ddp.keys() == one.keys()
+    assert all(abs(ddp[s] - one[s]) < 1e-5 for s in one)
+    assert read_json(trial_dir / "summary.json")["eval_loss"] == pytest.approx(
+        single["eval_loss"], rel=1e-5)
+    ranks = "".join(p.read_text() for p in (out / "jobs").glob("*/*_log.err"))
+    assert "rank 1/2: gloo" in ranks
