@@ -61,13 +61,17 @@ def record_launch(trial_dir: Path, launcher: str, job_id: str | None = None) -> 
 
 def record_crash(trial_dir: Path, code: int) -> None:
     """A child that died without its final summary (killed, segfault) ends `failed`."""
-    summary = read_json(trial_dir / "summary.json") or {"trial": trial_dir.name}
-    if code != 0 and summary.get("status") in (None, "pending", "running"):
+    if code != 0:
         reason = f"signal {-code}" if code < 0 else f"exit code {code}"
-        write_json(
-            trial_dir / "summary.json",
-            {**summary, "status": "failed", "error": f"trial process ended with {reason}"},
-        )
+        mark_failed(trial_dir, f"trial process ended with {reason}")
+
+
+def mark_failed(trial_dir: Path, error: str) -> None:
+    """Record a failure the trial could not record itself; a final status already written
+    (ok, interrupted, failed, ...) is left as it is."""
+    summary = read_json(trial_dir / "summary.json") or {"trial": trial_dir.name}
+    if summary.get("status") in (None, "pending", "running"):
+        write_json(trial_dir / "summary.json", {**summary, "status": "failed", "error": error})
 
 
 def count_requeue(trial_dir: Path) -> None:
@@ -313,8 +317,12 @@ def _report_worker(job: Any) -> None:
     try:
         job.result()
     except Exception as e:
-        line = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-        print(f"worker {job.job_id} failed: {line} (log: {job.paths.stderr})", flush=True)
+        print(f"worker {job.job_id} failed: {last_line(e)} (log: {job.paths.stderr})", flush=True)
+
+
+def last_line(error: Exception) -> str:
+    """submitit's errors carry the job's whole traceback: its last line says what happened."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[-1]
 
 
 def _run_local_job(launcher: LauncherConfig, out: Path, trial_id: str, trial_dir: Path) -> None:
@@ -330,11 +338,7 @@ def _collect(trial_dir: Path, job: Any) -> None:
     try:
         job.result()
     except Exception as e:
-        summary = read_json(trial_dir / "summary.json") or {"trial": trial_dir.name}
-        if summary.get("status") in (None, "pending", "running"):
-            line = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-            write_json(trial_dir / "summary.json", {**summary, "status": "failed",
-                                                    "error": f"job {job.job_id}: {line}"})
+        mark_failed(trial_dir, f"job {job.job_id}: {last_line(e)}")
 
 
 def slurm_state(job_id: str) -> str | None:

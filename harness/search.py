@@ -160,9 +160,8 @@ def retry(study: optuna.Study, trial: FrozenTrial) -> None:
 
 def retried(trials: list[FrozenTrial]) -> set[int]:
     """Failed trials already queued again, by us or by the heartbeat callback."""
-    return {t.user_attrs.get("retry_of", t.system_attrs.get("failed_trial")) for t in trials} - {
-        None
-    }
+    origins = (t.user_attrs.get("retry_of", t.system_attrs.get("failed_trial")) for t in trials)
+    return {n for n in origins if n is not None}
 
 
 def budget_used(trials: list[FrozenTrial]) -> int:
@@ -176,13 +175,14 @@ def recover(study: optuna.Study, out: Path, metric: str) -> None:
     their summary if the run finished, else failed and queued again: their folder keeps the
     checkpoint they resume from."""
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        status = trial_status(out / "trials" / str(t.user_attrs.get("trial_id", "")))
+        trial_dir = out / "trials" / str(t.user_attrs.get("trial_id", "-"))
+        status = trial_status(trial_dir)
         if status in ("running", "queued"):  # a live process still owns it
             continue
-        summary = read_json(out / "trials" / t.user_attrs["trial_id"] / "summary.json")
-        tell(study, t.number, summary if status in FINISHED else None, metric)
+        summary = read_json(trial_dir / "summary.json") if status in FINISHED else None
+        tell(study, t.number, summary, metric)
         if status not in FINISHED:
-            retry(study, study.get_trials(deepcopy=False)[t.number])
+            retry(study, t)
 
 
 def retry_failures(study: optuna.Study, out: Path) -> None:
