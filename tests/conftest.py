@@ -108,3 +108,17 @@ def wait_for_step(trial_dir: Path, step: int, timeout_s: float = 300) -> None:
     while max(train_losses(trial_dir), default=0) < step:
         assert time.time() < deadline, f"{trial_dir} never reached step {step}"
         time.sleep(0.2)
+
+
+def assert_matches_one_process(trial_dir: Path, run: dict[str, Any], scratch: Path) -> None:
+    """A data-parallel trial's losses equal those of `run` trained here in one process."""
+    from harness.config import load_run
+    from harness.records import read_json
+    from harness.train import train
+
+    single = train(load_run(run), scratch)
+    ddp, one = train_losses(trial_dir), train_losses(scratch)
+    assert ddp.keys() == one.keys()
+    assert all(abs(ddp[s] - one[s]) < 1e-5 for s in one)
+    assert read_json(trial_dir / "summary.json")["eval_loss"] == pytest.approx(
+        single["eval_loss"], rel=1e-5)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import harness, micro_run, wait_for_step, write_yaml
+from conftest import assert_matches_one_process, harness, micro_run, wait_for_step, write_yaml
 from conftest import train_losses as losses
 
 from harness.config import LauncherConfig, UserError, load_run
@@ -134,11 +134,5 @@ def test_a_ddp_trial_through_submitit_tasks_matches_one_process(tmp_path):
                    "--set", "launcher.tasks_per_node=2")
     assert done.returncode == 0, done.stdout + done.stderr
     (trial_dir,) = (out / "trials").iterdir()
-    run = micro_run(steps=4, lr=3e-3)
-    run["eval"] = {"every": 0, "tokens": 64}
-    single = train(load_run(run), tmp_path / "single")
-    ddp, one = losses(trial_dir), losses(tmp_path / "single")
-    assert ddp.keys() == one.keys()
-    assert all(abs(ddp[s] - one[s]) < 1e-5 for s in one)
-    assert read_json(trial_dir / "summary.json")["eval_loss"] == pytest.approx(
-        single["eval_loss"], rel=1e-5)
+    run = micro_run(steps=4, lr=3e-3) | {"eval": {"every": 0, "tokens": 64}}
+    assert_matches_one_process(trial_dir, run, tmp_path / "single")

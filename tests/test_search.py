@@ -191,11 +191,12 @@ def test_median_pruner_cuts_a_bad_trial_from_real_statistics(tmp_path):
     assert "pruned" in harness("status", str(out)).stdout
 
 
-def test_retry_failed_queues_a_crashed_optuna_trial_again(tmp_path):
+def sweep_in_background(tmp_path, checkpoint_every: int, step: int):
+    """A one-trial random-search sweep of 60 steps, started and watched until `step`."""
     path = search_file(tmp_path, sampler="random", n_trials=1,
                        space={"train.lr": {"low": 1e-3, "high": 1e-2, "log": True}})
     data = read_json_yaml(path)
-    data["train"].update(steps=60, checkpoint_every=5)
+    data["train"].update(steps=60, checkpoint_every=checkpoint_every)
     write_yaml(path, data)
     out = tmp_path / "runs"
     sweep = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", str(path),
@@ -204,7 +205,12 @@ def test_retry_failed_queues_a_crashed_optuna_trial_again(tmp_path):
     while not (out / "trials").is_dir() or not any((out / "trials").iterdir()):
         time.sleep(0.2)
     (trial_dir,) = (out / "trials").iterdir()
-    wait_for_step(trial_dir, 7)
+    wait_for_step(trial_dir, step)
+    return sweep, path, out, trial_dir
+
+
+def test_retry_failed_queues_a_crashed_optuna_trial_again(tmp_path):
+    sweep, path, out, trial_dir = sweep_in_background(tmp_path, checkpoint_every=5, step=7)
     os.kill(read_json(trial_dir / "summary.json")["pid"], signal.SIGKILL)
     assert sweep.wait(timeout=120) == 1  # the crash is recorded failed; the sweep says so
     assert read_json(trial_dir / "summary.json")["status"] == "failed"
@@ -224,19 +230,7 @@ def test_retry_failed_queues_a_crashed_optuna_trial_again(tmp_path):
 
 
 def test_ctrl_c_leaves_the_trial_to_resume_on_the_next_run(tmp_path):
-    path = search_file(tmp_path, sampler="random", n_trials=1,
-                       space={"train.lr": {"low": 1e-3, "high": 1e-2, "log": True}})
-    data = read_json_yaml(path)
-    data["train"].update(steps=60, checkpoint_every=0)
-    write_yaml(path, data)
-    out = tmp_path / "runs"
-    sweep = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", str(path),
-                              "--out", str(out)], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-    while not (out / "trials").is_dir() or not any((out / "trials").iterdir()):
-        time.sleep(0.2)
-    (trial_dir,) = (out / "trials").iterdir()
-    wait_for_step(trial_dir, 3)
+    sweep, path, out, trial_dir = sweep_in_background(tmp_path, checkpoint_every=0, step=3)
     sweep.send_signal(signal.SIGINT)
     assert sweep.wait(timeout=120) == 130
     assert read_json(trial_dir / "summary.json")["status"] == "interrupted"

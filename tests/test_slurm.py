@@ -14,7 +14,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, micro_run, require_service, train_losses, wait_for_step, write_yaml
+from conftest import (
+    REPO,
+    assert_matches_one_process,
+    micro_run,
+    require_service,
+    train_losses,
+    wait_for_step,
+    write_yaml,
+)
 
 from harness.config import load_run
 from harness.records import read_json
@@ -170,11 +178,6 @@ def test_a_two_task_job_is_one_ddp_trial(tmp_path):
     assert proc.returncode == 0, log
     trial_dir = only_trial(out)
     run = micro_run(steps=4, lr=3e-3, log_every=1) | {"eval": {"every": 0, "tokens": 128}}
-    single = train(load_run(run), tmp_path / "single")
-    ddp, one = train_losses(trial_dir), train_losses(tmp_path / "single")
-    assert ddp.keys() == one.keys()
-    assert all(abs(ddp[s] - one[s]) < 1e-5 for s in one)
-    assert read_json(trial_dir / "summary.json")["eval_loss"] == pytest.approx(
-        single["eval_loss"], rel=1e-5)
+    assert_matches_one_process(trial_dir, run, tmp_path / "single")
     ranks = "".join(p.read_text() for p in (out / "jobs").glob("*/*_log.err"))
     assert "rank 1/2: gloo" in ranks
