@@ -182,9 +182,12 @@ class ChildProcess:
         self.proc: subprocess.Popen | None = None
 
     def run(self, trial_dir: Path) -> int:
+        """Run the trial; rank 0 records a crash the trial could not record itself."""
         self.proc = subprocess.Popen(trial_command(trial_dir), env=rank_env())
         code = self.proc.wait()
         self.proc = None
+        if is_rank_zero():
+            record_crash(trial_dir, code)
         return code
 
     def stop(self, timeout_s: float = 600) -> None:
@@ -212,10 +215,7 @@ class TrialJob:
         self.child = ChildProcess()
 
     def __call__(self) -> int:
-        code = self.child.run(self.trial_dir)
-        if is_rank_zero():
-            record_crash(self.trial_dir, code)
-        return code
+        return self.child.run(self.trial_dir)
 
     def checkpoint(self) -> Any:
         """Called by submitit on USR2 (preemption or time limit), before it requeues the job."""

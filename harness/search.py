@@ -158,16 +158,16 @@ def retry(study: optuna.Study, trial: FrozenTrial) -> None:
     )
 
 
-def retried(trials: list[FrozenTrial]) -> set[int]:
-    """Failed trials already queued again, by us or by the heartbeat callback."""
-    origins = (t.user_attrs.get("retry_of", t.system_attrs.get("failed_trial")) for t in trials)
-    return {n for n in origins if n is not None}
+def retry_of(trial: FrozenTrial) -> int | None:
+    """The failed trial this one repeats, queued by us or by the heartbeat callback."""
+    return trial.user_attrs.get("retry_of", trial.system_attrs.get("failed_trial"))
 
 
-def budget_used(trials: list[FrozenTrial]) -> int:
-    """Trials counted against n_trials: a failure that is being retried counts once."""
-    again = retried(trials)
-    return sum(not (t.state == TrialState.FAIL and t.number in again) for t in trials)
+def counted(trials: list[FrozenTrial]) -> list[FrozenTrial]:
+    """The trials that count against n_trials: a failure queued again counts once, as its
+    retry."""
+    again = {retry_of(t) for t in trials}
+    return [t for t in trials if not (t.state == TrialState.FAIL and t.number in again)]
 
 
 def recover(study: optuna.Study, out: Path, metric: str) -> None:
@@ -187,11 +187,9 @@ def recover(study: optuna.Study, out: Path, metric: str) -> None:
 
 def retry_failures(study: optuna.Study, out: Path) -> None:
     """`--retry-failed`: failed, oom and nan trials are queued again, each once."""
-    trials = study.get_trials(deepcopy=False)
-    again = retried(trials)
-    for t in trials:
+    for t in counted(study.get_trials(deepcopy=False)):
         status = trial_status(out / "trials" / str(t.user_attrs.get("trial_id", "")))
-        if t.state == TrialState.FAIL and t.number not in again and status in FAILED:
+        if t.state == TrialState.FAIL and status in FAILED:
             retry(study, t)
 
 
@@ -222,9 +220,7 @@ def run_search(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> boo
             retry_failures(study, out)
         for point in points[label]:
             study.enqueue_trial(point, skip_if_exists=True)
-        trials = study.get_trials(deepcopy=False)
-        again = retried(trials)
-        done = sum(t.state in DONE and t.number not in again for t in trials)
+        done = sum(t.state in DONE for t in counted(study.get_trials(deepcopy=False)))
         print(f"{study.study_name}: {done} of {sweep.search.n_trials} trials finished", flush=True)
     labels = list(sweep.methods)
     jobs = sweep.launcher.jobs
@@ -236,9 +232,8 @@ def run_search(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> boo
         run_workers([WorkerJob(sweep, out, i) for i in range(jobs)], sweep.launcher, out)
     failed = False
     for label in labels:
-        trials = open_study(sweep, label, storage).get_trials(deepcopy=False)
-        again = retried(trials)
-        failed |= any(t.state == TrialState.FAIL and t.number not in again for t in trials)
+        trials = counted(open_study(sweep, label, storage).get_trials(deepcopy=False))
+        failed |= any(t.state == TrialState.FAIL for t in trials)
     return failed
 
 

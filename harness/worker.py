@@ -26,11 +26,12 @@ from harness.config import SweepConfig
 from harness.records import read_json, write_json, write_yaml
 from harness.search import (
     LINK,
-    budget_used,
+    counted,
     harness_trial,
     method_space,
     open_storage,
     open_study,
+    retry_of,
     storage_target,
     tell,
 )
@@ -100,7 +101,7 @@ class Worker:
                 fail_stale_trials(study)
                 trials = study.get_trials(deepcopy=False)
                 waiting = any(t.state == TrialState.WAITING for t in trials)
-                if not waiting and budget_used(trials) >= s.n_trials:
+                if not waiting and len(counted(trials)) >= s.n_trials:
                     if not self._others_running(trials):
                         return True
                     ot = None
@@ -131,7 +132,7 @@ class Worker:
             return True  # resumed after a requeue, but the study has moved on
         trial = harness_trial(self.sweep, label, ot)
         trial_dir = self.out / "trials" / trial.id
-        again = "retry_of" in frozen.user_attrs or "failed_trial" in frozen.system_attrs
+        again = retry_of(frozen) is not None
         status = trial_status(trial_dir)
         while status == "running" and not again:  # the same point, asked by another worker
             time.sleep(2)
@@ -162,13 +163,13 @@ class WorkerJob:
         self.worker: Worker | None = None
 
     def __call__(self) -> None:
-        from harness.launch import ChildProcess, record_crash, record_launch
+        from harness.launch import ChildProcess, record_launch
 
         self.child = ChildProcess()
 
         def run_trial(trial_id: str, trial_dir: Path) -> None:
             record_launch(trial_dir, "worker")
-            record_crash(trial_dir, self.child.run(trial_dir))
+            self.child.run(trial_dir)
 
         self.worker = Worker(self.sweep, self.out, run_trial, self.index)
         self.worker.run(list(self.sweep.methods), threading.Lock(), self.resume)
