@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class UserError(Exception):
@@ -41,6 +48,16 @@ class TaskConfig(Strict):
     shuffle_buffer: int = Field(1000, ge=1, description="documents held for the seeded shuffle")
 
 
+class LossScaleConfig(Strict):
+    """fp16's dynamic loss scaling (torch.amp.GradScaler): an overflowing step is skipped and
+    the scale backs off; `growth_interval` clean steps in a row grow it."""
+
+    init: float = Field(2.0**16, gt=0, description="the first step's scale")
+    growth_factor: float = Field(2.0, gt=1, description="multiplies the scale after the interval")
+    backoff_factor: float = Field(0.5, gt=0, lt=1, description="multiplies it on an overflow")
+    growth_interval: int = Field(2000, ge=1, description="clean steps before the scale grows")
+
+
 class TrainConfig(Strict):
     lr: float = Field(1e-3, gt=0)
     steps: int = Field(100, ge=1)
@@ -50,7 +67,10 @@ class TrainConfig(Strict):
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="bf16/fp16: autocast over fp32 weights; fp16 scales the loss"
+    )
+    loss_scale: LossScaleConfig = LossScaleConfig()
     grad_clip: float | None = Field(1.0, gt=0)
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(
@@ -84,6 +104,75 @@ class WandbConfig(Strict):
     entity: str | None = None
 
 
+MODULE_KINDS = ("attention", "mlp", "norm")
+
+
+def _module_kinds(value: Any, words: tuple[str, ...]) -> Any:
+    """`none` (and `full` for recompute) or a non-empty list of module kinds, without repeats."""
+    allowed = f"{', '.join(words)}, or a list of {', '.join(MODULE_KINDS)}"
+    if isinstance(value, str) and value in words:
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{value!r} is not allowed (allowed: {allowed})")
+    for kind in value:
+        if kind not in MODULE_KINDS:
+            raise ValueError(f"{kind!r} is not a module kind (allowed: {allowed})")
+    if len(set(value)) < len(value):
+        raise ValueError(f"{value!r} names a module kind twice")
+    return value
+
+
+class MemoryConfig(Strict):
+    """Memory modifiers, orthogonal to the method (harness/memory.py applies them)."""
+
+    recompute: str | list[str] = Field(
+        "none", description="none | full (every decoder layer) | a list of attention, mlp, norm"
+    )
+    offload: str | list[str] = Field(
+        "none", description="none | a list of module kinds whose saved activations go to host"
+    )
+    offload_min_bytes: int = Field(
+        1 << 20, ge=0, description="saved tensors smaller than this stay on the device"
+    )
+    optimizer_offload: Literal["none", "host", "paged"] = Field(
+        "none", description="host: states on the CPU, updated there; paged: bitsandbytes paged"
+    )
+    layerwise: bool = Field(False, description="each parameter's update runs inside backward")
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _recompute(cls, value: Any) -> Any:
+        return _module_kinds(value, ("none", "full"))
+
+    @field_validator("offload", mode="before")
+    @classmethod
+    def _offload(cls, value: Any) -> Any:
+        return _module_kinds(value, ("none",))
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> MemoryConfig:
+        if self.recompute == "full" and self.offloaded:
+            raise ValueError(
+                "recompute: full keeps no activations inside decoder layers, so offload has "
+                "nothing to move; recompute a list of module kinds and offload the others"
+            )
+        both = [k for k in self.recomputed if k in self.offloaded]
+        if both:
+            raise ValueError(
+                f"{both[0]} is both recomputed and offloaded; a recomputed module saves "
+                "nothing to offload (give each module kind one of the two)"
+            )
+        return self
+
+    @property
+    def recomputed(self) -> list[str]:
+        return self.recompute if isinstance(self.recompute, list) else []
+
+    @property
+    def offloaded(self) -> list[str]:
+        return self.offload if isinstance(self.offload, list) else []
+
+
 class Common(Strict):
     """Keys a sweep shares with every trial it runs."""
 
@@ -92,7 +181,18 @@ class Common(Strict):
     task: TaskConfig = TaskConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    memory: MemoryConfig = MemoryConfig()
     wandb: WandbConfig = WandbConfig()
+
+    @model_validator(mode="after")
+    def _precision_fits(self) -> Common:
+        if self.train.precision == "fp16" and self.memory.layerwise:
+            raise ValueError(
+                "memory.layerwise with train.precision fp16: loss scaling skips a whole step "
+                "when any gradient overflows, but layer-wise updates have already applied the "
+                "layers whose gradients came first; use bf16, or turn layerwise off"
+            )
+        return self
 
 
 class RunConfig(Common):
@@ -138,6 +238,8 @@ class SearchConfig(Strict):
 
     @model_validator(mode="after")
     def _fits_sampler(self) -> SearchConfig:
+        from harness.space import check_distributions, check_space
+
         if self.sampler == "grid":
             extra = [k for k in ("n_trials", "timeout_min") if getattr(self, k) is not None]
             extra += ["enqueue"] * bool(self.enqueue) + ["pruner"] * (self.pruner != "none")
@@ -324,60 +426,14 @@ def load_run(data: dict[str, Any], overrides: dict[str, Any] | None = None) -> R
     run = validate(RunConfig, data)
     run.method = resolve_method(run.method, "method")
     check_preset(run.model, "model")
+    check_modifiers(run)
     return run
 
 
-def check_space(space: Any, path: str) -> dict[str, list[Any]]:
-    if not isinstance(space, dict) or not all(isinstance(v, list) and v for v in space.values()):
-        raise UserError(
-            f"{path}: expected a mapping of dotted keys to non-empty lists, got {space!r}"
-        )
-    return space
+def check_modifiers(run: RunConfig) -> None:
+    """Refuse, with the method's reason, memory modifiers or a precision it cannot honour."""
+    from harness.methods import build_method
 
-
-def check_distributions(space: Any, path: str) -> dict[str, dict[str, Any]]:
-    if not isinstance(space, dict):
-        raise UserError(
-            f"{path}: expected a mapping of dotted keys to distributions, got {space!r}"
-        )
-    return {key: distribution(value, f"{path}.{key}") for key, value in space.items()}
-
-
-def _number(value: Any) -> float | int | None:
-    """YAML 1.1 reads `1e-4` as a string; accept it as the number it looks like."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int | float):
-        return value
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def distribution(value: Any, path: str) -> dict[str, Any]:
-    """A list is categorical; `{low, high}` is a float range, or an int range when all are ints."""
-    if isinstance(value, list):
-        if not value:
-            raise UserError(f"{path}: an empty list (a categorical needs at least one choice)")
-        return {"choices": value}
-    allowed = "a list of choices, or {low, high} with optional log: true or step"
-    if not isinstance(value, dict) or not {"low", "high"} <= value.keys():
-        raise UserError(f"{path}: {value!r} is not a distribution (allowed: {allowed})")
-    if value.keys() - {"low", "high", "log", "step"}:
-        extra = sorted(value.keys() - {"low", "high", "log", "step"})[0]
-        raise UserError(f"{path}: unknown key '{extra}' (allowed: low, high, log, step)")
-    low, high, step = (_number(value.get(k)) for k in ("low", "high", "step"))
-    log = value.get("log", False)
-    if low is None or high is None or (step is None and value.get("step") is not None):
-        raise UserError(f"{path}: low, high and step must be numbers, got {value!r}")
-    if not isinstance(log, bool):
-        raise UserError(f"{path}.log: {log!r} is not allowed (allowed: true, false)")
-    if low >= high:
-        raise UserError(f"{path}: low {low} must be below high {high}")
-    if log and (low <= 0 or step is not None):
-        raise UserError(f"{path}: log: true needs low > 0 and no step, got {value!r}")
-    if step is not None and step <= 0:
-        raise UserError(f"{path}.step: {step} must be positive")
-    is_int = all(isinstance(v, int) for v in (low, high, step if step is not None else 1))
-    return {"low": low, "high": high, "log": log, "step": step, "int": is_int}
+    reason = build_method(run).refusal(run)
+    if reason:
+        raise UserError(f"method {run.method_name}: {reason}")

@@ -31,8 +31,9 @@ from optuna.storages import (
 from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import FrozenTrial, TrialState
 
-from harness.config import SweepConfig, UserError, check_distributions
+from harness.config import SweepConfig, UserError
 from harness.records import read_json
+from harness.space import check_distributions
 from harness.sweep import FAILED, FINISHED, Trial, make_trial, method_entry, trial_status
 
 LINK = "optuna.json"

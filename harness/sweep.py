@@ -17,7 +17,6 @@ from harness.config import (
     RunConfig,
     SweepConfig,
     UserError,
-    check_space,
     load_run,
     read_yaml,
     resolve_method,
@@ -28,6 +27,7 @@ from harness.config import (
 from harness.methods.base import changed_params
 from harness.models import check_preset
 from harness.records import read_json, write_yaml
+from harness.space import check_space
 
 FINISHED = ("ok", "nan", "oom", "failed", "pruned")
 FAILED = ("failed", "oom", "nan")
@@ -80,10 +80,12 @@ def read_profile(name: str, sweep_path: Path) -> dict[str, Any]:
 
 
 def method_entry(sweep: SweepConfig, label: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """A method's registered name, its fixed parameters (checked) and its own search space."""
+    """A method's registered name, its fixed parameters (checked) and its own search space;
+    its `memory:` modifiers are read by `make_trial`."""
     entry = dict(sweep.methods[label] or {})
     name = entry.pop("method", label)
     space = entry.pop("space", {})
+    entry.pop("memory", None)
     resolve_method({"name": name, **entry}, f"methods.{label}")
     return name, entry, space
 
@@ -98,6 +100,10 @@ def make_trial(sweep: SweepConfig, label: str, point: dict[str, Any], seed: int)
         "seed": seed,
         "method": {"name": name, **entry},
     }
+    own = (sweep.methods[label] or {}).get("memory") or {}
+    if not isinstance(own, dict):
+        raise UserError(f"methods.{label}.memory: expected a mapping of memory keys, got {own!r}")
+    data["memory"] = {**data["memory"], **own}  # a method's own modifiers win over the sweep's
     for key, value in point.items():
         set_dotted(data, key, value)
     try:

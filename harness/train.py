@@ -19,13 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness import distributed, meter
+from harness import distributed, memory, meter
 from harness.config import RunConfig, TrainConfig, UserError
 from harness.data.c4 import BlockStream, eval_blocks, load_tokenizer
 from harness.data.loader import IGNORE, Prefetcher, to_batch
 from harness.methods import build_method
 from harness.models import build_model, describe
-from harness.records import Records, base_summary
+from harness.precision import Precision
+from harness.records import Records, base_summary, rng_state, set_rng_state
 
 
 class NonFinite(Exception):
@@ -78,25 +79,6 @@ def loss_sum(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch
     )
 
 
-def rng_state() -> dict[str, Any]:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 class Trainer:
     """One trial's model, optimizer, data and loop; with W processes, one data-parallel rank:
     `total_batch_size / (batch_size·W)` micro-batches, its share of the step (Prefetcher). The
@@ -119,6 +101,9 @@ class Trainer:
         distributed.say(f"model {run.model}: {describe(model)}")
         self.method = build_method(run)
         self.model = self.method.prepare(model.to(self.device), run)
+        self.offloader = memory.apply(self.model, run.memory, self.device)
+        self.precision = Precision(t, self.device)
+        self.offloaded = 0  # activation bytes moved to the host, over the steps run here
         self.optimizer = self.method.optimizer(self.model, run)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: self.method.lr_factor(s, run)
@@ -133,15 +118,11 @@ class Trainer:
         self.prefetch = Prefetcher(
             self.stream, t.batch_size, self.device, rank=distributed.rank(), world=self.world
         )
-        self.autocast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if t.precision == "bf16"
-            else nullcontext()
-        )
         self.tokens_per_step = t.batch_size * t.accumulation * run.task.seq_len
         self.meter = meter.Meter(self.device)
         self.flops_per_token = meter.flops_per_token(self.model, run.task.seq_len)
         self._eval_data: list[tuple[np.ndarray, int]] | None = None
+        self.first_step = self.step
 
     def _resume(self) -> None:
         state = self.rec.load_checkpoint()
@@ -155,6 +136,7 @@ class Trainer:
         set_rng_state(state["rng"])
         self.step, self.tokens = state["step"], state["tokens"]
         self.last_eval, self.costs = state["last_eval"], state["costs"]
+        self.precision.load_state_dict(state["precision"])
         self.rec.truncate_metrics(self.step)
         distributed.say(f"resumed from {self.rec.ckpt_path} at step {self.step}")
 
@@ -178,6 +160,7 @@ class Trainer:
                 "tokens": self.tokens,
                 "last_eval": self.last_eval,
                 "costs": self.costs,
+                "precision": self.precision.state_dict(),
             }
         )
 
@@ -194,16 +177,20 @@ class Trainer:
             # DDP reduces in the last micro-batch's backward only; before it, gradients add up
             wait = self.net.no_sync() if self.net is not self.model and not last else nullcontext()
             with wait:
-                with self.autocast:
+                with self.precision.autocast():
                     loss = loss_sum(self.net, ids, labels)
-                (loss * self.world / targets).backward()  # × W undoes DDP's average over ranks
+                self.precision.backward(loss * self.world / targets)  # × W undoes DDP's average
             total += loss.detach()
-        if self.run.train.grad_clip and not self.layerwise:  # layer-wise clips per parameter
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.run.train.grad_clip, foreach=True)
+        clip = None if self.layerwise else self.run.train.grad_clip  # layer-wise: per parameter
+        params = [p for p in self.model.parameters() if p.grad is not None]
         self.lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        if self.precision.step(self.optimizer, params, clip):
+            self.scheduler.step()  # the schedule follows the updates made, as in HF's Trainer
+        else:
+            self.rec.log({"kind": "event", "step": self.step + 1, "skipped": "overflow",
+                          **self.precision.log()})
+        if self.offloader is not None:
+            self.offloaded += self.offloader.take_bytes()
         events = self.method.on_step(self.step + 1, self.model, self.optimizer)
         if events:
             self.rec.log({"kind": "event", "step": self.step + 1, **events})
@@ -231,7 +218,7 @@ class Trainer:
         for i in starts[distributed.rank() :: self.world]:
             ids, labels = to_batch(self._eval_data[i : i + batch], pin=False)
             ids, labels = ids.to(self.device), labels.to(self.device)
-            with self.autocast:
+            with self.precision.autocast():
                 total += loss_sum(self.model, ids, labels).double()
             count += int((labels[:, 1:] != IGNORE).sum())
         self.model.train()
@@ -246,7 +233,7 @@ class Trainer:
         running = torch.zeros((), device=self.device)
         self.model.train()
         self.meter.resume()
-        first = self.step
+        first = self.first_step = self.step
         while self.step < steps:
             loss = self.train_step()
             running += loss
@@ -289,6 +276,7 @@ class Trainer:
                 "tokens_per_s": tps,
                 "step_time_s": seconds,
                 "memory_bytes": meter.current_memory(self.device),
+                **self.precision.log(),
             }
         )
         distributed.say(
@@ -321,9 +309,18 @@ class Trainer:
             **self.last_eval,
             "tokens_per_s": tps,
             "mfu": mfu,
+            **self.precision.log(),
+            **self._offloaded(),
             **self.costs,
             **meter.peak_memory(self.device),
         }
+
+    def _offloaded(self) -> dict[str, float]:
+        """Activation bytes moved to the host per step: what offload took off the device."""
+        ran = self.step - self.first_step
+        if self.offloader is None or ran <= 0:
+            return {}
+        return {"offloaded_bytes_per_step": self.offloaded / ran}
 
     def close(self) -> None:
         self.prefetch.close()

@@ -7,9 +7,16 @@ from typing import TYPE_CHECKING
 
 import torch
 from pydantic import Field
-from torch import nn
 
-from harness.methods.base import MemoryEstimate, Method, Shapes, decay_groups, numel, register
+from harness.methods.base import (
+    Groups,
+    MemoryEstimate,
+    Method,
+    Shapes,
+    grad_bytes,
+    numel,
+    register,
+)
 from harness.methods.full import AdamConfig
 
 if TYPE_CHECKING:
@@ -28,11 +35,12 @@ class Adam8bit(Method):
     summary = "AdamW with 8-bit blockwise moments (bitsandbytes AdamW8bit; CPU and CUDA)"
     Config = Adam8bitConfig
 
-    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
+    def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
         import bitsandbytes as bnb
 
-        return bnb.optim.AdamW8bit(
-            decay_groups(model, run.train.weight_decay),
+        paged = run.memory.optimizer_offload == "paged"
+        return (bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit)(
+            groups,
             lr=run.train.lr,
             betas=self.config.betas,
             eps=self.config.eps,
@@ -41,7 +49,8 @@ class Adam8bit(Method):
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         sizes = [numel(s) for s in shapes.values()]
-        return MemoryEstimate(4 * sum(sizes), 4 * sum(sizes), sum(map(self._state_bytes, sizes)))
+        states = sum(map(self._state_bytes, sizes))
+        return MemoryEstimate(4 * sum(sizes), grad_bytes(sizes, run), states)
 
     def _state_bytes(self, n: int) -> int:
         if n < self.config.min_8bit_size:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 # The papers' targets for adapters, factors and projections: every attention and MLP linear.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 Shapes = dict[str, torch.Size]  # parameter name -> shape, of the base model before `prepare`
+Groups = list[dict[str, Any]]  # optimizer parameter groups: {"params": [...], settings...}
 _REGISTRY: dict[str, type[Method]] = {}
 
 
@@ -49,8 +50,28 @@ class Method:
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         return model
 
-    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
+    def param_groups(self, model: nn.Module, run: RunConfig) -> Groups:
+        """The trainable parameters in groups of shared settings (decay on matrices only)."""
+        return decay_groups(model, run.train.weight_decay)
+
+    def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+        """The method's optimizer over `groups`: all of them, or one parameter's when layer-wise."""
         raise NotImplementedError
+
+    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
+        """`build_optimizer` as the memory modifiers ask: per parameter inside backward
+        (layerwise), and with its states on the host (optimizer_offload: host)."""
+        from harness import distributed
+        from harness.memory import make_optimizer
+
+        # Layer-wise gradient memory depends on the micro-batches each process accumulates.
+        self.accumulation = max(1, run.train.accumulation // distributed.world_size())
+        groups = [g for g in self.param_groups(model, run) if g["params"]]
+        return make_optimizer(groups, lambda gs: self.build_optimizer(gs, run), run)
+
+    def refusal(self, run: RunConfig) -> str | None:
+        """Why this method cannot honour the run's memory modifiers or precision (None: it can)."""
+        return None
 
     def on_step(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
@@ -75,9 +96,32 @@ class Method:
         params = list(model.parameters())
         return MemoryEstimate(
             weight_bytes=sum(tensor_bytes(p) for p in params),
-            grad_bytes=sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
+            grad_bytes=self.held_grad_bytes(params, optimizer),
             optimizer_state_bytes=tensor_bytes(list(optimizer.state.values())),
         )
+
+    def held_grad_bytes(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> int:
+        """Layer-wise updates freed each gradient inside backward: count what existed."""
+        from harness.meter import tensor_bytes
+
+        if getattr(optimizer, "layerwise", False):
+            sizes = [p.numel() for p in params if p.requires_grad]
+            return grad_bytes_of(sizes, True, self.accumulation)
+        return sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
+
+
+def grad_bytes_of(sizes: list[int], layerwise: bool, accumulation: int) -> int:
+    """fp32 gradients of the trained tensors. Layer-wise without accumulation holds one at a
+    time: the largest is the peak. With accumulation every one lives until the last
+    micro-batch's backward."""
+    if layerwise and accumulation == 1:
+        return 4 * max(sizes)
+    return 4 * sum(sizes)
+
+
+def grad_bytes(sizes: list[int], run: RunConfig) -> int:
+    """The estimate's gradient bytes for the trained tensors of `sizes` under `run`."""
+    return grad_bytes_of(sizes, run.memory.layerwise, run.train.accumulation)
 
 
 def register(name: str):

@@ -6,10 +6,17 @@ from typing import TYPE_CHECKING
 
 import torch
 from pydantic import Field
-from torch import nn
 
 from harness.config import Strict
-from harness.methods.base import MemoryEstimate, Method, Shapes, decay_groups, numel, register
+from harness.methods.base import (
+    Groups,
+    MemoryEstimate,
+    Method,
+    Shapes,
+    grad_bytes,
+    numel,
+    register,
+)
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
@@ -20,15 +27,15 @@ class AdamConfig(Strict):
     eps: float = Field(1e-8, gt=0, description="added to the second moment's root")
 
 
-def adamw(model: nn.Module, run: RunConfig, config: AdamConfig) -> torch.optim.Optimizer:
-    """torch's fused AdamW (CPU and CUDA) over the trainable parameters: the fastest baseline."""
-    return torch.optim.AdamW(
-        decay_groups(model, run.train.weight_decay),
-        lr=run.train.lr,
-        betas=config.betas,
-        eps=config.eps,
-        fused=True,
-    )
+def adamw(groups: Groups, run: RunConfig, config: AdamConfig) -> torch.optim.Optimizer:
+    """torch's fused AdamW (CPU and CUDA): the fastest baseline; bitsandbytes' paged AdamW
+    (32-bit states) when the run asks for paged optimizer states."""
+    common = {"lr": run.train.lr, "betas": config.betas, "eps": config.eps}
+    if run.memory.optimizer_offload == "paged":
+        import bitsandbytes as bnb
+
+        return bnb.optim.PagedAdamW(groups, **common)
+    return torch.optim.AdamW(groups, **common, fused=True)
 
 
 @register("full")
@@ -36,10 +43,11 @@ class Full(Method):
     summary = "AdamW on every parameter (torch, fused kernel)"
     Config = AdamConfig
 
-    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
-        return adamw(model, run, self.config)
+    def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+        return adamw(groups, run, self.config)
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        n = sum(numel(s) for s in shapes.values())
+        sizes = [numel(s) for s in shapes.values()]
         # fp32 master weights and grads (bf16 is autocast); two fp32 moments and a step each.
-        return MemoryEstimate(4 * n, 4 * n, 8 * n + 4 * len(shapes))
+        n = sum(sizes)
+        return MemoryEstimate(4 * n, grad_bytes(sizes, run), 8 * n + 4 * len(sizes))

@@ -14,8 +14,17 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from harness import distributed
-from harness.methods.base import TARGETS, MemoryEstimate, Method, Shapes, numel, register
+from harness.memory import unwrap
+from harness.methods.base import (
+    TARGETS,
+    Groups,
+    MemoryEstimate,
+    Method,
+    Shapes,
+    grad_bytes,
+    numel,
+    register,
+)
 from harness.methods.full import AdamConfig
 from harness.methods.galore_optim import (
     BASIS_KEYS,
@@ -25,7 +34,6 @@ from harness.methods.galore_optim import (
     lowrank_shape,
     side_of,
 )
-from harness.methods.layerwise import LayerwiseOptimizer
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
@@ -52,7 +60,6 @@ class GaLoreConfig(ProjectionConfig):
         "keep", description="moments when the subspace changes: keep (paper), zero, or rotate")
     svd: Literal["exact", "randomized"] = Field(
         "exact", description="randomized: range finder with power iterations, faster")
-    layerwise: bool = Field(False, description="each weight's update runs inside backward")
     min_8bit_size: int = Field(4096, ge=1, description="adam8bit: smaller states stay 32-bit")
     adafactor_beta1: float | None = Field(
         None, ge=0, lt=1, description="adafactor: first-moment decay (None: no first moment)")
@@ -67,37 +74,37 @@ class GaLore(Method):
         parts = name.split(".")
         return len(shape) == 2 and any(t in parts for t in self.config.target_modules)
 
-    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
-        c, wd = self.config, run.train.weight_decay
-        # Layer-wise gradient memory depends on the micro-batches each process accumulates.
-        self._accumulation = max(1, run.train.accumulation // distributed.world_size())
-        settings: dict[nn.Parameter, dict[str, Any]] = {}
-        for name, p in model.named_parameters():
-            if self.targeted(name, tuple(p.shape)):
-                settings[p] = {"rank": c.rank, "weight_decay": wd}
-            else:  # decay on matrices only, never on norms and biases
-                settings[p] = {"weight_decay": wd if p.dim() >= 2 else 0.0}
+    def param_groups(self, model: nn.Module, run: RunConfig) -> Groups:
+        """Projected matrices, the other matrices, and vectors (never decayed)."""
+        wd = run.train.weight_decay
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        projected = [p for n, p in named if self.targeted(n, tuple(p.shape))]
+        ids = {id(p) for p in projected}
+        rest = [p for _, p in named if id(p) not in ids]
+        return [
+            {"params": projected, "rank": self.config.rank, "weight_decay": wd},
+            {"params": [p for p in rest if p.dim() >= 2], "weight_decay": wd},
+            {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+        ]
 
-        def make(params: list[nn.Parameter]) -> GaLoreOptimizer:
-            kinds: dict[tuple, list[nn.Parameter]] = {}
-            for p in params:
-                kinds.setdefault(tuple(sorted(settings[p].items())), []).append(p)
-            return GaLoreOptimizer(
-                [{**dict(k), "params": ps} for k, ps in kinds.items()],
-                lr=run.train.lr, betas=c.betas, eps=c.eps, inner=c.optimizer,
-                proj_type=c.proj_type, update_proj_gap=c.update_proj_gap, scale=c.scale,
-                moments=c.moments, svd=c.svd, min_8bit_size=c.min_8bit_size,
-                adafactor_beta1=c.adafactor_beta1)
+    def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+        c = self.config
+        return GaLoreOptimizer(
+            groups, lr=run.train.lr, betas=c.betas, eps=c.eps, inner=c.optimizer,
+            proj_type=c.proj_type, update_proj_gap=c.update_proj_gap, scale=c.scale,
+            moments=c.moments, svd=c.svd, min_8bit_size=c.min_8bit_size,
+            adafactor_beta1=c.adafactor_beta1)
 
-        params = list(settings)
-        if c.layerwise:
-            return LayerwiseOptimizer(params, lambda p: make([p]), run.train.grad_clip)
-        return make(params)
+    def refusal(self, run: RunConfig) -> str | None:
+        if run.memory.optimizer_offload == "paged":
+            return ("its low-rank moments are its own tensors, not a bitsandbytes optimizer's, "
+                    "so they cannot be paged; use memory.optimizer_offload: host")
+        return None
 
     def on_step(self, step: int, model: nn.Module,
                 optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """An event only on steps that recomputed projections."""
-        opts = _galore_optimizers(optimizer)
+        opts: list[GaLoreOptimizer] = unwrap(optimizer)  # type: ignore[assignment]
         attempts = sum(o.take_svd_attempts() for o in opts)
         if not attempts:
             return None
@@ -116,8 +123,7 @@ class GaLore(Method):
                 extra += 4 * basis_numel(shape, side, c.rank)
                 shape = lowrank_shape(shape, side, c.rank)
             state += state_bytes(shape, c.optimizer, c.min_8bit_size, c.adafactor_beta1)
-        grads = grad_bytes_of(sizes, c.layerwise, run.train.accumulation)
-        return MemoryEstimate(4 * sum(sizes), grads, state, extra)
+        return MemoryEstimate(4 * sum(sizes), grad_bytes(sizes, run), state, extra)
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
         from harness.meter import tensor_bytes
@@ -125,13 +131,9 @@ class GaLore(Method):
         params = list(model.parameters())
         states = list(optimizer.state.values())
         moments = [{k: v for k, v in s.items() if k not in BASIS_KEYS} for s in states]
-        if self.config.layerwise:  # gradients were freed inside backward: count what existed
-            grads = grad_bytes_of([p.numel() for p in params], True, self._accumulation)
-        else:
-            grads = sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
         return MemoryEstimate(
             weight_bytes=sum(tensor_bytes(p) for p in params),
-            grad_bytes=grads,
+            grad_bytes=self.held_grad_bytes(params, optimizer),
             optimizer_state_bytes=tensor_bytes(moments),
             extra_bytes=tensor_bytes([s.get(k) for s in states for k in BASIS_KEYS]),
         )
@@ -152,17 +154,3 @@ def state_bytes(shape: tuple[int, ...], inner: str, min_8bit_size: int,
     if inner == "adam8bit" and n >= min_8bit_size:
         return 2 * (n + 4 * QMAP + 4 * math.ceil(n / BLOCK))
     return 8 * n
-
-
-def grad_bytes_of(sizes: list[int], layerwise: bool, accumulation: int) -> int:
-    """Layer-wise without accumulation holds one gradient at a time: the largest is the peak.
-    With accumulation every gradient lives until the last micro-batch's backward."""
-    if layerwise and accumulation == 1:
-        return 4 * max(sizes)
-    return 4 * sum(sizes)
-
-
-def _galore_optimizers(optimizer: torch.optim.Optimizer) -> list[GaLoreOptimizer]:
-    if getattr(optimizer, "layerwise", False):
-        return list(optimizer.inner.values())  # type: ignore[attr-defined]
-    return [optimizer]  # type: ignore[list-item]

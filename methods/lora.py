@@ -12,7 +12,16 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from harness.methods.base import TARGETS, MemoryEstimate, Method, Shapes, numel, register
+from harness.methods.base import (
+    TARGETS,
+    Groups,
+    MemoryEstimate,
+    Method,
+    Shapes,
+    grad_bytes,
+    numel,
+    register,
+)
 from harness.methods.full import AdamConfig, adamw
 
 if TYPE_CHECKING:
@@ -80,10 +89,10 @@ def is_target(name: str, targets: list[str]) -> bool:
     return module.rsplit(".", 1)[-1] in targets
 
 
-def adam_bytes(weight_bytes: int, trainable: list[int]) -> MemoryEstimate:
+def adam_bytes(weight_bytes: int, trainable: list[int], run: RunConfig) -> MemoryEstimate:
     """fp32 gradients, two fp32 moments and a float32 step per trainable tensor."""
     n = sum(trainable)
-    return MemoryEstimate(weight_bytes, 4 * n, 8 * n + 4 * len(trainable))
+    return MemoryEstimate(weight_bytes, grad_bytes(trainable, run), 8 * n + 4 * len(trainable))
 
 
 class LoraShapes:
@@ -106,10 +115,10 @@ class Lora(Method):
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         return add_adapters(model, self.config)
 
-    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
-        return adamw(model, run, self.config)
+    def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+        return adamw(groups, run, self.config)
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         s = LoraShapes(shapes, self.config)
         trainable = s.adapters + (s.others if self.config.train_non_targets else [])
-        return adam_bytes(4 * sum(s.frozen + s.others + s.adapters), trainable)
+        return adam_bytes(4 * sum(s.frozen + s.others + s.adapters), trainable, run)

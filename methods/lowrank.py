@@ -18,7 +18,7 @@ from pydantic import Field
 from torch import nn
 
 from harness.config import UserError
-from harness.methods.base import TARGETS, MemoryEstimate, Shapes, numel, register
+from harness.methods.base import TARGETS, MemoryEstimate, Shapes, grad_bytes, numel, register
 from harness.methods.full import AdamConfig, Full
 
 if TYPE_CHECKING:
@@ -104,4 +104,4 @@ class LowRank(Full):
         self._check_found(found)
         n = sum(sizes)
         # as in full: fp32 weights and grads, two fp32 moments and a step per tensor
-        return MemoryEstimate(4 * n, 4 * n, 8 * n + 4 * len(sizes))
+        return MemoryEstimate(4 * n, grad_bytes(sizes, run), 8 * n + 4 * len(sizes))

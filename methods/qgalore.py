@@ -28,8 +28,17 @@ from pydantic import Field
 from torch import nn
 from torch.nn.utils import parametrize
 
-from harness.methods.base import MemoryEstimate, Shapes, numel, register
-from harness.methods.galore import GaLore, ProjectionConfig, basis_numel, grad_bytes_of, state_bytes
+from harness.memory import unwrap
+from harness.methods.base import (
+    Groups,
+    MemoryEstimate,
+    Shapes,
+    grad_bytes,
+    grad_bytes_of,
+    numel,
+    register,
+)
+from harness.methods.galore import GaLore, ProjectionConfig, basis_numel, state_bytes
 from harness.methods.galore_optim import BASIS_KEYS, lowrank_shape, side_of
 from harness.methods.qgalore_optim import (
     QGaLoreOptimizer,
@@ -94,35 +103,49 @@ class QGaLore(GaLore):
                         Int8Linear.from_linear(linear, c.weight_group))
         return model
 
+    def common(self, run: RunConfig) -> dict[str, Any]:
+        c = self.config
+        return {"lr": run.train.lr, "betas": c.betas, "eps": c.eps, "inner": c.optimizer,
+                "min_8bit_size": c.min_8bit_size,
+                "lazy": {"base_gap": c.update_proj_gap, "queue_size": c.queue_size,
+                         "threshold": c.threshold, "gamma": c.gamma}}
+
+    def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+        """simulate: GaLore's groups and optimizer, with the INT4 bases and lazy SVDs."""
+        c = self.config
+        return QGaLoreSimOptimizer(groups, proj_group=c.proj_group, proj_type=c.proj_type,
+                                   scale=c.scale, **self.common(run))
+
     def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
-        c, wd = self.config, run.train.weight_decay
-        self._accumulation = run.train.accumulation
-        common: dict[str, Any] = {"lr": run.train.lr, "betas": c.betas, "eps": c.eps,
-                                  "inner": c.optimizer, "min_8bit_size": c.min_8bit_size}
-        lazy = {"base_gap": c.update_proj_gap, "queue_size": c.queue_size,
-                "threshold": c.threshold, "gamma": c.gamma}
+        c = self.config
         if c.simulate:
-            named = list(model.named_parameters())
-            groups = [
-                {"params": [p for n, p in named if self.targeted(n, tuple(p.shape))],
-                 "rank": c.rank, "weight_decay": wd},
-                {"params": [p for n, p in named if not self.targeted(n, tuple(p.shape))
-                            and p.dim() >= 2], "weight_decay": wd},
-                {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
-            ]
-            return QGaLoreSimOptimizer([g for g in groups if g["params"]], lazy=lazy,
-                                       proj_group=c.proj_group, proj_type=c.proj_type,
-                                       scale=c.scale, **common)
+            return super().optimizer(model, run)
+        self.accumulation = run.train.accumulation
         layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
         return QGaLoreOptimizer(  # Int8Linear keeps no weight parameter: the rest are others
-            layers, list(model.parameters()), weight_decay=wd, rank=c.rank,
-            proj_type=c.proj_type, scale=c.scale, proj_group=c.proj_group, lazy=lazy,
-            clip=run.train.grad_clip, seed=run.seed, **common)
+            layers, list(model.parameters()), weight_decay=run.train.weight_decay, rank=c.rank,
+            proj_type=c.proj_type, scale=c.scale, proj_group=c.proj_group,
+            clip=run.train.grad_clip, seed=run.seed, **self.common(run))
+
+    def refusal(self, run: RunConfig) -> str | None:
+        m, fused = run.memory, not self.config.simulate
+        if fused and m.optimizer_offload != "none":
+            return ("its INT8 weights are updated inside backward on the training device, so "
+                    "the optimizer cannot move to the host (simulate: true can)")
+        if fused and run.train.precision == "fp16":
+            return ("its INT8 updates run inside backward, before an overflow in a later "
+                    "gradient could skip the step; use bf16 (or simulate: true with fp16)")
+        if not fused and m.layerwise:
+            return ("the layer-wise form of Q-GaLore is simulate: false, whose INT8 layers "
+                    "already update inside backward")
+        return super().refusal(run)
 
     def on_step(self, step: int, model: nn.Module,
                 optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """An event only on steps that ran an SVD; `svd_skipped` counts those GaLore's fixed
         schedule would have run by now and the lazy gap did not."""
+        if self.config.simulate:  # it may sit in a host offload wrapper
+            optimizer = unwrap(optimizer)[0]
         attempts = optimizer.take_svd_attempts()  # type: ignore[attr-defined]
         if not attempts:
             return None
@@ -150,7 +173,8 @@ class QGaLore(GaLore):
                     int4_packed_bytes(s, c.proj_group)
                     for s in basis_shapes(shape, side, c.rank).values())
         sizes = [numel(s) for s in shapes.values()]
-        grads = 4 * sum(sizes) if c.simulate else grad_bytes_of(sizes, True, run.train.accumulation)
+        grads = grad_bytes(sizes, run) if c.simulate else grad_bytes_of(
+            sizes, True, run.train.accumulation)
         return MemoryEstimate(weights, grads, state, extra)
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
@@ -163,7 +187,7 @@ class QGaLore(GaLore):
             skip = (*BASIS_KEYS, "lazy")
             return MemoryEstimate(
                 weight_bytes=floats,
-                grad_bytes=sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
+                grad_bytes=self.held_grad_bytes(params, optimizer),
                 optimizer_state_bytes=tensor_bytes(
                     [{k: v for k, v in s.items() if k not in skip} for s in states]),
                 extra_bytes=tensor_bytes([[s.get(k) for k in BASIS_KEYS] + [s["lazy"]["prev"]]
@@ -174,7 +198,7 @@ class QGaLore(GaLore):
         sizes = [p.numel() for p in params] + [m.codes.numel() for m in layers]
         return MemoryEstimate(
             weight_bytes=floats + sum(tensor_bytes(m.codes) for m in layers),
-            grad_bytes=grad_bytes_of(sizes, True, self._accumulation),
+            grad_bytes=grad_bytes_of(sizes, True, self.accumulation),
             optimizer_state_bytes=tensor_bytes([st["moments"] for st in layer_states])
             + tensor_bytes([list(o.state.values()) for o in optimizer.inner.values()]),
             extra_bytes=tensor_bytes([[m.scale, m.zero, optimizer.gaps[m].prev] for m in layers])

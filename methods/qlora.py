@@ -97,7 +97,9 @@ class QLora(Lora):
         packed = [math.ceil(out * inp / 2) for out, inp in s.target_weights]
         biases = sum(s.frozen) - sum(out * inp for out, inp in s.target_weights)
         trainable = s.adapters + (s.others if self.config.train_non_targets else [])
-        counted = adam_bytes(sum(packed) + 4 * (biases + sum(s.others + s.adapters)), trainable)
+        counted = adam_bytes(
+            sum(packed) + 4 * (biases + sum(s.others + s.adapters)), trainable, run
+        )
         counted.extra_bytes = sum(self._constants_bytes(out * inp) for out, inp in s.target_weights)
         return counted
 

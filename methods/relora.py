@@ -27,7 +27,6 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from harness.methods.base import MemoryEstimate, Shapes, register
-from harness.methods.full import adamw
 from harness.methods.lora import (
     ADAPTER,
     Lora,
@@ -97,9 +96,19 @@ class ReLora(Lora):
         return model
 
     def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
-        optimizer = adamw(model, run, self.config)
+        optimizer = super().optimizer(model, run)
         optimizer.register_load_state_dict_post_hook(self._after_load)
         return optimizer
+
+    def refusal(self, run: RunConfig) -> str | None:
+        if run.memory.layerwise or run.memory.optimizer_offload != "none":
+            return (
+                "ReLoRA's warm start and resets act on the whole optimizer between steps "
+                "(dropping the frozen weights' states, pruning the adapters' torch AdamW "
+                "moments in place), so its optimizer cannot be split per parameter "
+                "(memory.layerwise) or moved (memory.optimizer_offload)"
+            )
+        return None
 
     def _after_load(self, optimizer: torch.optim.Optimizer) -> None:
         """A resume past the warm start freezes the base again (the adapters count the steps)."""
@@ -147,7 +156,7 @@ class ReLora(Lora):
         trainable = s.adapters + (s.others if self.config.train_non_targets else [])
         if self.config.warm_start_steps:
             trainable += [out * inp for out, inp in s.target_weights]
-        return adam_bytes(4 * sum(s.frozen + s.others + s.adapters), trainable)
+        return adam_bytes(4 * sum(s.frozen + s.others + s.adapters), trainable, run)
 
 
 def merge_and_redraw(layer: LoraLayer, init: str) -> None:

@@ -84,7 +84,7 @@ def test_sweep_expands_methods_space_and_seeds():
     # a per-method space replaces the global one for that method
     assert [t.run.train.lr for t in trials if t.label == "galore"] == [0.003, 0.01]
     layerwise = next(t for t in trials if t.label == "galore_8bit_layerwise")
-    assert layerwise.run.method_name == "galore" and layerwise.run.method["layerwise"] is True
+    assert layerwise.run.method_name == "galore" and layerwise.run.memory.layerwise is True
     three = plan(load_sweep(REPO / "sweeps/quickstart.yaml", {"seeds": [0, 1, 2]}))
     assert len(three) == 3 * len(trials)
     # --set on a searched key replaces that dimension for every trial

@@ -25,13 +25,14 @@ from harness.config import load_run
 from harness.records import read_json, read_jsonl
 from harness.train import train
 
-GALORE_LW = {"name": "galore", "rank": 8, "update_proj_gap": 3, "layerwise": True}
+GALORE = {"name": "galore", "rank": 8, "update_proj_gap": 3}
 
 
-def ddp_run(steps: int = 6, method: dict[str, Any] | None = None) -> dict[str, Any]:
+def ddp_run(steps: int = 6, method: dict[str, Any] | None = None,
+            layerwise: bool = False) -> dict[str, Any]:
     """4 micro-batches of 2 per step: 2 per process, so accumulation runs under DDP too."""
     data = micro_run(steps=steps, total_batch_size=8)
-    return {**data, "method": method or {"name": "full"}}
+    return {**data, "method": method or {"name": "full"}, "memory": {"layerwise": layerwise}}
 
 
 def free_port() -> int:
@@ -70,11 +71,13 @@ def assert_same_losses(one: Path, two: Path) -> float:
     return max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("method", [{"name": "full"}, GALORE_LW, {"name": "lora", "rank": 4},
-                                    {"name": "qgalore", "rank": 8, "update_proj_gap": 3}],
+@pytest.mark.parametrize(("method", "layerwise"),
+                         [({"name": "full"}, False), (GALORE, True),
+                          ({"name": "lora", "rank": 4}, False),
+                          ({"name": "qgalore", "rank": 8, "update_proj_gap": 3}, False)],
                          ids=["full", "galore_layerwise", "lora", "qgalore"])
-def test_two_processes_train_as_one(tmp_path, method):
-    data = ddp_run(method=method)
+def test_two_processes_train_as_one(tmp_path, method, layerwise):
+    data = ddp_run(method=method, layerwise=layerwise)
     proc = torchrun(write_yaml(tmp_path / "run.yaml", data), tmp_path / "two")
     one = train(load_run(data), tmp_path / "one")  # runs while the children start up
     output = finish(proc)

@@ -213,7 +213,7 @@ def test_layerwise_with_accumulation_equals_the_plain_step(tmp_path):
     base = galore_run(6, update_proj_gap=3)
     base["train"].update(grad_clip=None, total_batch_size=4, batch_size=2)
     plain = train(load_run(base), tmp_path / "plain")
-    lw_run = load_run({**base, "method": {**base["method"], "layerwise": True}})
+    lw_run = load_run({**base, "memory": {"layerwise": True}})
     layerwise = train(lw_run, tmp_path / "layerwise")
     assert plain["status"] == layerwise["status"] == "ok"
     a, b = (rows(tmp_path / d, "train") for d in ("plain", "layerwise"))

@@ -1,0 +1,77 @@
+"""Mixed precision: autocast over fp32 weights, and fp16's dynamic loss scaling."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness.config import TrainConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    """fp16 multiplies the loss by a scale before backward so small gradients survive; a step
+    whose gradients overflow is skipped and the scale backs off (torch.amp.GradScaler). Clipping
+    sees unscaled gradients. `skipped` counts the skipped steps over the whole trial."""
+
+    def __init__(self, train: TrainConfig, device: torch.device) -> None:
+        self.device = device
+        self.dtype = DTYPES.get(train.precision)
+        self.scaler = None
+        if train.precision == "fp16":
+            s = train.loss_scale
+            self.scaler = torch.amp.GradScaler(
+                device.type,
+                init_scale=s.init,
+                growth_factor=s.growth_factor,
+                backoff_factor=s.backoff_factor,
+                growth_interval=s.growth_interval,
+            )
+        self.skipped = 0
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        if self.dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def step(
+        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], clip: float | None
+    ) -> bool:
+        """Unscale, clip (if `clip`) and step; False when fp16 overflowed and the step was
+        skipped (reading the scale is fp16's one host sync per step)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        stepped = self.scaler.get_scale() >= before  # only an overflow lowers the scale
+        self.skipped += not stepped
+        return stepped
+
+    def log(self) -> dict[str, Any]:
+        """What a metrics line and the summary record: the scale and the skipped steps."""
+        if self.scaler is None:
+            return {}
+        return {"loss_scale": self.scaler.get_scale(), "skipped_steps": self.skipped}
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.scaler is None:
+            return {}
+        return {"scaler": self.scaler.state_dict(), "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state["scaler"])
+            self.skipped = state["skipped"]
