@@ -132,10 +132,14 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
     def state(self) -> dict[Any, Any]:  # type: ignore[override]
         return self.inner.state
 
-    @torch.no_grad()
-    def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
+    def _pass_settings(self) -> None:
+        """The scheduler's LR (and any other setting) reach the host optimizer's groups."""
         for group, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner.update({k: v for k, v in group.items() if k != "params"})
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
+        self._pass_settings()
         for p in self.params:
             host = self.host[p]
             if p.grad is None:
@@ -156,6 +160,7 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
             p.grad = None
 
     def state_dict(self) -> dict[str, Any]:
+        self._pass_settings()
         return self.inner.state_dict()
 
     @torch.no_grad()
