@@ -26,12 +26,14 @@ SUMMARY_FIELDS = (
     "trial", "status", "method", "method_name", "lr", "seed", "model", "steps", "step",
     "tokens", "eval_loss", "eval_ppl", "tokens_per_s", "mfu", "peak_memory_bytes",
     "param_bytes", "grad_bytes", "optimizer_state_bytes", "trainable_params", "total_params",
-    "wall_s", "device", "error", "requeues", "last_loss",
+    "wall_s", "device", "error", "requeues", "last_loss", "memory", "precision", "extra_bytes",
+    "skipped_steps", "offloaded_bytes_per_step",
 )  # fmt: skip
 NUMERIC_FIELDS = (
     "lr", "steps", "step", "tokens", "eval_loss", "eval_ppl", "tokens_per_s", "mfu",
     "peak_memory_bytes", "param_bytes", "grad_bytes", "optimizer_state_bytes",
-    "trainable_params", "total_params", "wall_s", "requeues", "last_loss",
+    "trainable_params", "total_params", "wall_s", "requeues", "last_loss", "extra_bytes",
+    "skipped_steps", "offloaded_bytes_per_step",
 )  # fmt: skip
 # Where a trial without a summary (or with nulls in it) finds the same fact in its config.
 CONFIG_FALLBACKS = {
@@ -91,6 +93,20 @@ def flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def memory_label(memory: dict[str, Any]) -> str:
+    """The memory modifiers in a few words ("recompute attention, offload mlp"; "none")."""
+    parts = []
+    for key in ("recompute", "offload"):
+        value = memory.get(key, "none")
+        if value != "none":
+            parts.append(f"{key} {'+'.join(value) if isinstance(value, list) else value}")
+    if memory.get("layerwise"):
+        parts.append("layerwise")
+    if memory.get("optimizer_offload", "none") != "none":
+        parts.append(f"optimizer {memory['optimizer_offload']}")
+    return ", ".join(parts) or "none"
+
+
 def _trials(paths: Paths) -> Iterator[tuple[Path, dict[str, Any]]]:
     """Yield (trial dir, row) for every trial, run dirs in the given order, trials by id."""
     for run_dir in _run_dirs(paths):
@@ -110,9 +126,12 @@ def _run_dirs(paths: Paths) -> list[Path]:
 
 def _trial_row(run_dir: Path, trial_dir: Path) -> dict[str, Any]:
     """Merge config and summary; the summary wins since it records what actually ran."""
-    config = flatten(_read_yaml(trial_dir / "config.yaml"))
+    raw = _read_yaml(trial_dir / "config.yaml")
+    config = flatten(raw)
     summary = read_json(trial_dir / "summary.json")
     row: dict[str, Any] = {"run_dir": str(run_dir), **dict.fromkeys(SUMMARY_FIELDS), **config}
+    row["memory"] = memory_label(raw.get("memory") or {})
+    row["precision"] = (raw.get("train") or {}).get("precision", "fp32")
     row.update(flatten(summary or {}))
     # The folder name is what a user types to find the trial's files, so it is the id.
     row["trial"] = trial_dir.name

@@ -6,30 +6,35 @@ trials that finished), the protocol of the papers this harness compares.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import EngFormatter, LogFormatter
 
 from harness.records import atomic_write
 
 from .load import PathArg, load_runs, load_steps, read_sweep
+from .plots import curves_plot, memory_chart, save_png
 
 SUMMARY_COLUMNS = (
-    "method", "best lr", "eval ppl", "tok/s", "peak memory", "optimizer state", "trials",
+    "method", "memory", "precision", "best lr", "eval ppl", "tok/s", "peak memory",
+    "optimizer state", "trials",
 )  # fmt: skip
+VARIANT = ["method", "memory", "precision"]  # what a row of the summary compares
+VARIANT_DEFAULTS = {"method": "unknown", "memory": "none", "precision": "fp32"}
 MEMORY_NOTE = "Memory columns use decimal units: 1 MB = 10^6 bytes, 1 GB = 10^9 bytes."
 
 
 def summary_table(trials: pd.DataFrame, order: Sequence[str] = ()) -> pd.DataFrame:
-    """One row per method at its best LR; methods named in `order` (sweep.yaml) come first."""
-    labels = trials["method"].fillna("unknown").astype(str)
-    rows = [_method_row(label, trials[labels == label]) for label in _ordered(labels, order)]
+    """One row per method and memory modifiers at its best LR; methods named in `order`
+    (sweep.yaml) come first, each one's modifier variants in the order they appear."""
+    trials = trials.assign(**{k: trials[k].fillna(d) for k, d in VARIANT_DEFAULTS.items()})
+    rows = []
+    for label in _ordered(trials["method"].astype(str), order):
+        own = trials[trials["method"].astype(str) == label]
+        for key, group in own.groupby(VARIANT, sort=False):
+            rows.append(_method_row(dict(zip(VARIANT, key, strict=True)), group))
     return pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
 
 
@@ -39,6 +44,7 @@ def status_table(trials: pd.DataFrame) -> str:
         {
             "id": trials["trial"],
             "method": trials["method"],
+            "memory": trials["memory"].fillna("none"),
             "status": trials["status"],
             "step": [
                 f"{_int(step, '0')}/{_int(steps, '?')}"
@@ -64,10 +70,8 @@ def write_report(runs_dir: PathArg) -> str:
     out = runs_dir / "report"
     out.mkdir(exist_ok=True)
     atomic_write(out / "trials.csv", trials.to_csv(index=False))
-    figure, caption = _plot(load_steps(runs_dir), trials, name)
-    png = io.BytesIO()
-    figure.savefig(png, format="png", dpi=120)
-    atomic_write(out / "loss.png", png.getvalue())
+    caption = save_png(*curves_plot(load_steps(runs_dir), trials, name), out / "loss.png")
+    memory = save_png(*memory_chart(trials, name), out / "memory.png")
     markdown = "\n\n".join(
         [
             f"# Sweep report: {name}",
@@ -75,6 +79,7 @@ def write_report(runs_dir: PathArg) -> str:
             text_table(table),
             best_lr_line(table),
             f"![{caption}](loss.png)",
+            f"![{memory}](memory.png)",
             "All trials, all columns: `trials.csv`.",
         ]
     )
@@ -84,7 +89,11 @@ def write_report(runs_dir: PathArg) -> str:
 
 def best_lr_line(table: pd.DataFrame) -> str:
     """Say which LR won per method, so a reader need not scan the table."""
-    picks = (f"{m} {lr or 'n/a'}" for m, lr in zip(table["method"], table["best lr"], strict=True))
+    picks = []
+    for method, memory, precision, lr in table[[*VARIANT, "best lr"]].itertuples(index=False):
+        extra = [x for x, d in ((memory, "none"), (precision, "fp32")) if x != d]
+        name = f"{method} ({', '.join(extra)})" if extra else method
+        picks.append(f"{name} {lr or 'n/a'}")
     return "Best LR per method: " + ", ".join(picks)
 
 
@@ -106,21 +115,10 @@ def text_table(table: pd.DataFrame) -> str:
     return table.fillna("").to_markdown(index=False, disable_numparse=True)
 
 
-def trial_labels(trials: pd.DataFrame) -> dict[tuple[str, str], str]:
-    """Legend text "<method> lr=<lr>", plus the seed only when seeds vary across trials."""
-    several_seeds = trials["seed"].nunique() > 1
-    labels = {}
-    columns = ["run_dir", "trial", "method", "lr", "seed"]
-    for run_dir, trial, method, lr, seed in trials[columns].itertuples(index=False):
-        label = f"{method} lr={'?' if pd.isna(lr) else format(lr, 'g')}"
-        labels[(run_dir, trial)] = label + (f" seed={_int(seed, '?')}" if several_seeds else "")
-    return labels
-
-
-def _method_row(label: str, group: pd.DataFrame) -> dict[str, str]:
+def _method_row(variant: dict[str, str], group: pd.DataFrame) -> dict[str, str]:
     """Best LR by mean eval ppl over seeds, among ok trials; blanks if none finished."""
     row = dict.fromkeys(SUMMARY_COLUMNS, "")
-    row.update(method=label, trials=_status_counts(group["status"]))
+    row.update(variant, trials=_status_counts(group["status"]))
     ok = group[(group["status"] == "ok") & group["eval_ppl"].notna() & group["lr"].notna()]
     if ok.empty:
         return row
@@ -161,41 +159,6 @@ def _ordered(labels: pd.Series, order: Sequence[str]) -> list[str]:
 def _sweep_methods(sweep: dict[str, Any]) -> list[str]:
     methods = sweep.get("methods")
     return [str(label) for label in methods] if isinstance(methods, dict) else []
-
-
-def _plot(steps: pd.DataFrame, trials: pd.DataFrame, name: str) -> tuple[Figure, str]:
-    """Eval perplexity per trial; training loss when no eval has run yet, so early runs plot."""
-    points, column, quantity = _points(steps, "eval", "eval_ppl"), "eval_ppl", "Eval perplexity"
-    if points.empty:
-        points, column, quantity = _points(steps, "train", "loss"), "loss", "Training loss"
-    figure = Figure(figsize=(8, 5), layout="constrained")
-    FigureCanvasAgg(figure)
-    ax = figure.add_subplot()
-    labels = trial_labels(trials)
-    for key, curve in points.groupby(["run_dir", "trial"], sort=False):
-        curve = curve.sort_values("tokens")
-        ax.plot(curve["tokens"], curve[column], marker="o", markersize=3, label=labels[key])
-    if points.empty:
-        ax.text(0.5, 0.5, "no metrics yet", ha="center", va="center", transform=ax.transAxes)
-    else:
-        ax.set_yscale("log")
-        # Plain numbers ("40", not "4x10^1"); minor labels only while the range is narrow.
-        ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
-        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
-        ax.legend(fontsize="small")
-    caption = f"{quantity} vs tokens seen"
-    ax.set_title(f"{name}: {caption.lower()}")
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel(f"{quantity.lower()} (log scale)")
-    ax.xaxis.set_major_formatter(EngFormatter())
-    ax.grid(True, which="both", alpha=0.3)
-    return figure, caption
-
-
-def _points(steps: pd.DataFrame, kind: str, column: str) -> pd.DataFrame:
-    if column not in steps:
-        return steps.iloc[0:0]
-    return steps[steps["kind"] == kind].dropna(subset=["tokens", column])
 
 
 def _int(value: Any, missing: str) -> str:

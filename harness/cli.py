@@ -140,6 +140,7 @@ def type_name(annotation: object) -> str:
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
+    from harness.memory import modifier_support
     from harness.methods import get_method, method_names
 
     for name in method_names():
@@ -150,6 +151,11 @@ def cmd_methods(args: argparse.Namespace) -> int:
             note = f"  - {field.description}" if field.description else ""
             default = field.get_default(call_default_factory=True)
             print(f"    {key}: {kind} = {default!r}{note}")
+        support = modifier_support(name)
+        print(f"  modifiers: {', '.join(m for m, why in support.items() if why is None)}")
+        for modifier, why in support.items():
+            if why is not None:
+                print(f"  refuses {modifier}: {why}")
     return EXIT_OK
 
 

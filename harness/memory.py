@@ -118,3 +118,28 @@ def unwrap(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
     if isinstance(optimizer, HostOffloadOptimizer):
         return [optimizer.inner]
     return [optimizer]
+
+
+# One setting per modifier, as `harness methods` tries each on a method's defaults.
+MODIFIER_TRIALS: dict[str, dict[str, Any]] = {
+    "recompute": {"memory": {"recompute": "full"}},
+    "offload": {"memory": {"offload": ["mlp"]}},
+    "layerwise": {"memory": {"layerwise": True}},
+    "optimizer_offload host": {"memory": {"optimizer_offload": "host"}},
+    "optimizer_offload paged": {"memory": {"optimizer_offload": "paged"}},
+    "fp16": {"train": {"precision": "fp16"}},
+}
+
+
+def modifier_support(method: str) -> dict[str, str | None]:
+    """Each modifier -> None if `method` accepts it with its default settings, else why not."""
+    from harness.config import load_run
+
+    support: dict[str, str | None] = {}
+    for modifier, data in MODIFIER_TRIALS.items():
+        try:
+            load_run({**data, "method": {"name": method}})
+            support[modifier] = None
+        except UserError as e:
+            support[modifier] = str(e).removeprefix(f"method {method}: ")
+    return support

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from harness.analysis import load_runs, load_steps, status_table, summary_table, write_report
-from harness.analysis.report import trial_labels
+from harness.analysis.plots import trial_labels
 
 # label -> (method config, [(trial id, lr, status, eval ppl)]); None status = never started.
 TRIALS: dict[str, tuple[dict[str, Any], list[tuple[str, float, str | None, float | None]]]] = {
@@ -194,7 +194,8 @@ def test_summary_orders_alphabetically_without_sweep(runs: Path) -> None:
 def test_status_table_shows_progress(runs: Path) -> None:
     lines = status_table(load_runs(runs)).splitlines()
     assert [cell.strip() for cell in lines[0].split("|")[1:-1]] == [
-        "id", "method", "status", "step", "loss", "eval ppl", "tok/s", "peak memory", "requeues",
+        "id", "method", "memory", "status", "step", "loss", "eval ppl", "tok/s", "peak memory",
+        "requeues",
     ]  # fmt: skip
     t4 = next(line for line in lines if "| t4 " in line)
     assert "failed" in t4 and "20/40" in t4 and "| 3.0000 |" in t4
@@ -215,7 +216,7 @@ def test_status_of_a_running_trial_comes_from_its_metrics(runs: Path) -> None:
         f.write("\n" + json.dumps({"kind": "eval", "step": 45, "eval_ppl": 12.34}) + "\n")
     row = next(line for line in status_table(load_runs(runs)).splitlines() if "| t4 " in line)
     cells = [cell.strip() for cell in row.split("|")[1:-1]]
-    assert cells[2:7] == ["running", "45/40", "2.5000", "12.34", "777"]
+    assert cells[3:8] == ["running", "45/40", "2.5000", "12.34", "777"]
     assert cells[-1] == "2"
 
 
@@ -229,7 +230,8 @@ def test_trial_labels_add_seed_only_when_seeds_vary(runs: Path) -> None:
 def test_write_report_writes_csv_markdown_and_png(runs: Path) -> None:
     text = write_report(runs)
     out = runs / "report"
-    assert sorted(p.name for p in out.iterdir()) == ["loss.png", "summary.md", "trials.csv"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "loss.png", "memory.png", "summary.md", "trials.csv"]
     assert "| full " in text and "25.00" in text
 
     assert (out / "trials.csv").read_text().count("\n") == 1 + 6
@@ -247,6 +249,34 @@ def test_write_report_writes_csv_markdown_and_png(runs: Path) -> None:
     assert png.stat().st_size > 10_000
     height, width, _ = matplotlib.image.imread(png).shape
     assert (width, height) == (960, 600)
+
+
+def test_memory_modifiers_are_columns_and_variants_rows(runs: Path) -> None:
+    """Trials of one method that differ in memory modifiers or precision are separate rows,
+    each at its own best LR; the memory chart stacks each finished trial's bytes."""
+    for trial, memory, precision in (("t0", {"recompute": "full"}, "fp32"),
+                                     ("t3", {"offload": ["mlp", "norm"], "layerwise": True},
+                                      "fp16")):
+        path = runs / "trials" / trial / "config.yaml"
+        config = yaml.safe_load(path.read_text())
+        config["memory"] = memory
+        config["train"]["precision"] = precision
+        path.write_text(yaml.safe_dump(config))
+    trials = load_runs(runs).set_index("trial")
+    assert trials.loc["t0", "memory"] == "recompute full"
+    assert trials.loc["t3", "memory"] == "offload mlp+norm, layerwise"
+    assert trials.loc["t1", "memory"] == "none" and trials.loc["t3", "precision"] == "fp16"
+    table = summary_table(load_runs(runs), order=["full", "galore_r4", "adam8bit"])
+    rows = table[["method", "memory", "precision", "best lr"]].values.tolist()
+    assert rows == [["full", "recompute full", "fp32", "0.001"], ["full", "none", "fp32", "0.003"],
+                    ["galore_r4", "offload mlp+norm, layerwise", "fp16", "0.01"],
+                    ["galore_r4", "none", "fp32", ""], ["adam8bit", "none", "fp32", ""]]
+    write_report(runs)
+    summary = (runs / "report" / "summary.md").read_text()
+    assert "full (recompute full) 0.001, full 0.003, galore_r4 (offload mlp+norm, " in summary
+    assert "![Memory breakdown per trial](memory.png)" in summary
+    chart = matplotlib.image.imread(runs / "report" / "memory.png")
+    assert chart.shape[1] == 1080 and chart.shape[0] > 300
 
 
 def test_write_report_falls_back_to_training_loss(tmp_path: Path) -> None:

@@ -1,0 +1,119 @@
+"""The report's figures: curves over tokens, and where each trial's peak memory goes."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter, LogFormatter
+
+from harness.records import atomic_write
+
+# Stacked segments of the memory chart: summary field -> legend text.
+SEGMENTS = {
+    "param_bytes": "parameters",
+    "grad_bytes": "gradients",
+    "optimizer_state_bytes": "optimizer state",
+    "extra_bytes": "projections, quantization constants",
+}
+
+
+def save_png(figure: Figure, caption: str, path: Path) -> str:
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=120)
+    atomic_write(path, png.getvalue())
+    return caption
+
+
+def curves_plot(steps: pd.DataFrame, trials: pd.DataFrame, name: str) -> tuple[Figure, str]:
+    """Eval perplexity per trial; training loss when no eval has run yet, so early runs plot."""
+    points, column, quantity = _points(steps, "eval", "eval_ppl"), "eval_ppl", "Eval perplexity"
+    if points.empty:
+        points, column, quantity = _points(steps, "train", "loss"), "loss", "Training loss"
+    figure = Figure(figsize=(8, 5), layout="constrained")
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot()
+    labels = trial_labels(trials)
+    for key, curve in points.groupby(["run_dir", "trial"], sort=False):
+        curve = curve.sort_values("tokens")
+        ax.plot(curve["tokens"], curve[column], marker="o", markersize=3, label=labels[key])
+    if points.empty:
+        ax.text(0.5, 0.5, "no metrics yet", ha="center", va="center", transform=ax.transAxes)
+    else:
+        ax.set_yscale("log")
+        # Plain numbers ("40", not "4x10^1"); minor labels only while the range is narrow.
+        ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
+        ax.legend(fontsize="small")
+    caption = f"{quantity} vs tokens seen"
+    ax.set_title(f"{name}: {caption.lower()}")
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel(f"{quantity.lower()} (log scale)")
+    ax.xaxis.set_major_formatter(EngFormatter())
+    ax.grid(True, which="both", alpha=0.3)
+    return figure, caption
+
+
+def _points(steps: pd.DataFrame, kind: str, column: str) -> pd.DataFrame:
+    if column not in steps:
+        return steps.iloc[0:0]
+    return steps[steps["kind"] == kind].dropna(subset=["tokens", column])
+
+
+def trial_labels(trials: pd.DataFrame) -> dict[tuple[str, str], str]:
+    """Legend text "<method> lr=<lr>", plus the memory modifiers and the seed only when they
+    vary across trials."""
+    several_seeds = trials["seed"].nunique() > 1
+    memory = trials["memory"].fillna("none") if "memory" in trials else pd.Series("none")
+    several_memories = memory.nunique() > 1
+    labels = {}
+    columns = ["run_dir", "trial", "method", "lr", "seed"]
+    rows = trials[columns].itertuples(index=False)
+    for (run_dir, trial, method, lr, seed), mem in zip(rows, memory, strict=False):
+        label = f"{method} lr={'?' if pd.isna(lr) else format(lr, 'g')}"
+        label += f" [{mem}]" if several_memories else ""
+        labels[(run_dir, trial)] = label + (f" seed={_int(seed, '?')}" if several_seeds else "")
+    return labels
+
+def memory_chart(trials: pd.DataFrame, name: str) -> tuple[Figure, str]:
+    """Stacked bars per trial: parameters, gradients, optimizer state and extras as the method
+    counted them, and the rest of the peak (activations, buffers, the runtime) as "other".
+    States kept on the host by `optimizer_offload: host` leave a CUDA device's bar."""
+    done = trials[trials["param_bytes"].notna()].reset_index(drop=True)
+    figure = Figure(figsize=(9, 2.2 + 0.4 * max(1, len(done))), layout="constrained")
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot()
+    caption = "Memory breakdown per trial"
+    ax.set_title(f"{name}: {caption.lower()}")
+    if done.empty:
+        ax.text(0.5, 0.5, "no finished trials yet", ha="center", va="center",
+                transform=ax.transAxes)
+        return figure, caption
+    parts = pd.DataFrame({k: pd.to_numeric(done[k], errors="coerce") for k in SEGMENTS}).fillna(0)
+    on_host = (done.get("memory.optimizer_offload") == "host") & done["device"].astype(
+        str).str.startswith("cuda")
+    parts.loc[on_host, "optimizer_state_bytes"] = 0
+    other = (done["peak_memory_bytes"].fillna(0) - parts.sum(axis=1)).clip(lower=0)
+    labels = trial_labels(done)
+    y = np.arange(len(done))
+    left = np.zeros(len(done))
+    for key, legend in [*SEGMENTS.items(), ("other", "activations / other")]:
+        values = (other if key == "other" else parts[key]).to_numpy(dtype=float) / 1e9
+        ax.barh(y, values, left=left, label=legend)
+        left += values
+    ax.set_yticks(y, [labels[(r, t)] for r, t in zip(done["run_dir"], done["trial"], strict=True)],
+                  fontsize="small")
+    ax.invert_yaxis()
+    ax.set_xlabel("GB (peak: allocated on CUDA, resident set on CPU)")
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3)
+    ax.grid(True, axis="x", alpha=0.3)
+    return figure, caption
+
+
+def _int(value: Any, missing: str) -> str:
+    return missing if pd.isna(value) else str(int(value))
