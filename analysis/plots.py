@@ -85,7 +85,10 @@ def memory_chart(trials: pd.DataFrame, name: str) -> tuple[Figure, str]:
     counted them, and the rest of the peak (activations, buffers, the runtime) as "other".
     States kept on the host by `optimizer_offload: host` leave a CUDA device's bar."""
     done = trials[trials["param_bytes"].notna()].reset_index(drop=True)
-    figure = Figure(figsize=(9, 2.2 + 0.4 * max(1, len(done))), layout="constrained")
+    labels = trial_labels(done)
+    longest = max((len(v) for v in labels.values()), default=0)
+    size = (max(9.0, 5 + 0.08 * longest), 2.2 + 0.4 * max(1, len(done)))
+    figure = Figure(figsize=size, layout="constrained")
     FigureCanvasAgg(figure)
     ax = figure.add_subplot()
     caption = "Memory breakdown per trial"
@@ -99,7 +102,6 @@ def memory_chart(trials: pd.DataFrame, name: str) -> tuple[Figure, str]:
         str).str.startswith("cuda")
     parts.loc[on_host, "optimizer_state_bytes"] = 0
     other = (done["peak_memory_bytes"].fillna(0) - parts.sum(axis=1)).clip(lower=0)
-    labels = trial_labels(done)
     y = np.arange(len(done))
     left = np.zeros(len(done))
     for key, legend in [*SEGMENTS.items(), ("other", "activations / other")]:
@@ -110,7 +112,7 @@ def memory_chart(trials: pd.DataFrame, name: str) -> tuple[Figure, str]:
                   fontsize="small")
     ax.invert_yaxis()
     ax.set_xlabel("GB (peak: allocated on CUDA, resident set on CPU)")
-    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3)
+    figure.legend(fontsize="small", loc="outside lower center", ncol=3)
     ax.grid(True, axis="x", alpha=0.3)
     return figure, caption
 

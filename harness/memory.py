@@ -11,6 +11,7 @@ backward, runs once: a recomputed forward rebuilds saved tensors, not graph node
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -100,8 +101,7 @@ def make_optimizer(groups: Groups, build: Build, run: RunConfig) -> torch.optim.
     from harness.methods.layerwise import LayerwiseOptimizer
 
     if run.memory.optimizer_offload == "host":
-        inner = build
-        build = lambda gs: HostOffloadOptimizer(gs, inner)  # noqa: E731
+        build = partial(HostOffloadOptimizer, build=build)
     if not run.memory.layerwise:
         return build(groups)
     settings = {p: {k: v for k, v in g.items() if k != "params"}

@@ -11,6 +11,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from harness.analysis.load import memory_label
 from harness.config import (
     Common,
     LauncherConfig,
@@ -168,8 +169,10 @@ def plan_table(trials: list[Trial]) -> str:
         changed = changed_params(t.run.method_name, t.run.method_params)
         params = {**changed, **t.point, "seed": t.run.seed}
         hp = ", ".join(f"{k}={v}" for k, v in params.items())
-        rows.append([t.id, t.label, hp, t.run.train.steps, f"{t.tokens:,}"])
-    return tabulate(rows, headers=["trial", "method", "hyperparameters", "steps", "tokens"])
+        memory = memory_label(t.run.memory.model_dump())
+        rows.append([t.id, t.label, hp, memory, t.run.train.steps, f"{t.tokens:,}"])
+    headers = ["trial", "method", "hyperparameters", "memory", "steps", "tokens"]
+    return tabulate(rows, headers=headers)
 
 
 def preflight(sweep: SweepConfig) -> None:

@@ -254,3 +254,38 @@ def test_recompute_keeps_fewer_activations():
     assert full < min(attention, mlp) and max(attention, mlp) < plain
     print(f"saved for backward: plain {plain:,} B, attention {attention:,}, mlp {mlp:,}, "
           f"full {full:,}")
+
+
+def test_a_sweep_varies_modifiers_and_a_method_sets_its_own(tmp_path):
+    from conftest import write_yaml
+
+    from harness.sweep import load_sweep, plan
+
+    base = micro_run()
+    sweep = {
+        "name": "mods", "model": base["model"], "task": base["task"], "train": base["train"],
+        "memory": {"offload": ["mlp"]},
+        "methods": {"full": {}, "galore_lw": {"method": "galore", "rank": 8,
+                                              "memory": {"layerwise": True}}},
+        "search": {"space": {"memory.recompute": ["none", ["attention"]]}},
+    }
+    trials = plan(load_sweep(write_yaml(tmp_path / "s.yaml", sweep), {}))
+    got = {(t.label, str(t.run.memory.recompute), t.run.memory.layerwise) for t in trials}
+    assert got == {("full", "none", False), ("full", "['attention']", False),
+                   ("galore_lw", "none", True), ("galore_lw", "['attention']", True)}
+    assert all(t.run.memory.offloaded == ["mlp"] for t in trials)
+    assert len({t.id for t in trials}) == 4
+    sweep["methods"]["relora"] = {"rank": 4, "memory": {"layerwise": True}}
+    with pytest.raises(UserError, match="^methods.relora with .*: method relora: ReLoRA's"):
+        plan(load_sweep(write_yaml(tmp_path / "s.yaml", sweep), {}))
+
+
+def test_methods_command_lists_modifiers(capsys):
+    from harness.cli import main
+
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert "  modifiers: recompute, offload, layerwise, optimizer_offload host, " \
+           "optimizer_offload paged, fp16" in out
+    assert "  refuses layerwise: ReLoRA's warm start" in out
+    assert "  refuses fp16: its INT8 updates run inside backward" in out
