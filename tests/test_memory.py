@@ -276,7 +276,7 @@ def test_a_sweep_varies_modifiers_and_a_method_sets_its_own(tmp_path):
     assert all(t.run.memory.offloaded == ["mlp"] for t in trials)
     assert len({t.id for t in trials}) == 4
     sweep["methods"]["relora"] = {"rank": 4, "memory": {"layerwise": True}}
-    with pytest.raises(UserError, match="^methods.relora with .*: method relora: ReLoRA's"):
+    with pytest.raises(UserError, match=r"^methods\.relora with .*: method relora: ReLoRA's"):
         plan(load_sweep(write_yaml(tmp_path / "s.yaml", sweep), {}))
 
 
