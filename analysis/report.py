@@ -61,30 +61,37 @@ def status_table(trials: pd.DataFrame) -> str:
 
 
 def write_report(runs_dir: PathArg) -> str:
-    """Write report/{trials.csv,summary.md,loss.png} and return the summary for the terminal."""
+    """Write report/{trials.csv,summary.md,loss.png} (and glue.{md,csv} for GLUE trials) and
+    return the summary for the terminal."""
+    from .glue import GLUE_NOTE, GLUE_TITLE, write_glue  # glue.py imports this module
+
     runs_dir = Path(runs_dir)
     trials = load_runs(runs_dir)
     sweep = read_sweep(runs_dir)
     name = str(sweep.get("name") or runs_dir.resolve().name)
-    table = summary_table(trials, order=_sweep_methods(sweep))
+    order = _sweep_methods(sweep)
+    kinds = trials["task.kind"].fillna("pretrain") if "task.kind" in trials else None
+    pretraining = trials if kinds is None else trials[kinds != "glue"]
+    table = summary_table(pretraining, order=order)
     out = runs_dir / "report"
     out.mkdir(exist_ok=True)
     atomic_write(out / "trials.csv", trials.to_csv(index=False))
     caption = save_png(*curves_plot(load_steps(runs_dir), trials, name), out / "loss.png")
     memory = save_png(*memory_chart(trials, name), out / "memory.png")
-    markdown = "\n\n".join(
-        [
-            f"# Sweep report: {name}",
-            MEMORY_NOTE,
-            text_table(table),
-            best_lr_line(table),
-            f"![{caption}](loss.png)",
-            f"![{memory}](memory.png)",
-            "All trials, all columns: `trials.csv`.",
-        ]
-    )
-    atomic_write(out / "summary.md", markdown + "\n")
-    return text_table(table)
+    glue = write_glue(trials, order, out)
+    pretrain = [text_table(table), best_lr_line(table)] if not (glue and pretraining.empty) else []
+    sections = [
+        f"# Sweep report: {name}",
+        MEMORY_NOTE,
+        *pretrain,
+        f"![{caption}](loss.png)",
+        f"![{memory}](memory.png)",
+        "All trials, all columns: `trials.csv`.",
+    ]
+    if glue:
+        sections += [f"## {GLUE_TITLE}", GLUE_NOTE, glue]
+    atomic_write(out / "summary.md", "\n\n".join(sections) + "\n")
+    return "\n\n".join([*pretrain[:1], *([f"{GLUE_TITLE}\n{glue}"] if glue else [])])
 
 
 def best_lr_line(table: pd.DataFrame) -> str:

@@ -55,7 +55,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.dry_run:
         trials = plan(sweep)
         print(plan_table(trials))
-        print(f"{len(trials)} trials, {sum(t.tokens for t in trials):,} tokens in all")
+        tokens = sum(t.tokens for t in trials if not t.run.train.epochs)
+        print(f"{len(trials)} trials" + (f", {tokens:,} tokens in all" if tokens else ""))
         return EXIT_OK
     out = Path(args.out) if args.out else Path("runs") / sweep.name
     try:

@@ -31,11 +31,18 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "sample")
+
+
 class TaskConfig(Strict):
-    kind: Literal["pretrain"] = "pretrain"
+    kind: Literal["pretrain", "glue"] = "pretrain"
+    glue_task: str = Field(
+        "sample", description="glue: cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, or sample"
+    )
     dataset: str = Field(
         "sample",
-        description="sample | c4 (hub, streaming) | dir or glob of C4 json.gz train shards",
+        description="pretrain: sample | c4 (hub, streaming) | dir or glob of C4 json.gz train "
+        "shards; glue: hub (nyu-mll/glue) | dir of GLUE-schema files",
     )
     validation: str | None = Field(
         None, description="glob of validation shards (default: derived from dataset)"
@@ -46,6 +53,24 @@ class TaskConfig(Strict):
         True, description="pack documents with EOS between them; false = truncate and pad"
     )
     shuffle_buffer: int = Field(1000, ge=1, description="documents held for the seeded shuffle")
+    padding: Literal["longest", "max_length"] = Field(
+        "longest", description="glue: pad each batch to its longest example, or to seq_len"
+    )
+    classifier_dropout: float | None = Field(
+        None, ge=0, lt=1, description="glue: dropout before the classification head (model's own)"
+    )
+
+    @model_validator(mode="after")
+    def _glue_fits(self) -> TaskConfig:
+        if self.kind == "glue" and self.glue_task not in GLUE_TASKS:
+            allowed = ", ".join(GLUE_TASKS)
+            raise ValueError(f"glue_task: '{self.glue_task}' is not a task (allowed: {allowed})")
+        if self.kind == "glue" and self.glue_task != "sample" and self.dataset == "sample":
+            raise ValueError(
+                f"dataset: 'sample' holds only the embedded task; GLUE {self.glue_task} reads "
+                "from hub (nyu-mll/glue) or a folder of GLUE-schema files"
+            )
+        return self
 
 
 class LossScaleConfig(Strict):
@@ -60,7 +85,10 @@ class LossScaleConfig(Strict):
 
 class TrainConfig(Strict):
     lr: float = Field(1e-3, gt=0)
-    steps: int = Field(100, ge=1)
+    steps: int | None = Field(None, ge=1, description="optimizer steps (default 100)")
+    epochs: int | None = Field(
+        None, ge=1, description="glue: passes over the training set, instead of steps"
+    )
     batch_size: int = Field(8, ge=1, description="micro-batch (sequences per forward)")
     total_batch_size: int | None = Field(None, ge=1, description="sequences per optimizer step")
     warmup_steps: int = Field(0, ge=0)
@@ -84,6 +112,20 @@ class TrainConfig(Strict):
             raise ValueError(
                 f"total_batch_size {total} is not a multiple of batch_size {self.batch_size}"
             )
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_steps(cls, data: Any) -> Any:
+        """100 steps unless the budget is in epochs (the trainer counts their steps)."""
+        if isinstance(data, dict) and data.get("epochs") is None and data.get("steps") is None:
+            return {**data, "steps": 100}
+        return data
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> TrainConfig:
+        if self.epochs is not None and self.steps is not None:
+            raise ValueError("set train.steps or train.epochs, not both")
         return self
 
     @property
@@ -173,10 +215,24 @@ class MemoryConfig(Strict):
         return self.offload if isinstance(self.offload, list) else []
 
 
+class ModelFrom(Strict):
+    """A harness pretraining trial (its folder) or a sweep (its best trial) to fine-tune."""
+
+    from_: str = Field(alias="from", description="runs/<sweep>/trials/<id>, or runs/<sweep>")
+    sweep: str | None = Field(
+        None, description="the pretraining sweep file, run first (into `from`) when it is absent"
+    )
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
 class Common(Strict):
     """Keys a sweep shares with every trial it runs."""
 
-    model: str = "llama_tiny"
+    model: str | ModelFrom = Field(
+        "llama_tiny",
+        description="a preset (llama_tiny…llama_7b); glue also: a hub name or local path of an "
+        "encoder, or {from: runs/<sweep>[/trials/<id>]} for a harness LLaMA checkpoint",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     task: TaskConfig = TaskConfig()
     train: TrainConfig = TrainConfig()
@@ -216,102 +272,6 @@ class RunConfig(Common):
         data["train"].pop("log_every")
         blob = json.dumps(data, sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()[:8]
-
-
-class SearchConfig(Strict):
-    sampler: Literal["grid", "random", "tpe", "cmaes"] = "grid"
-    space: dict[str, Any] = Field(
-        default_factory=dict,
-        description="grid: dotted key -> list of values; other samplers: key -> distribution",
-    )
-    metric: Literal["eval_ppl", "eval_loss"] = "eval_ppl"
-    direction: Literal["minimize", "maximize"] = "minimize"
-    n_trials: int | None = Field(None, ge=1, description="Optuna trials per method")
-    timeout_min: float | None = Field(None, gt=0, description="stop asking new trials after this")
-    enqueue: list[dict[str, Any]] = Field(
-        default_factory=list, description="fixed points each method's study tries first"
-    )
-    pruner: Literal["none", "median", "hyperband"] = "none"
-    heartbeat_s: int = Field(
-        60, ge=1, description="database storage: a trial silent 3x this long is retried"
-    )
-
-    @model_validator(mode="after")
-    def _fits_sampler(self) -> SearchConfig:
-        from harness.space import check_distributions, check_space
-
-        if self.sampler == "grid":
-            extra = [k for k in ("n_trials", "timeout_min") if getattr(self, k) is not None]
-            extra += ["enqueue"] * bool(self.enqueue) + ["pruner"] * (self.pruner != "none")
-            if extra:
-                raise ValueError(
-                    f"{extra[0]} needs an Optuna sampler (random, tpe, cmaes), not grid"
-                )
-            check_space(self.space, "search.space")
-        elif self.n_trials is None:
-            raise ValueError(
-                f"n_trials is required for sampler '{self.sampler}' "
-                "(the number of trials per method)"
-            )
-        else:
-            check_distributions(self.space, "search.space")
-        return self
-
-
-class LauncherConfig(Strict):
-    """Where trials run; the Slurm keys may come from a named profile in `slurm/<name>.yaml`."""
-
-    kind: Literal["local", "submitit-local", "slurm"] = "local"
-    jobs: int = Field(1, ge=1, description="trials run at once (Optuna: workers)")
-    profile: str | None = Field(None, description="cluster profile: slurm/<profile>.yaml")
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = None
-    nodes: int = Field(1, ge=1)
-    tasks_per_node: int = Field(1, ge=1, description="processes per node (DDP ranks)")
-    gpus_per_node: int = Field(0, ge=0)
-    cpus_per_task: int | None = Field(None, ge=1)
-    mem: str | None = Field(None, description="memory per node, e.g. 64G")
-    timeout_min: int = Field(60, ge=1, description="time limit per job; it requeues after it")
-    signal_delay_s: int = Field(90, ge=1, description="USR2 this long before the time limit")
-    max_timeouts: int = Field(3, ge=0, description="requeues after a time limit (preemption: any)")
-    array_parallelism: int | None = Field(None, ge=1, description="default: jobs")
-    sbatch: dict[str, str | int | bool] = Field(
-        default_factory=dict, description="extra #SBATCH options, e.g. {exclusive: true}"
-    )
-    setup: list[str] = Field(
-        default_factory=list, description="shell lines run first (module load, conda activate)"
-    )
-
-    @property
-    def ranks(self) -> int:
-        return self.nodes * self.tasks_per_node
-
-
-class SweepConfig(Common):
-    name: str
-    methods: dict[str, dict[str, Any]] = Field(min_length=1)
-    search: SearchConfig = Field(default_factory=SearchConfig)
-    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
-    launcher: LauncherConfig = LauncherConfig()
-    storage: str | None = Field(
-        None, description="Optuna storage: a journal file path or a database URL"
-    )
-
-    @model_validator(mode="after")
-    def _launcher_fits(self) -> SweepConfig:
-        if self.launcher.ranks > 1 and self.launcher.kind == "local":
-            raise ValueError(
-                "launcher: nodes x tasks_per_node > 1 (a DDP trial) needs kind submitit-local "
-                "or slurm (or run `torchrun ... harness train`)"
-            )
-        if self.launcher.ranks > 1 and self.search.sampler != "grid":
-            raise ValueError(
-                "launcher: DDP trials (nodes x tasks_per_node > 1) run in grid sweeps; "
-                "Optuna workers run one process each"
-            )
-        return self
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -418,16 +378,25 @@ def resolve_method(spec: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def load_run(data: dict[str, Any], overrides: dict[str, Any] | None = None) -> RunConfig:
-    from harness.models import check_preset
-
     data = json.loads(json.dumps(data, default=str))
     for key, value in (overrides or {}).items():
         set_dotted(data, key, value)
     run = validate(RunConfig, data)
     run.method = resolve_method(run.method, "method")
-    check_preset(run.model, "model")
+    check_model(run)
     check_modifiers(run)
     return run
+
+
+def check_model(run: Common) -> None:
+    """Pretraining starts from a preset; fine-tuning also from a hub model, a local one or a
+    harness checkpoint (resolved when the trial starts: the pretraining may still be running)."""
+    from harness.models import check_preset
+
+    if run.task.kind == "pretrain":
+        if isinstance(run.model, ModelFrom):
+            raise UserError("model: {from: ...} fine-tunes a checkpoint; it needs task.kind glue")
+        check_preset(run.model, "model")
 
 
 def check_modifiers(run: RunConfig) -> None:

@@ -17,11 +17,11 @@ import torch
 from tabulate import tabulate
 
 from harness.analysis.report import human_bytes
-from harness.config import SweepConfig
 from harness.methods import build_method
 from harness.methods.base import changed_params
 from harness.models import param_shapes
 from harness.sweep import plan
+from harness.sweep_config import SweepConfig
 
 # len(tokenizer), which is what the trainer sizes the embedding with.
 KNOWN_VOCAB: dict[str, int] = {
@@ -66,6 +66,9 @@ def _shapes(model: str, vocab: int, seq_len: int) -> dict[str, torch.Size]:
 
 def estimate_sweep(sweep: SweepConfig) -> list[dict[str, Any]]:
     """One record per planned trial: the method's predicted bytes, by kind and in total."""
+    if sweep.task.kind != "pretrain":
+        raise UserError("estimate: predicts pretraining presets only; a GLUE sweep's model "
+                        "(an encoder or a checkpoint) is measured by running it")
     records = []
     for trial in plan(sweep):
         run = trial.run

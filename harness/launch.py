@@ -23,8 +23,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from harness.config import LauncherConfig
 from harness.records import read_json, write_json
+from harness.sweep_config import LauncherConfig
 
 LAUNCH = "launch.json"
 

@@ -21,10 +21,10 @@ from torch.utils.checkpoint import checkpoint
 from harness.config import MemoryConfig, RunConfig, UserError
 from harness.offload import ActivationOffloader, HostOffloadOptimizer
 
-# A module kind -> the attribute names it has in a LLaMA decoder layer.
+# A module kind -> its attribute names in a LLaMA decoder layer (or a BERT-family encoder's).
 KIND_ATTRS = {
-    "attention": ("self_attn",),
-    "mlp": ("mlp",),
+    "attention": ("self_attn", "attention"),
+    "mlp": ("mlp", "intermediate", "output"),
     "norm": ("input_layernorm", "post_attention_layernorm"),
 }
 Groups = list[dict[str, Any]]
@@ -34,9 +34,9 @@ Build = Callable[[Groups], torch.optim.Optimizer]
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The transformer's stack of layers, however a method wrapped the model (peft included)."""
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
+        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "layer"):
             return module
-    raise UserError("memory: recompute and offload need a model with a ModuleList of `layers`")
+    raise UserError("memory: recompute and offload need a model with a ModuleList of layers")
 
 
 def modules_of(layer: nn.Module, kind: str) -> list[nn.Module]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,12 +39,12 @@ def check_preset(name: str, path: str) -> Preset:
     return PRESETS[name]
 
 
-def build_model(name: str, vocab_size: int, seq_len: int, pad_id: int | None) -> LlamaForCausalLM:
-    """Random-init LLaMA as in GaLore's configs (RMSNorm eps 1e-6, SiLU, untied head)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(name: str, vocab_size: int, seq_len: int, pad_id: int | None, **extra: Any) -> Any:
+    """GaLore's configs (RMSNorm eps 1e-6, SiLU, untied head)."""
+    from transformers import LlamaConfig
 
     p = check_preset(name, "model")
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=p.hidden,
         intermediate_size=p.intermediate,
@@ -59,8 +59,15 @@ def build_model(name: str, vocab_size: int, seq_len: int, pad_id: int | None) ->
         pad_token_id=pad_id,
         use_cache=False,
         attn_implementation="sdpa",
+        **extra,
     )
-    return LlamaForCausalLM(config)
+
+
+def build_model(name: str, vocab_size: int, seq_len: int, pad_id: int | None) -> LlamaForCausalLM:
+    """Random-init LLaMA for pretraining."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(llama_config(name, vocab_size, seq_len, pad_id))
 
 
 def describe(model: LlamaForCausalLM) -> str:

@@ -31,10 +31,11 @@ from optuna.storages import (
 from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import FrozenTrial, TrialState
 
-from harness.config import SweepConfig, UserError
+from harness.config import UserError
 from harness.records import read_json
 from harness.space import check_distributions
 from harness.sweep import FAILED, FINISHED, Trial, make_trial, method_entry, trial_status
+from harness.sweep_config import SweepConfig
 
 LINK = "optuna.json"
 DONE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)

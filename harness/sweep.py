@@ -14,10 +14,10 @@ from tabulate import tabulate
 from harness.analysis.load import memory_label
 from harness.config import (
     Common,
-    LauncherConfig,
+    ModelFrom,
     RunConfig,
-    SweepConfig,
     UserError,
+    check_model,
     load_run,
     read_yaml,
     resolve_method,
@@ -26,9 +26,9 @@ from harness.config import (
     validate,
 )
 from harness.methods.base import changed_params
-from harness.models import check_preset
 from harness.records import read_json, write_yaml
 from harness.space import check_space
+from harness.sweep_config import LauncherConfig, SweepConfig
 
 FINISHED = ("ok", "nan", "oom", "failed", "pruned")
 FAILED = ("failed", "oom", "nan")
@@ -43,8 +43,14 @@ class Trial:
 
     @property
     def tokens(self) -> int:
+        """The token budget (at most, for fine-tuning: examples are shorter than seq_len)."""
         t = self.run.train
         return t.steps * (t.total_batch_size or t.batch_size) * self.run.task.seq_len
+
+    @property
+    def budget(self) -> str:
+        t = self.run.train
+        return f"{t.epochs} epochs" if t.epochs else str(t.steps)
 
 
 def load_sweep(path: str | Path, overrides: dict[str, Any]) -> SweepConfig:
@@ -63,7 +69,7 @@ def load_sweep(path: str | Path, overrides: dict[str, Any]) -> SweepConfig:
     if isinstance(launcher, dict) and launcher.get("profile"):
         data["launcher"] = {**read_profile(launcher["profile"], Path(path)), **launcher}
     sweep = validate(SweepConfig, data)
-    check_preset(sweep.model, "model")
+    check_model(sweep)
     return sweep
 
 
@@ -95,7 +101,7 @@ def make_trial(sweep: SweepConfig, label: str, point: dict[str, Any], seed: int)
     """The resolved run for one point of a method's space; its id hashes the resolved config."""
     name, entry, _ = method_entry(sweep, label)
     data = {
-        **sweep.model_dump(include=set(Common.model_fields)),
+        **sweep.model_dump(include=set(Common.model_fields), exclude_unset=True, by_alias=True),
         "name": sweep.name,
         "label": label,
         "seed": seed,
@@ -104,7 +110,7 @@ def make_trial(sweep: SweepConfig, label: str, point: dict[str, Any], seed: int)
     own = (sweep.methods[label] or {}).get("memory") or {}
     if not isinstance(own, dict):
         raise UserError(f"methods.{label}.memory: expected a mapping of memory keys, got {own!r}")
-    data["memory"] = {**data["memory"], **own}  # a method's own modifiers win over the sweep's
+    data["memory"] = {**data.get("memory", {}), **own}  # the method's own win
     for key, value in point.items():
         set_dotted(data, key, value)
     try:
@@ -170,7 +176,8 @@ def plan_table(trials: list[Trial]) -> str:
         params = {**changed, **t.point, "seed": t.run.seed}
         hp = ", ".join(f"{k}={v}" for k, v in params.items())
         memory = memory_label(t.run.memory.model_dump())
-        rows.append([t.id, t.label, hp, memory, t.run.train.steps, f"{t.tokens:,}"])
+        tokens = "" if t.run.train.epochs else f"{t.tokens:,}"
+        rows.append([t.id, t.label, hp, memory, t.budget, tokens])
     headers = ["trial", "method", "hyperparameters", "memory", "steps", "tokens"]
     return tabulate(rows, headers=headers)
 
@@ -188,7 +195,9 @@ def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> int:
     """Run every unfinished trial; 0 if all are ok, 1 if any failed (all are still recorded)."""
     from harness.analysis import load_runs, status_table
 
-    preflight(sweep)
+    pretrain_first(sweep)
+    if sweep.task.kind == "pretrain":
+        preflight(sweep)
     out.mkdir(parents=True, exist_ok=True)
     write_yaml(out / "sweep.yaml", sweep.model_dump())
     if sweep.search.sampler == "grid":
@@ -199,6 +208,19 @@ def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> int:
         failed = run_search(sweep, out, retry_failed)
     print(status_table(load_runs(out)), flush=True)
     return 1 if failed else 0
+
+
+def pretrain_first(sweep: SweepConfig) -> None:
+    """Fine-tuning from a sweep's best checkpoint: run that pretraining sweep when its runs
+    directory does not exist yet, so pretrain → fine-tune is one command."""
+    source = sweep.model
+    if not isinstance(source, ModelFrom) or not source.sweep or Path(source.from_).exists():
+        return
+    print(f"model.from: {source.from_} does not exist yet; running {source.sweep} first",
+          flush=True)
+    if run_sweep(load_sweep(source.sweep, {}), Path(source.from_)) != 0:
+        raise UserError(f"model.from: the pretraining sweep {source.sweep} had failed trials "
+                        f"(see {source.from_}); fix or re-run it, then this sweep")
 
 
 def run_grid(sweep: SweepConfig, out: Path, retry_failed: bool) -> bool:

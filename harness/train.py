@@ -16,15 +16,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from harness import distributed, memory, meter
+from harness import distributed, finetune, memory, meter, pretrain
 from harness.config import RunConfig, TrainConfig, UserError
-from harness.data.c4 import BlockStream, eval_blocks, load_tokenizer
-from harness.data.loader import IGNORE, Prefetcher, to_batch
 from harness.methods import build_method
-from harness.models import build_model, describe
+from harness.models import describe
 from harness.precision import Precision
 from harness.records import Records, base_summary, rng_state, set_rng_state
 
@@ -68,17 +64,6 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def loss_sum(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token loss over real targets: token-weighted means need sums, not means."""
-    logits = model(input_ids=ids).logits
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(),
-        labels[:, 1:].flatten(),
-        ignore_index=IGNORE,
-        reduction="sum",
-    )
-
-
 class Trainer:
     """One trial's model, optimizer, data and loop; with W processes, one data-parallel rank:
     `total_batch_size / (batch_size·W)` micro-batches, its share of the step (Prefetcher). The
@@ -96,9 +81,14 @@ class Trainer:
         torch.manual_seed(run.seed)
         random.seed(run.seed)
         np.random.seed(run.seed)
-        self.tok = load_tokenizer(run.task.tokenizer)
-        model = build_model(run.model, len(self.tok), run.task.seq_len, self.tok.pad_token_id)
+        glue = run.task.kind == "glue"
+        model, self.tok = (finetune if glue else pretrain).build(run)
         distributed.say(f"model {run.model}: {describe(model)}")
+        self.data = (finetune.GlueData if glue else pretrain.LMData)(run, self.tok, self.device)
+        if t.epochs:  # the budget in passes over the training set
+            steps = t.epochs * self.data.steps_per_epoch
+            self.run = run = run.model_copy(update={"train": t.model_copy(update={"steps": steps})})
+            t = run.train
         self.method = build_method(run)
         self.model = self.method.prepare(model.to(self.device), run)
         self.offloader = memory.apply(self.model, run.memory, self.device)
@@ -108,20 +98,16 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: self.method.lr_factor(s, run)
         )
-        self.stream = BlockStream(run.task, self.tok, run.seed)
         self.step, self.tokens = 0, 0
         self.last_eval: dict[str, float] = {}
+        self.best: dict[str, float] = {}  # fine-tuning: the evaluation with the best score
+        self.eval_every = run.eval.every or (self.data.steps_per_epoch or 0)  # glue: per epoch
         self.costs: dict[str, Any] = {}
         self._resume()
         self.layerwise = getattr(self.optimizer, "layerwise", False)
         self._wrap()
-        self.prefetch = Prefetcher(
-            self.stream, t.batch_size, self.device, rank=distributed.rank(), world=self.world
-        )
-        self.tokens_per_step = t.batch_size * t.accumulation * run.task.seq_len
         self.meter = meter.Meter(self.device)
         self.flops_per_token = meter.flops_per_token(self.model, run.task.seq_len)
-        self._eval_data: list[tuple[np.ndarray, int]] | None = None
         self.first_step = self.step
 
     def _resume(self) -> None:
@@ -132,10 +118,10 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.stream.restore(state["data"])
+        self.data.restore(state["data"])
         set_rng_state(state["rng"])
         self.step, self.tokens = state["step"], state["tokens"]
-        self.last_eval, self.costs = state["last_eval"], state["costs"]
+        self.last_eval, self.costs, self.best = state["last_eval"], state["costs"], state["best"]
         self.precision.load_state_dict(state["precision"])
         self.rec.truncate_metrics(self.step)
         distributed.say(f"resumed from {self.rec.ckpt_path} at step {self.step}")
@@ -154,11 +140,12 @@ class Trainer:
                 "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
-                "data": self.prefetch.state(),
+                "data": self.data.state(),
                 "rng": rng_state(),
                 "step": self.step,
                 "tokens": self.tokens,
                 "last_eval": self.last_eval,
+                "best": self.best,
                 "costs": self.costs,
                 "precision": self.precision.state_dict(),
             }
@@ -166,11 +153,12 @@ class Trainer:
 
     def train_step(self) -> torch.Tensor:
         """One optimizer step; returns this rank's share of the step's mean loss."""
-        micro = [self.prefetch.next() for _ in range(self.accumulation)]
-        targets = sum((labels[:, 1:] != IGNORE).sum() for _, labels in micro)
+        micro, tokens = zip(*(self.data.next() for _ in range(self.accumulation)), strict=True)
+        self.step_tokens = sum(tokens) * self.world
+        targets = sum(self.data.count(batch) for batch in micro)
         targets = distributed.all_sum(targets)  # the whole step's, over every rank
         total = torch.zeros((), device=self.device)
-        for i, (ids, labels) in enumerate(micro):
+        for i, batch in enumerate(micro):
             last = i == len(micro) - 1
             if self.layerwise:  # updates run inside backward: only once the gradient is complete
                 self.optimizer.sync = last
@@ -178,7 +166,7 @@ class Trainer:
             wait = self.net.no_sync() if self.net is not self.model and not last else nullcontext()
             with wait:
                 with self.precision.autocast():
-                    loss = loss_sum(self.net, ids, labels)
+                    loss = self.data.loss(self.net, batch)
                 self.precision.backward(loss * self.world / targets)  # × W undoes DDP's average
             total += loss.detach()
         clip = None if self.layerwise else self.run.train.grad_clip  # layer-wise: per parameter
@@ -202,31 +190,12 @@ class Trainer:
             self._wrap()
         return total / targets
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        if self._eval_data is None:
-            self._eval_data = eval_blocks(self.run.task, self.tok, self.run.eval.tokens)
-            held = sum(n - 1 for _, n in self._eval_data)
-            if held < self.run.eval.tokens:
-                distributed.say(f"eval: the validation split holds {held:,} tokens, fewer "
-                                f"than eval.tokens {self.run.eval.tokens:,}; using them all")
         self.model.eval()
-        batch = self.run.eval.batch_size or self.run.train.batch_size
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = 0
-        starts = range(0, len(self._eval_data), batch)  # data parallel: every W-th batch each
-        for i in starts[distributed.rank() :: self.world]:
-            ids, labels = to_batch(self._eval_data[i : i + batch], pin=False)
-            ids, labels = ids.to(self.device), labels.to(self.device)
-            with self.precision.autocast():
-                total += loss_sum(self.model, ids, labels).double()
-            count += int((labels[:, 1:] != IGNORE).sum())
-        self.model.train()
-        if self.world > 1:  # float64 sums: the same loss as one process, to rounding
-            sums = distributed.all_sum(torch.stack([total, total.new_tensor(count)]))
-            total, count = sums[0], int(sums[1])
-        loss = float(total) / count
-        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700)), "eval_tokens": count}
+        try:
+            return self.data.evaluate(self.model, self.precision)
+        finally:
+            self.model.train()
 
     def fit(self) -> str:
         t, steps = self.run.train, self.run.train.steps
@@ -238,14 +207,14 @@ class Trainer:
             loss = self.train_step()
             running += loss
             self.step += 1
-            self.tokens += self.tokens_per_step
-            self.meter.add(self.tokens_per_step)
+            self.tokens += self.step_tokens
+            self.meter.add(self.step_tokens)
             if self.step == first + 1:  # the first step pays one-off costs: not steady state
                 self.meter.lap(steady=steps == first + 1)
             if self.step % t.log_every == 0 or self.step == steps:
                 self._log(*distributed.all_sum(torch.stack([loss, running])))  # global losses
                 running.zero_()
-            eval_due = self.run.eval.every and self.step % self.run.eval.every == 0
+            eval_due = self.eval_every and self.step % self.eval_every == 0
             if eval_due or self.step == steps:
                 self._eval()
             stop = distributed.any_rank(self.should_stop(self.step), self.device)
@@ -287,11 +256,15 @@ class Trainer:
     def _eval(self) -> None:
         self.meter.pause()
         self.last_eval = self.evaluate()
+        if self.data.steps_per_epoch:
+            self.last_eval["epoch"] = self.step / self.data.steps_per_epoch
         self.rec.log({"kind": "eval", "step": self.step, "tokens": self.tokens, **self.last_eval})
-        distributed.say(
-            f"eval step {self.step}: loss {self.last_eval['eval_loss']:.4f} "
-            f"ppl {self.last_eval['eval_ppl']:.2f}"
-        )
+        shown = [(k, self.last_eval.get(f"eval_{k}")) for k in ("loss", "ppl", "score")]
+        distributed.say(f"eval step {self.step}: "
+                        + " ".join(f"{k} {v:.4f}" for k, v in shown if v is not None))
+        score = self.last_eval.get("eval_score")
+        if score is not None and score > self.best.get("best_eval_score", -math.inf):
+            self.best = {f"best_{k}": v for k, v in self.last_eval.items()}
         self.meter.resume()
         if self.step >= self.run.train.steps:
             return
@@ -305,8 +278,10 @@ class Trainer:
         mfu = tps * self.flops_per_token / peak if tps and peak else None
         return {
             "step": self.step,
+            "steps": self.run.train.steps,
             "tokens": self.tokens,
             **self.last_eval,
+            **self.best,
             "tokens_per_s": tps,
             "mfu": mfu,
             **self.precision.log(),
@@ -323,7 +298,7 @@ class Trainer:
         return {"offloaded_bytes_per_step": self.offloaded / ran}
 
     def close(self) -> None:
-        self.prefetch.close()
+        self.data.close()
 
 
 class _StopFlag:

@@ -22,7 +22,6 @@ import optuna
 from optuna.storages import BaseStorage, RDBStorage, fail_stale_trials
 from optuna.trial import FrozenTrial, TrialState
 
-from harness.config import SweepConfig
 from harness.records import read_json, write_json, write_yaml
 from harness.search import (
     LINK,
@@ -36,6 +35,7 @@ from harness.search import (
     tell,
 )
 from harness.sweep import FAILED, FINISHED, trial_status
+from harness.sweep_config import SweepConfig
 
 
 @contextmanager

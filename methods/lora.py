@@ -50,7 +50,9 @@ def add_adapters(model: nn.Module, config: LoraParams, init: bool | str = True) 
     """Wrap the targets with peft adapters (`init` as peft's `init_lora_weights`)."""
     from peft import LoraConfig, get_peft_model
 
+    classifier = type(model).__name__.endswith("ForSequenceClassification")
     peft_config = LoraConfig(
+        task_type="SEQ_CLS" if classifier else None,  # fine-tuning: the new head trains too
         r=config.rank,
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,

@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from harness import estimate as est
-from harness.config import SweepConfig
 from harness.data.c4 import load_tokenizer
 from harness.models import PRESETS, build_model
 from harness.sweep import load_sweep, plan
+from harness.sweep_config import SweepConfig
 
 KEYS = {"trial", "method", "method_name", "params", "weight_bytes", "grad_bytes",
         "optimizer_state_bytes", "extra_bytes", "total_bytes"}  # fmt: skip

@@ -13,10 +13,11 @@ import pytest
 from conftest import assert_matches_one_process, harness, micro_run, wait_for_step, write_yaml
 from conftest import train_losses as losses
 
-from harness.config import LauncherConfig, UserError, load_run
+from harness.config import UserError, load_run
 from harness.launch import LocalLauncher, TrialJob, submit
 from harness.records import read_json
 from harness.sweep import load_sweep
+from harness.sweep_config import LauncherConfig
 from harness.train import train
 
 
