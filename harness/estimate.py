@@ -17,6 +17,7 @@ import torch
 from tabulate import tabulate
 
 from harness.analysis.report import human_bytes
+from harness.config import UserError
 from harness.methods import build_method
 from harness.methods.base import changed_params
 from harness.models import param_shapes
