@@ -96,3 +96,15 @@ def test_encoder_from_a_local_folder_fine_tunes(tmp_path):
     summary = train(load_run(data), tmp_path / "t")
     assert summary["status"] == "ok", summary["error"]
     assert summary["eval_accuracy"] > 60
+
+
+@pytest.mark.parametrize("method", [
+    {"name": "adam8bit"}, {"name": "qlora", "rank": 4}, {"name": "galore", "rank": 8},
+    {"name": "qgalore", "rank": 8}, {"name": "lowrank", "rank": 16},
+    {"name": "relora", "rank": 4, "reset_every": 20, "restart_warmup_steps": 5},
+])  # fmt: skip
+def test_every_method_fine_tunes_the_embedded_task(tmp_path, method):
+    data = {**glue_run(), "method": method}
+    summary = train(load_run(data), tmp_path / "t")
+    assert summary["status"] == "ok", summary["error"]
+    assert summary["eval_accuracy"] > 55, summary  # chance is 50
