@@ -124,7 +124,7 @@ class Records:
         self.wandb: Any = None
 
     def write_config(self) -> None:
-        data = self.run.model_dump()
+        data = self.run.model_dump(by_alias=True)
         data["provenance"] = provenance()
         write_yaml(self.out / "config.yaml", data)
 

@@ -237,7 +237,7 @@ def run_grid(sweep: SweepConfig, out: Path, retry_failed: bool) -> bool:
         live += status in ("queued", "running")
         if status in skip or status in ("queued", "running"):
             continue
-        write_yaml(trial_dir / "config.yaml", t.run.model_dump())
+        write_yaml(trial_dir / "config.yaml", t.run.model_dump(by_alias=True))
         todo.append((t.id, trial_dir))
     in_slurm = f"{live} still in Slurm, " if live else ""
     print(

@@ -138,7 +138,7 @@ class Worker:
             time.sleep(2)
             status = trial_status(trial_dir)
         if status not in FINISHED or (again and status in FAILED):
-            write_yaml(trial_dir / "config.yaml", trial.run.model_dump())
+            write_yaml(trial_dir / "config.yaml", trial.run.model_dump(by_alias=True))
             link = {"storage": self.target, "study": study.study_name, "trial": ot.number}
             write_json(trial_dir / LINK, {**link, "metric": s.metric, "pruner": s.pruner})
             self.current = (label, ot.number, trial_dir)
