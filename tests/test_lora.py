@@ -13,8 +13,9 @@ from harness.config import load_run
 from harness.methods import MemoryEstimate, build_method
 from harness.methods.lora import adapter_params, lora_layers
 from harness.models import PRESETS, build_model, param_shapes
+from harness.pretrain import loss_sum
 from harness.records import read_jsonl
-from harness.train import loss_sum, train
+from harness.train import train
 
 VOCAB = 8192  # the sample tokenizer's
 

@@ -22,7 +22,8 @@ from harness.config import load_run
 from harness.methods import build_method
 from harness.methods.lora import TARGETS, adapter_params, lora_layers
 from harness.models import build_model, param_shapes
-from harness.train import loss_sum, train
+from harness.pretrain import loss_sum
+from harness.train import train
 
 
 def prepared(seed: int = 0, **params):

@@ -23,8 +23,9 @@ from harness.methods import build_method
 from harness.methods.lora import adapter_params, lora_layers
 from harness.methods.relora import reset_moments
 from harness.models import build_model, param_shapes
+from harness.pretrain import loss_sum
 from harness.records import read_jsonl
-from harness.train import loss_sum, lr_factor, train
+from harness.train import lr_factor, train
 
 SPEC = {
     "name": "relora",
