@@ -8,13 +8,10 @@ tuned per task (highest mean over seeds), and the row's average is over its task
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import pandas as pd
 
-from harness.records import atomic_write
-
-from .report import _ordered, human_bytes, text_table
+from .format import human_bytes, ordered
 
 # GaLore Table 4's column order, then the embedded task; keys are `task.glue_task` values.
 TASKS = {
@@ -44,21 +41,10 @@ def glue_table(trials: pd.DataFrame, order: Sequence[str] = ()) -> pd.DataFrame:
     tasks = [task for task in TASKS if task in present]
     rows = [
         _method_row(label, glue[glue["method"] == label], tasks)
-        for label in _ordered(glue["method"], order)
+        for label in ordered(glue["method"], order)
     ]
     columns = ["method", *(TASKS[t] for t in tasks), "avg", "memory", "tok/s"]
     return pd.DataFrame(rows, columns=columns)
-
-
-def write_glue(trials: pd.DataFrame, order: Sequence[str], out: Path) -> str:
-    """Write report/glue.md and glue.csv; return the table as markdown ("" without GLUE trials)."""
-    if not has_glue(trials):
-        return ""
-    table = glue_table(trials, order)
-    text = text_table(table)
-    atomic_write(out / "glue.csv", table.to_csv(index=False))
-    atomic_write(out / "glue.md", f"# {GLUE_TITLE}\n\n{GLUE_NOTE}\n\n{text}\n")
-    return text
 
 
 def _scores(trials: pd.DataFrame) -> pd.Series:

@@ -109,13 +109,13 @@ def memory_label(memory: dict[str, Any]) -> str:
 
 def _trials(paths: Paths) -> Iterator[tuple[Path, dict[str, Any]]]:
     """Yield (trial dir, row) for every trial, run dirs in the given order, trials by id."""
-    for run_dir in _run_dirs(paths):
+    for run_dir in run_dirs(paths):
         trial_dirs = [p for p in (run_dir / "trials").iterdir() if p.is_dir()]
         for trial_dir in sorted(trial_dirs, key=lambda p: _natural_key(p.name)):
             yield trial_dir, _trial_row(run_dir, trial_dir)
 
 
-def _run_dirs(paths: Paths) -> list[Path]:
+def run_dirs(paths: Paths) -> list[Path]:
     """Accept one path or many, checking each before any is read."""
     items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     run_dirs = [Path(item) for item in items]

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, LogFormatter
@@ -32,9 +33,10 @@ def save_png(figure: Figure, caption: str, path: Path) -> str:
 
 def curves_plot(steps: pd.DataFrame, trials: pd.DataFrame, name: str) -> tuple[Figure, str]:
     """Eval perplexity per trial; training loss when no eval has run yet, so early runs plot."""
-    points, column, quantity = _points(steps, "eval", "eval_ppl"), "eval_ppl", "Eval perplexity"
+    column, quantity = "eval_ppl", "Eval perplexity"
+    points = logged_points(steps, "eval", column)
     if points.empty:
-        points, column, quantity = _points(steps, "train", "loss"), "loss", "Training loss"
+        points, column, quantity = logged_points(steps, "train", "loss"), "loss", "Training loss"
     figure = Figure(figsize=(8, 5), layout="constrained")
     FigureCanvasAgg(figure)
     ax = figure.add_subplot()
@@ -45,10 +47,7 @@ def curves_plot(steps: pd.DataFrame, trials: pd.DataFrame, name: str) -> tuple[F
     if points.empty:
         ax.text(0.5, 0.5, "no metrics yet", ha="center", va="center", transform=ax.transAxes)
     else:
-        ax.set_yscale("log")
-        # Plain numbers ("40", not "4x10^1"); minor labels only while the range is narrow.
-        ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
-        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
+        plain_log_y(ax)
         ax.legend(fontsize="small")
     caption = f"{quantity} vs tokens seen"
     ax.set_title(f"{name}: {caption.lower()}")
@@ -59,10 +58,19 @@ def curves_plot(steps: pd.DataFrame, trials: pd.DataFrame, name: str) -> tuple[F
     return figure, caption
 
 
-def _points(steps: pd.DataFrame, kind: str, column: str) -> pd.DataFrame:
+def logged_points(steps: pd.DataFrame, kind: str, column: str) -> pd.DataFrame:
+    """The metrics lines of one kind that logged `column`; none when no trial logged it yet."""
     if column not in steps:
         return steps.iloc[0:0]
     return steps[steps["kind"] == kind].dropna(subset=["tokens", column])
+
+
+def plain_log_y(ax: Axes) -> None:
+    """Log y with plain numbers ("40", not "4x10^1"); minor labels only while the range is
+    narrow."""
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
 
 
 def trial_labels(trials: pd.DataFrame) -> dict[tuple[str, str], str]:

@@ -1,4 +1,4 @@
-"""Turn loaded runs into the tables and plot that a sweep is judged by.
+"""Turn loaded runs into the report a sweep is judged by: tables, figures, report.md/html.
 
 Each method is compared at its own best learning rate (lowest final eval perplexity among
 trials that finished), the protocol of the papers this harness compares.
@@ -11,11 +11,23 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import yaml
 
 from harness.records import atomic_write
 
-from .load import PathArg, load_runs, load_steps, read_sweep
+from .figures import (
+    best_lr_trials,
+    eval_curves,
+    loss_curves,
+    optuna_figures,
+    pareto_plot,
+    throughput_chart,
+)
+from .format import cell, human_bytes, ordered, text_table
+from .html import Block, Heading, Image, Paragraph, Preformatted, Table, write_html
+from .load import PathArg, Paths, load_runs, load_steps, read_sweep, run_dirs
 from .plots import curves_plot, memory_chart, save_png
+from .tables import write_tables
 
 SUMMARY_COLUMNS = (
     "method", "memory", "precision", "best lr", "eval ppl", "tok/s", "peak memory",
@@ -31,7 +43,7 @@ def summary_table(trials: pd.DataFrame, order: Sequence[str] = ()) -> pd.DataFra
     (sweep.yaml) come first, each one's modifier variants in the order they appear."""
     trials = trials.assign(**{k: trials[k].fillna(d) for k, d in VARIANT_DEFAULTS.items()})
     rows = []
-    for label in _ordered(trials["method"].astype(str), order):
+    for label in ordered(trials["method"].astype(str), order):
         own = trials[trials["method"].astype(str) == label]
         for key, group in own.groupby(VARIANT, sort=False):
             rows.append(_method_row(dict(zip(VARIANT, key, strict=True)), group))
@@ -50,9 +62,9 @@ def status_table(trials: pd.DataFrame) -> str:
                 f"{_int(step, '0')}/{_int(steps, '?')}"
                 for step, steps in zip(trials["step"], trials["steps"], strict=True)
             ],
-            "loss": trials["last_loss"].map(_loss),
-            "eval ppl": trials["eval_ppl"].map(_ppl),
-            "tok/s": trials["tokens_per_s"].map(_rate),
+            "loss": trials["last_loss"].map(lambda v: cell(v, ".4f")),
+            "eval ppl": trials["eval_ppl"].map(lambda v: cell(v, ".2f")),
+            "tok/s": trials["tokens_per_s"].map(lambda v: cell(v, ",.0f")),
             "peak memory": trials["peak_memory_bytes"].map(human_bytes),
             "requeues": trials["requeues"].map(lambda v: _int(v, "0")),
         }
@@ -60,38 +72,72 @@ def status_table(trials: pd.DataFrame) -> str:
     return text_table(table)
 
 
-def write_report(runs_dir: PathArg) -> str:
-    """Write report/{trials.csv,summary.md,loss.png} (and glue.{md,csv} for GLUE trials) and
-    return the summary for the terminal."""
-    from .glue import GLUE_NOTE, GLUE_TITLE, write_glue  # glue.py imports this module
-
-    runs_dir = Path(runs_dir)
-    trials = load_runs(runs_dir)
-    sweep = read_sweep(runs_dir)
-    name = str(sweep.get("name") or runs_dir.resolve().name)
+def write_report(paths: Paths, out: PathArg | None = None) -> str:
+    """Write the report folder (default: the first runs directory's report/): trials.csv, each
+    table as csv and md, the figures as png, report.md and report.html (one self-contained
+    file); return the tables for the terminal."""
+    dirs = run_dirs(paths)
+    trials, steps = load_runs(dirs), load_steps(dirs)
+    sweep = read_sweep(dirs[0])
+    name = str(sweep.get("name") or dirs[0].resolve().name)
     order = _sweep_methods(sweep)
+    out = Path(out) if out else dirs[0] / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "trials.csv", trials.to_csv(index=False))
     kinds = trials["task.kind"].fillna("pretrain") if "task.kind" in trials else None
     pretraining = trials if kinds is None else trials[kinds != "glue"]
-    table = summary_table(pretraining, order=order)
-    out = runs_dir / "report"
-    out.mkdir(exist_ok=True)
-    atomic_write(out / "trials.csv", trials.to_csv(index=False))
-    caption = save_png(*curves_plot(load_steps(runs_dir), trials, name), out / "loss.png")
-    memory = save_png(*memory_chart(trials, name), out / "memory.png")
-    glue = write_glue(trials, order, out)
-    pretrain = [text_table(table), best_lr_line(table)] if not (glue and pretraining.empty) else []
-    sections = [
-        f"# Sweep report: {name}",
-        MEMORY_NOTE,
-        *pretrain,
-        f"![{caption}](loss.png)",
-        f"![{memory}](memory.png)",
-        "All trials, all columns: `trials.csv`.",
-    ]
-    if glue:
-        sections += [f"## {GLUE_TITLE}", GLUE_NOTE, glue]
-    atomic_write(out / "summary.md", "\n\n".join(sections) + "\n")
-    return "\n\n".join([*pretrain[:1], *([f"{GLUE_TITLE}\n{glue}"] if glue else [])])
+    blocks: list[Block] = [Paragraph(f"{len(trials)} trials in {', '.join(map(str, dirs))}. "
+                                     f"{MEMORY_NOTE}")]
+    terminal = []
+    if not pretraining.empty or len(trials) == 0:
+        table = summary_table(pretraining, order=order)
+        blocks += [Heading("Methods at their best learning rate"), Table(table),
+                   Paragraph(best_lr_line(table))]
+        terminal.append(text_table(table))
+    for title, note, table in write_tables(trials, out, order):
+        blocks += [Heading(title), Paragraph(note), Table(table)]
+        terminal.append(f"{title}\n{text_table(table)}")
+    blocks += [Heading("Figures"), *_figures(trials, pretraining, steps, order, name, out, dirs[0])]
+    blocks.append(Paragraph("All trials, all columns: `trials.csv`."))
+    if sweep:
+        blocks.append(Preformatted(yaml.safe_dump(sweep, sort_keys=False), "sweep.yaml"))
+    title = f"Sweep report: {name}"
+    write_html(out / "report.html", title, blocks)
+    atomic_write(out / "report.md", markdown_page(title, blocks))
+    return "\n\n".join(terminal)
+
+
+def _figures(trials: pd.DataFrame, pretraining: pd.DataFrame, steps: pd.DataFrame,
+             order: Sequence[str], name: str, out: Path, runs_dir: Path) -> list[Block]:
+    """Every trial's curve and memory; per method at its best LR: eval perplexity and training
+    loss (95% bands over seeds), perplexity vs memory (Pareto frontier), tok/s; Optuna's."""
+    figures = [("loss.png", curves_plot(steps, trials, name))]
+    if not pretraining.empty:
+        best = best_lr_trials(pretraining, order)
+        figures += [("eval.png", eval_curves(steps, best, name)),
+                    ("train_loss.png", loss_curves(steps, best, name)),
+                    ("pareto.png", pareto_plot(best, name)),
+                    ("throughput.png", throughput_chart(best, name))]
+    figures.append(("memory.png", memory_chart(trials, name)))
+    figures += [(f"optuna_{i}.png", fig) for i, fig in enumerate(optuna_figures(runs_dir))]
+    return [Image(out / file, save_png(*figure, out / file)) for file, figure in figures]
+
+
+def markdown_page(title: str, blocks: list[Block]) -> str:
+    """The same page as report.html, for pasting into papers and wikis (images beside it)."""
+    parts = [f"# {title}"]
+    for block in blocks:
+        if isinstance(block, Heading):
+            parts.append(f"{'#' * block.level} {block.text}")
+        elif isinstance(block, Paragraph):
+            parts.append(block.text)
+        elif isinstance(block, Table):
+            parts.append(text_table(block.frame))
+        elif isinstance(block, Image):
+            parts.append(f"![{block.caption}]({Path(str(block.png)).name})")
+        elif isinstance(block, Preformatted):
+            parts.append(f"{block.caption}:\n\n```yaml\n{block.text}```")
+    return "\n\n".join(parts) + "\n"
 
 
 def best_lr_line(table: pd.DataFrame) -> str:
@@ -104,22 +150,6 @@ def best_lr_line(table: pd.DataFrame) -> str:
     return "Best LR per method: " + ", ".join(picks)
 
 
-def human_bytes(value: Any) -> str:
-    """Decimal units (GB = 1e9 bytes) to match how accelerator memory is usually quoted."""
-    if pd.isna(value):
-        return ""
-    if value >= 1e9:
-        return f"{value / 1e9:.2f} GB"
-    if value >= 1e6:
-        return f"{value / 1e6:.1f} MB"
-    if value >= 1e3:
-        return f"{value / 1e3:.1f} kB"
-    return f"{value:.0f} B"
-
-
-def text_table(table: pd.DataFrame) -> str:
-    """Markdown (github) table; numbers are pre-formatted, so tabulate must not re-parse them."""
-    return table.fillna("").to_markdown(index=False, disable_numparse=True)
 
 
 def _method_row(variant: dict[str, str], group: pd.DataFrame) -> dict[str, str]:
@@ -140,8 +170,8 @@ def _method_row(variant: dict[str, str], group: pd.DataFrame) -> dict[str, str]:
     row.update(
         {
             "best lr": f"{best_lr:g}",
-            "eval ppl": _ppl(best["ppl"]),
-            "tok/s": _rate(best["rate"]),
+            "eval ppl": cell(best["ppl"], ".2f"),
+            "tok/s": cell(best["rate"], ",.0f"),
             "peak memory": human_bytes(best["peak"]),
             "optimizer state": human_bytes(best["state"]),
         }
@@ -157,11 +187,6 @@ def _status_counts(status: pd.Series) -> str:
     return f"{text} ({others})" if others else text
 
 
-def _ordered(labels: pd.Series, order: Sequence[str]) -> list[str]:
-    """Sweep order first (how the author listed methods), the rest alphabetically."""
-    present = set(labels)
-    return [m for m in order if m in present] + sorted(present - set(order))
-
 
 def _sweep_methods(sweep: dict[str, Any]) -> list[str]:
     methods = sweep.get("methods")
@@ -170,15 +195,3 @@ def _sweep_methods(sweep: dict[str, Any]) -> list[str]:
 
 def _int(value: Any, missing: str) -> str:
     return missing if pd.isna(value) else str(int(value))
-
-
-def _loss(value: Any) -> str:
-    return "" if pd.isna(value) else f"{value:.4f}"
-
-
-def _ppl(value: Any) -> str:
-    return "" if pd.isna(value) else f"{value:.2f}"
-
-
-def _rate(value: Any) -> str:
-    return "" if pd.isna(value) else f"{value:,.0f}"

@@ -112,9 +112,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from harness.analysis import write_report
 
-    _load(args.runs_dir)
-    print(write_report(args.runs_dir))
-    print(f"\nreport written to {Path(args.runs_dir) / 'report'}")
+    for runs_dir in args.runs_dirs:
+        _load(runs_dir)
+    out = Path(args.out) if args.out else Path(args.runs_dirs[0]) / "report"
+    print(write_report(args.runs_dirs, out))
+    print(f"\nreport written to {out} (report.html, report.md)")
     return EXIT_OK
 
 
@@ -216,9 +218,11 @@ def build_parser() -> Parser:
     st.add_argument("runs_dir", help=runs_dir)
     st.add_argument("--watch", type=positive_int, nargs="?", const=5, metavar="SECONDS",
                     help="redraw every SECONDS (default 5) until every trial has finished")
-    command(sub, "report", cmd_report, "write tables and plots", "Write RUNS_DIR/report/ "
-            "(trials.csv, summary.md, loss.png) and print the main table."
-            ).add_argument("runs_dir", help=runs_dir)
+    r = command(sub, "report", cmd_report, "write tables and plots", "Write the report of one "
+                "or more runs directories (report.html with everything embedded, report.md, "
+                "the tables as csv and md, the plots as png) and print the tables.")
+    r.add_argument("runs_dirs", nargs="+", metavar="RUNS_DIR", help=runs_dir)
+    r.add_argument("--out", help="report folder (default: the first RUNS_DIR/report)")
 
     b = command(sub, "bench", cmd_bench, "measure costs", "loop: the harness's training loop "
                 "against a bare PyTorch loop (same model, data, batch, precision, steps), in "

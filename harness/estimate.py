@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from harness.analysis.report import human_bytes
+from harness.analysis.format import human_bytes
 from harness.config import UserError
 from harness.methods import build_method
 from harness.methods.base import changed_params

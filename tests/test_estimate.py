@@ -122,7 +122,7 @@ def test_7b_is_estimated_offline_in_seconds(tmp_path, monkeypatch):
 
 
 def test_human_units_are_decimal():
-    from harness.analysis.report import human_bytes
+    from harness.analysis.format import human_bytes
 
     sizes = (1_500_000_000, 2_500_000, 1_500, 999)
     assert [human_bytes(n) for n in sizes] == ["1.50 GB", "2.5 MB", "1.5 kB", "999 B"]

@@ -141,7 +141,8 @@ def test_write_report_adds_the_glue_table(runs: Path) -> None:
     text = write_report(runs)
     out = runs / "report"
     assert sorted(p.name for p in out.iterdir()) == [
-        "glue.csv", "glue.md", "loss.png", "memory.png", "summary.md", "trials.csv"]
+        "glue.csv", "glue.md", "loss.png", "memory.png", "paper_glue.csv", "paper_glue.md",
+        "report.html", "report.md", "trials.csv"]
     csv = pd.read_csv(out / "glue.csv", dtype=str, keep_default_na=False)
     assert list(csv.columns) == ["method", "CoLA", "MRPC", "MNLI", "avg", "memory", "tok/s"]
     assert csv.values.tolist() == [
@@ -152,7 +153,7 @@ def test_write_report_adds_the_glue_table(runs: Path) -> None:
     glue_md = (out / "glue.md").read_text()
     assert glue_md.startswith("# GLUE (GaLore Table 4 format)\n")
     assert "best epoch" in glue_md and "mean over seeds" in glue_md
-    summary = (out / "summary.md").read_text()
+    summary = (out / "report.md").read_text()
     section = summary.split("## GLUE (GaLore Table 4 format)")[1]
     assert "best epoch" in section and "| 79.00 " in section and "| 747.0 MB " in section
     assert section.index("| galore_r4 ") < section.index("| lora_r4 ") < section.index("| full ")

@@ -231,12 +231,14 @@ def test_write_report_writes_csv_markdown_and_png(runs: Path) -> None:
     text = write_report(runs)
     out = runs / "report"
     assert sorted(p.name for p in out.iterdir()) == [
-        "loss.png", "memory.png", "summary.md", "trials.csv"]
+        "eval.png", "loss.png", "memory.png", "pareto.png", "pretrain.csv", "pretrain.md",
+        "report.html", "report.md", "throughput.csv", "throughput.md", "throughput.png",
+        "train_loss.png", "trials.csv"]
     assert "| full " in text and "25.00" in text
 
     assert (out / "trials.csv").read_text().count("\n") == 1 + 6
 
-    summary = (out / "summary.md").read_text()
+    summary = (out / "report.md").read_text()
     assert summary.startswith("# Sweep report: demo\n")
     assert "decimal units" in summary
     assert "| 0.003 " in summary and "| 25.00 " in summary and "| 40.00 " in summary
@@ -272,7 +274,7 @@ def test_memory_modifiers_are_columns_and_variants_rows(runs: Path) -> None:
                     ["galore_r4", "offload mlp+norm, layerwise", "fp16", "0.01"],
                     ["galore_r4", "none", "fp32", ""], ["adam8bit", "none", "fp32", ""]]
     write_report(runs)
-    summary = (runs / "report" / "summary.md").read_text()
+    summary = (runs / "report" / "report.md").read_text()
     assert "full (recompute full) 0.001, full 0.003, galore_r4 (offload mlp+norm, " in summary
     assert "![Memory breakdown per trial](memory.png)" in summary
     chart = matplotlib.image.imread(runs / "report" / "memory.png")
@@ -282,7 +284,7 @@ def test_memory_modifiers_are_columns_and_variants_rows(runs: Path) -> None:
 def test_write_report_falls_back_to_training_loss(tmp_path: Path) -> None:
     runs = make_runs(tmp_path / "runs", sweep=False, evals=False)
     write_report(runs)
-    summary = (runs / "report" / "summary.md").read_text()
+    summary = (runs / "report" / "report.md").read_text()
     assert summary.startswith("# Sweep report: runs\n")
     assert "![Training loss vs tokens seen](loss.png)" in summary
     assert (runs / "report" / "loss.png").stat().st_size > 10_000

@@ -70,7 +70,7 @@ def test_sweep_resumes_skips_finished_and_survives_a_nan_trial(tmp_path):
 
     report = harness("report", str(out))
     assert report.returncode == 0, report.stderr
-    summary_md = (out / "report" / "summary.md").read_text()
+    summary_md = (out / "report" / "report.md").read_text()
     assert "full" in summary_md and "adam8bit" in summary_md
     assert "Best LR per method: full 0.003, adam8bit 0.003" in summary_md
     assert (out / "report" / "loss.png").stat().st_size > 10_000

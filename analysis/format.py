@@ -1,0 +1,37 @@
+"""Cell and table formatting shared by the report's tables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+
+
+def human_bytes(value: Any) -> str:
+    """Decimal units (GB = 1e9 bytes) to match how accelerator memory is usually quoted."""
+    if pd.isna(value):
+        return ""
+    if value >= 1e9:
+        return f"{value / 1e9:.2f} GB"
+    if value >= 1e6:
+        return f"{value / 1e6:.1f} MB"
+    if value >= 1e3:
+        return f"{value / 1e3:.1f} kB"
+    return f"{value:.0f} B"
+
+
+def text_table(table: pd.DataFrame) -> str:
+    """Markdown (github) table; numbers are pre-formatted, so tabulate must not re-parse them."""
+    return table.fillna("").to_markdown(index=False, disable_numparse=True)
+
+
+def ordered(labels: pd.Series, order: Sequence[str]) -> list[str]:
+    """Sweep order first (how the author listed methods), the rest alphabetically."""
+    present = set(labels)
+    return [m for m in order if m in present] + sorted(present - set(order))
+
+
+def cell(value: Any, spec: str, unit: str = "") -> str:
+    """A number formatted for a table cell; blank where it is missing."""
+    return "" if pd.isna(value) else f"{value:{spec}}{unit}"
