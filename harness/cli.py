@@ -176,6 +176,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         args.device)
         print(report(run, bench_loop(run, args.rounds), args.json))
         return EXIT_OK
+    if args.what == "memory":
+        from harness.bench_memory import bench_memory, memory_table
+
+        records = bench_memory(args.preset, args.steps, args.seq_len, args.batch_size)
+        print(json.dumps(records, indent=2) if args.json else memory_table(records))
+        return EXIT_OK
     from harness.bench_optim import bench_optim
 
     records = bench_optim(args.preset, args.gap, args.steps, args.rank)
@@ -228,9 +234,12 @@ def build_parser() -> Parser:
                 "against a bare PyTorch loop (same model, data, batch, precision, steps), in "
                 "alternating rounds. optim: the optimizer step alone on a preset's shapes, GaLore "
                 "against AdamW and galore-torch (SVD amortised over the gap), plus GaLore's "
-                "end-to-end step on llama_tiny.")
-    b.add_argument("what", choices=["loop", "optim"], help="loop: harness vs bare loop; optim: "
-                   "optimizer step per method vs AdamW and galore-torch")
+                "end-to-end step on llama_tiny. memory: each method's weight, gradient, "
+                "optimizer-state and extra bytes after a few steps of --preset, against the "
+                "estimator (target: equal), and the peak.")
+    b.add_argument("what", choices=["loop", "optim", "memory"], help="loop: harness vs bare "
+                   "loop; optim: optimizer step per method vs AdamW and galore-torch; memory: "
+                   "estimator vs measured bytes per method")
     b.add_argument("--model", default="llama_tiny", help="model preset (default llama_tiny)")
     b.add_argument("--steps", type=positive_int, default=20, help="steps per run (default 20)")
     b.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
@@ -238,7 +247,8 @@ def build_parser() -> Parser:
     b.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     b.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds (loop)")
-    b.add_argument("--preset", default="llama_60m", help="shapes for optim (default llama_60m)")
+    b.add_argument("--preset", default="llama_60m",
+                   help="shapes for optim and memory (default llama_60m)")
     b.add_argument("--gap", type=positive_int, default=200, help="GaLore update_proj_gap (optim)")
     b.add_argument("--rank", type=positive_int, default=128, help="GaLore rank (optim)")
     b.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")

@@ -43,3 +43,21 @@ def test_bench_optim_table_from_the_command(capsys):
     for name in ("adamw", "galore", "galore_torch", "e2e_galore/llama_tiny"):
         assert name in out
     assert "vs galore-torch" in out and "0.8" in out and "1.05" in out
+
+
+def test_bench_memory_estimates_every_method_exactly(capsys):
+    """Weights, gradients, optimizer states and extras after two steps equal the estimator's
+    prediction for every method (8-bit layer-wise GaLore included)."""
+    argv = ["bench", "memory", "--preset", "llama_micro", "--steps", "2", "--seq-len", "32",
+            "--batch-size", "2", "--json"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    records = json.loads(out[out.index("[\n") :])
+    parts = [r for r in records if r["target"] == 1.0]
+    assert len(parts) == 9 * 4
+    assert all(r["value"] == r["estimate"] and r["ratio"] == 1.0 for r in parts), [
+        r for r in parts if r["value"] != r["estimate"]]
+    layerwise = {r["name"]: r["value"] for r in parts if "galore_8bit_layerwise" in r["name"]}
+    full = {r["name"]: r["value"] for r in parts if "/galore/" in r["name"]}
+    assert layerwise["memory/llama_micro/galore_8bit_layerwise/grad_bytes"] < full[
+        "memory/llama_micro/galore/grad_bytes"]
