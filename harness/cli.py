@@ -176,6 +176,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         args.device)
         print(report(run, bench_loop(run, args.rounds), args.json))
         return EXIT_OK
+    if args.what == "launch":
+        from harness.bench_launch import bench_launch, launch_table
+
+        records = bench_launch(args.rounds)
+        print(json.dumps(records, indent=2) if args.json else launch_table(records))
+        return EXIT_OK
     if args.what == "memory":
         from harness.bench_memory import bench_memory, memory_table
 
@@ -236,17 +242,21 @@ def build_parser() -> Parser:
                 "against AdamW and galore-torch (SVD amortised over the gap), plus GaLore's "
                 "end-to-end step on llama_tiny. memory: each method's weight, gradient, "
                 "optimizer-state and extra bytes after a few steps of --preset, against the "
-                "estimator (target: equal), and the peak.")
-    b.add_argument("what", choices=["loop", "optim", "memory"], help="loop: harness vs bare "
-                   "loop; optim: optimizer step per method vs AdamW and galore-torch; memory: "
-                   "estimator vs measured bytes per method")
+                "estimator (target: equal), and the peak. launch: the time from a trial's "
+                "launch to its first training step, minus its model build, under the local and "
+                "submitit-local launchers (--rounds trials each).")
+    b.add_argument("what", choices=["loop", "optim", "memory", "launch"], help="loop: harness "
+                   "vs bare loop; optim: optimizer step per method vs AdamW and galore-torch; "
+                   "memory: estimator vs measured bytes per method; launch: each launcher's "
+                   "per-trial overhead")
     b.add_argument("--model", default="llama_tiny", help="model preset (default llama_tiny)")
     b.add_argument("--steps", type=positive_int, default=20, help="steps per run (default 20)")
     b.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
     b.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
     b.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    b.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds (loop)")
+    b.add_argument("--rounds", type=positive_int, default=3,
+                   help="alternating rounds (loop); trials per launcher (launch)")
     b.add_argument("--preset", default="llama_60m",
                    help="shapes for optim and memory (default llama_60m)")
     b.add_argument("--gap", type=positive_int, default=200, help="GaLore update_proj_gap (optim)")

@@ -78,6 +78,7 @@ class Trainer:
         self.accumulation = distributed.local_accumulation(t)  # per process, checked before init
         self.device = distributed.init(pick_device(run.device))
         self.world = distributed.world_size()
+        built = time.perf_counter()
         torch.manual_seed(run.seed)
         random.seed(run.seed)
         np.random.seed(run.seed)
@@ -95,6 +96,8 @@ class Trainer:
         self.precision = Precision(t, self.device)
         self.offloaded = 0  # activation bytes moved to the host, over the steps run here
         self.optimizer = self.method.optimizer(self.model, run)
+        self.build_s = time.perf_counter() - built  # model, method and optimizer: not launching
+        self.first_step_at: float | None = None
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: self.method.lr_factor(s, run)
         )
@@ -203,6 +206,7 @@ class Trainer:
         self.model.train()
         self.meter.resume()
         first = self.first_step = self.step
+        self.first_step_at = time.time()  # `harness bench launch`: launch → training
         while self.step < steps:
             loss = self.train_step()
             running += loss
@@ -280,6 +284,8 @@ class Trainer:
             "step": self.step,
             "steps": self.run.train.steps,
             "tokens": self.tokens,
+            "build_s": self.build_s,
+            "first_step_at": self.first_step_at,
             **self.last_eval,
             **self.best,
             "tokens_per_s": tps,

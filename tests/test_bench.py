@@ -61,3 +61,13 @@ def test_bench_memory_estimates_every_method_exactly(capsys):
     full = {r["name"]: r["value"] for r in parts if "/galore/" in r["name"]}
     assert layerwise["memory/llama_micro/galore_8bit_layerwise/grad_bytes"] < full[
         "memory/llama_micro/galore/grad_bytes"]
+
+
+def test_bench_launch_times_each_launcher(capsys):
+    """One trial per launcher: a positive overhead, launch to first step minus the build."""
+    assert main(["bench", "launch", "--rounds", "1", "--json"]) == 0
+    out = capsys.readouterr().out
+    records = json.loads(out[out.index("[\n") :])
+    assert [r["name"] for r in records] == ["launch/local", "launch/submitit-local"]
+    for r in records:
+        assert len(r["per_trial"]) == 1 and 0 < r["value"] < 120 and r["unit"] == "s"
