@@ -19,15 +19,16 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, MaxNLocator
 from scipy import stats
 
+from .format import VARIANT_DEFAULTS, fill_variants, variant_label
 from .load import PathArg, read_sweep
 from .plots import logged_points, plain_log_y
+from .stats import at_best_lr
 
 if TYPE_CHECKING:
     import optuna
 
 CONFIDENCE = 0.95
 # What one line, point or bar compares (as in the summary table), and the value of a blank.
-VARIANT = {"method": "unknown", "memory": "none", "precision": "fp32"}
 CURVES = {  # kind -> (metrics column, axis text, log scale)
     "eval": ("eval_ppl", "Eval perplexity", True),
     "train": ("loss", "Training loss", False),
@@ -38,13 +39,13 @@ def best_lr_trials(trials: pd.DataFrame, order: Sequence[str] = ()) -> pd.DataFr
     """The ok trials (all seeds) of each method and memory variant at its own best LR, the one
     with the lowest mean final eval ppl, so that every figure compares what the summary table
     compares. Adds `variant`, the legend text; methods named in `order` come first."""
-    trials = trials.assign(**{k: trials[k].fillna(blank) for k, blank in VARIANT.items()})
+    trials = fill_variants(trials)
     ok = trials[(trials["status"] == "ok") & trials["eval_ppl"].notna() & trials["lr"].notna()]
     picks = [
-        group[group["lr"] == group.groupby("lr")["eval_ppl"].mean().idxmin()].assign(
+        group[group["lr"] == at_best_lr(group, "eval_ppl").name].assign(
             variant=variant_label(*key)
         )
-        for key, group in ok.groupby(list(VARIANT), sort=False)
+        for key, group in ok.groupby(list(VARIANT_DEFAULTS), sort=False)
     ]
     if not picks:
         return ok.assign(variant=pd.Series(dtype=str))
@@ -52,13 +53,6 @@ def best_lr_trials(trials: pd.DataFrame, order: Sequence[str] = ()) -> pd.DataFr
     rank = best["method"].map({m: i for i, m in enumerate(order)}).fillna(len(order))
     ordered = best.assign(_rank=rank).sort_values(["_rank", "method"], kind="stable")
     return ordered.drop(columns="_rank").reset_index(drop=True)
-
-
-def variant_label(method: str, memory: str, precision: str) -> str:
-    """"galore", or "galore (offload mlp, bf16)" when it departs from the defaults."""
-    extra = [value for value, key in ((memory, "memory"), (precision, "precision"))
-             if value != VARIANT[key]]
-    return f"{method} ({', '.join(extra)})" if extra else method
 
 
 def variant_colors(best: pd.DataFrame) -> dict[str, str]:

@@ -7,6 +7,10 @@ from typing import Any
 
 import pandas as pd
 
+# What tells two configurations of one method apart in every table and figure, with the value
+# a trial from before the column existed (or with it unset) gets.
+VARIANT_DEFAULTS = {"method": "unknown", "memory": "none", "precision": "fp32"}
+
 
 def human_bytes(value: Any) -> str:
     """Decimal units (GB = 1e9 bytes) to match how accelerator memory is usually quoted."""
@@ -35,3 +39,15 @@ def ordered(labels: pd.Series, order: Sequence[str]) -> list[str]:
 def cell(value: Any, spec: str, unit: str = "") -> str:
     """A number formatted for a table cell; blank where it is missing."""
     return "" if pd.isna(value) else f"{value:{spec}}{unit}"
+
+
+def fill_variants(trials: pd.DataFrame) -> pd.DataFrame:
+    """The variant columns filled with their defaults, so grouping on them drops nothing."""
+    return trials.assign(**{k: trials[k].fillna(d) for k, d in VARIANT_DEFAULTS.items()})
+
+
+def variant_label(method: str, memory: str, precision: str) -> str:
+    """"galore", or "galore (offload mlp, bf16)" when it departs from the defaults."""
+    extra = [value for value, key in ((memory, "memory"), (precision, "precision"))
+             if value != VARIANT_DEFAULTS[key]]
+    return f"{method} ({', '.join(extra)})" if extra else method

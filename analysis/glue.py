@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import pandas as pd
 
 from .format import human_bytes, ordered
+from .paper import task_kind
+from .stats import at_best_lr
 
 # GaLore Table 4's column order, then the embedded task; keys are `task.glue_task` values.
 TASKS = {
@@ -28,14 +30,14 @@ GLUE_NOTE = (
 
 def has_glue(trials: pd.DataFrame) -> bool:
     """Whether any trial fine-tuned on GLUE, so pretraining-only reports stay as they were."""
-    return "task.kind" in trials and bool((trials["task.kind"] == "glue").any())
+    return bool((task_kind(trials) == "glue").any())
 
 
 def glue_table(trials: pd.DataFrame, order: Sequence[str] = ()) -> pd.DataFrame:
     """Methods as rows (those named in `order` first), tasks in the paper's order as columns,
     then `avg`, `memory` and `tok/s` (mean over the chosen trials); cells are formatted
     strings, blank where nothing finished."""
-    glue = trials[trials["task.kind"] == "glue"] if "task.kind" in trials else trials.iloc[0:0]
+    glue = trials[task_kind(trials) == "glue"]
     glue = glue.assign(score=_scores(glue), method=glue["method"].astype(str))
     present = set(glue.get("task.glue_task", pd.Series(dtype=str)))
     tasks = [task for task in TASKS if task in present]
@@ -64,18 +66,14 @@ def _method_row(label: str, group: pd.DataFrame, tasks: list[str]) -> dict[str, 
     picks = {task: _best_lr(group[group["task.glue_task"] == task]) for task in tasks}
     chosen = pd.DataFrame([pick for pick in picks.values() if pick is not None])
     row = {"method": label}
-    row.update({TASKS[t]: "" if p is None else f"{p['score']:.2f}" for t, p in picks.items()})
-    row["avg"] = "" if chosen.empty else f"{chosen['score'].mean():.2f}"
+    row.update({TASKS[t]: "" if p is None else f"{p['mean']:.2f}" for t, p in picks.items()})
+    row["avg"] = "" if chosen.empty else f"{chosen['mean'].mean():.2f}"
     row["memory"] = "" if chosen.empty else human_bytes(chosen["peak"].max())
     row["tok/s"] = "" if chosen.empty else f"{chosen['rate'].mean():,.0f}"
     return row
 
 
 def _best_lr(group: pd.DataFrame) -> pd.Series | None:
-    """Mean score and max peak memory of the LR with the highest mean over seeds (ok trials)."""
-    ok = group[(group["status"] == "ok") & group["score"].notna() & group["lr"].notna()]
-    if ok.empty:
-        return None
-    by_lr = ok.groupby("lr").agg(score=("score", "mean"), peak=("peak_memory_bytes", "max"),
-                                 rate=("tokens_per_s", "mean"))
-    return by_lr.loc[by_lr["score"].idxmax()]
+    """Mean score, max peak memory and mean tok/s at the LR with the highest mean score."""
+    return at_best_lr(group, "score", minimize=False, peak=("peak_memory_bytes", "max"),
+                      rate=("tokens_per_s", "mean"))

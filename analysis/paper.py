@@ -28,6 +28,7 @@ from importlib import resources
 
 import pandas as pd
 
+from .format import VARIANT_DEFAULTS
 from .stats import at_best, best_lr
 
 SIZES = {"llama_60m": "60M", "llama_130m": "130M", "llama_350m": "350M", "llama_1b": "1B",
@@ -49,7 +50,7 @@ COMPARE_COLUMNS = [
     "ours", "ci", "n", "difference", "source",
 ]  # fmt: skip
 VARIANT = ["method", "memory", "precision", "model"]
-DEFAULTS = {"method": "unknown", "memory": "none", "precision": "fp32", "model": "unknown"}
+DEFAULTS = {**VARIANT_DEFAULTS, "model": "unknown"}
 
 
 @cache

@@ -23,25 +23,34 @@ from .figures import (
     pareto_plot,
     throughput_chart,
 )
-from .format import cell, human_bytes, ordered, text_table
+from .format import (
+    VARIANT_DEFAULTS,
+    cell,
+    fill_variants,
+    human_bytes,
+    ordered,
+    text_table,
+    variant_label,
+)
 from .html import Block, Heading, Image, Paragraph, Preformatted, Table, write_html
 from .load import PathArg, Paths, load_runs, load_steps, read_sweep, run_dirs
+from .paper import task_kind
 from .plots import curves_plot, memory_chart, save_png
+from .stats import at_best_lr
 from .tables import write_tables
 
 SUMMARY_COLUMNS = (
     "method", "memory", "precision", "best lr", "eval ppl", "tok/s", "peak memory",
     "optimizer state", "trials",
 )  # fmt: skip
-VARIANT = ["method", "memory", "precision"]  # what a row of the summary compares
-VARIANT_DEFAULTS = {"method": "unknown", "memory": "none", "precision": "fp32"}
+VARIANT = list(VARIANT_DEFAULTS)  # what a row of the summary compares
 MEMORY_NOTE = "Memory columns use decimal units: 1 MB = 10^6 bytes, 1 GB = 10^9 bytes."
 
 
 def summary_table(trials: pd.DataFrame, order: Sequence[str] = ()) -> pd.DataFrame:
     """One row per method and memory modifiers at its best LR; methods named in `order`
     (sweep.yaml) come first, each one's modifier variants in the order they appear."""
-    trials = trials.assign(**{k: trials[k].fillna(d) for k, d in VARIANT_DEFAULTS.items()})
+    trials = fill_variants(trials)
     rows = []
     for label in ordered(trials["method"].astype(str), order):
         own = trials[trials["method"].astype(str) == label]
@@ -84,8 +93,7 @@ def write_report(paths: Paths, out: PathArg | None = None) -> str:
     out = Path(out) if out else dirs[0] / "report"
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "trials.csv", trials.to_csv(index=False))
-    kinds = trials["task.kind"].fillna("pretrain") if "task.kind" in trials else None
-    pretraining = trials if kinds is None else trials[kinds != "glue"]
+    pretraining = trials[task_kind(trials) != "glue"]
     blocks: list[Block] = [Paragraph(f"{len(trials)} trials in {', '.join(map(str, dirs))}. "
                                      f"{MEMORY_NOTE}")]
     terminal = []
@@ -144,9 +152,7 @@ def best_lr_line(table: pd.DataFrame) -> str:
     """Say which LR won per method, so a reader need not scan the table."""
     picks = []
     for method, memory, precision, lr in table[[*VARIANT, "best lr"]].itertuples(index=False):
-        extra = [x for x, d in ((memory, "none"), (precision, "fp32")) if x != d]
-        name = f"{method} ({', '.join(extra)})" if extra else method
-        picks.append(f"{name} {lr or 'n/a'}")
+        picks.append(f"{variant_label(method, memory, precision)} {lr or 'n/a'}")
     return "Best LR per method: " + ", ".join(picks)
 
 
@@ -156,21 +162,14 @@ def _method_row(variant: dict[str, str], group: pd.DataFrame) -> dict[str, str]:
     """Best LR by mean eval ppl over seeds, among ok trials; blanks if none finished."""
     row = dict.fromkeys(SUMMARY_COLUMNS, "")
     row.update(variant, trials=_status_counts(group["status"]))
-    ok = group[(group["status"] == "ok") & group["eval_ppl"].notna() & group["lr"].notna()]
-    if ok.empty:
+    best = at_best_lr(group, "eval_ppl", rate=("tokens_per_s", "mean"),
+                      peak=("peak_memory_bytes", "max"), state=("optimizer_state_bytes", "max"))
+    if best is None:
         return row
-    by_lr = ok.groupby("lr").agg(
-        ppl=("eval_ppl", "mean"),
-        rate=("tokens_per_s", "mean"),
-        peak=("peak_memory_bytes", "max"),
-        state=("optimizer_state_bytes", "max"),
-    )
-    best_lr = by_lr["ppl"].idxmin()
-    best = by_lr.loc[best_lr]
     row.update(
         {
-            "best lr": f"{best_lr:g}",
-            "eval ppl": cell(best["ppl"], ".2f"),
+            "best lr": f"{best.name:g}",
+            "eval ppl": cell(best["mean"], ".2f"),
             "tok/s": cell(best["rate"], ",.0f"),
             "peak memory": human_bytes(best["peak"]),
             "optimizer state": human_bytes(best["state"]),

@@ -85,6 +85,18 @@ def at_best(
     return pd.Series(merged["_value"].to_numpy(), index=picks.index)
 
 
+def at_best_lr(trials: pd.DataFrame, metric: str, minimize: bool = True,
+               **aggs: tuple[str, str]) -> pd.Series | None:
+    """Among one configuration's ok trials: the seed-mean of `metric` (`mean`) and each of
+    `aggs` (name=(column, how)) at the LR whose mean is best; the Series is named by that LR.
+    None when no trial finished with a value and an LR."""
+    done = trials[(trials["status"] == "ok") & trials[metric].notna() & trials["lr"].notna()]
+    if done.empty:
+        return None
+    by_lr = done.groupby("lr").agg(mean=(metric, "mean"), **aggs)
+    return by_lr.loc[by_lr["mean"].idxmin() if minimize else by_lr["mean"].idxmax()]
+
+
 def format_ci(mean: float, ci: float, n: int, digits: int = 2) -> str:
     """"34.06 ± 0.12 (n=3)", or "34.06" for one seed (no interval to give), "" for none."""
     if pd.isna(mean):

@@ -173,7 +173,7 @@ class Trainer:
                 self.precision.backward(loss * self.world / targets)  # × W undoes DDP's average
             total += loss.detach()
         clip = None if self.layerwise else self.run.train.grad_clip  # layer-wise: per parameter
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.model.parameters() if p.grad is not None] if clip else []
         self.lr = self.optimizer.param_groups[0]["lr"]
         if self.precision.step(self.optimizer, params, clip):
             self.scheduler.step()  # the schedule follows the updates made, as in HF's Trainer
