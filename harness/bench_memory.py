@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from harness.config import load_run
+from harness.config import RunConfig, load_run
 from harness.estimate import vocab_size
 from harness.methods import build_method
 from harness.models import param_shapes
@@ -38,18 +38,25 @@ METHODS = {  # one small setting each, so every method runs on any preset
 }  # fmt: skip
 
 
+def method_run(label: str, preset: str, steps: int, seq_len: int, batch_size: int,
+               overrides: dict[str, Any] | None = None) -> RunConfig:
+    """A short run of one METHODS entry on `preset`; `overrides` are dotted keys (--set's)."""
+    params = METHODS[label]
+    name = params.get("method", label)
+    method = {"name": name, **{k: v for k, v in params.items() if k != "method"}}
+    return load_run({
+        "name": "bench", "model": preset, "device": "auto", "method": method,
+        "task": {"seq_len": seq_len},
+        "train": {"steps": steps, "batch_size": batch_size, "log_every": steps},
+        "eval": {"tokens": seq_len},
+        "memory": {"layerwise": label.endswith("layerwise")},
+    }, overrides)  # fmt: skip
+
+
 def bench_memory(preset: str, steps: int, seq_len: int, batch_size: int) -> list[dict[str, Any]]:
     records = []
-    for label, params in METHODS.items():
-        name = params.get("method", label)
-        method = {"name": name, **{k: v for k, v in params.items() if k != "method"}}
-        run = load_run({
-            "name": "bench", "model": preset, "device": "auto", "method": method,
-            "task": {"seq_len": seq_len},
-            "train": {"steps": steps, "batch_size": batch_size, "log_every": steps},
-            "eval": {"tokens": seq_len},
-            "memory": {"layerwise": label.endswith("layerwise")},
-        })  # fmt: skip
+    for label in METHODS:
+        run = method_run(label, preset, steps, seq_len, batch_size)
         summary = _measure(run)
         estimate = build_method(run).estimate(
             param_shapes(preset, vocab_size(run.task.tokenizer), seq_len), run)

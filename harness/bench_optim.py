@@ -89,19 +89,23 @@ def _alternate(steps: dict[str, Callable[[], Any]], opts: dict[str, torch.optim.
 
 
 def bench_optim(preset: str = "llama_60m", gap: int = 200, steps: int = 20, rank: int = 128,
-                e2e_preset: str | None = "llama_tiny") -> list[dict[str, Any]]:
+                e2e_preset: str | None = "llama_tiny",
+                e2e_settings: tuple[tuple[int, int], ...] = ((128, 1),)) -> list[dict[str, Any]]:
     """Optimizer-step time per candidate on `preset` (CPU, fp32, random gradients), plus the
-    end-to-end step (forward, backward, update) of GaLore over AdamW on `e2e_preset`.
+    end-to-end step (forward, backward, update) of GaLore over AdamW on `e2e_preset`, once per
+    (rank, micro-batches per update) in `e2e_settings`.
 
     Records: name, ms_per_step (SVD amortised over `gap`), ratio_to_adamw, and for ours
-    ratio_to_galore_torch. "adamw" is torch AdamW as the `full` method builds it (fused).
+    ratio_to_galore_torch. "adamw" is torch AdamW as the `full` method builds it (fused);
+    "galore_rsvd" is ours with `svd: randomized`.
     """
     galore = {"name": "galore", "rank": rank, "update_proj_gap": gap}
+    rsvd = {**galore, "svd": "randomized"}
     method = build_method(_run(preset, galore))
     torch.manual_seed(0)
     base = build_model(preset, VOCAB, 64, None)
     grads = [torch.randn_like(p) for p in base.parameters()]
-    models = {n: copy.deepcopy(base) for n in ("adamw", "galore", "galore_torch")}
+    models = {n: copy.deepcopy(base) for n in ("adamw", "galore", "galore_rsvd", "galore_torch")}
     for model in models.values():
         for p, g in zip(model.parameters(), grads, strict=True):
             p.grad = g
@@ -109,26 +113,30 @@ def bench_optim(preset: str = "llama_60m", gap: int = 200, steps: int = 20, rank
         "adamw": build_method(_run(preset, {"name": "full"})).optimizer(
             models["adamw"], _run(preset, {"name": "full"})),
         "galore": method.optimizer(models["galore"], _run(preset, galore)),
+        "galore_rsvd": build_method(_run(preset, rsvd)).optimizer(models["galore_rsvd"],
+                                                                  _run(preset, rsvd)),
         "galore_torch": _galore_torch(models["galore_torch"], rank, gap, method.targeted),
     }
     times = _alternate({n: o.step for n, o in opts.items()}, opts, steps, SVD_ROUNDS, gap)
     ms = {n: t["ms_per_step"] for n, t in times.items()}
     records = [{"name": n, **t, "ratio_to_adamw": ms[n] / ms["adamw"]} for n, t in times.items()]
     for r in records:
-        if r["name"] == "galore":
-            r["ratio_to_galore_torch"] = ms["galore"] / ms["galore_torch"]
+        if r["name"].startswith("galore") and r["name"] != "galore_torch":
+            r["ratio_to_galore_torch"] = ms[r["name"]] / ms["galore_torch"]
             r["target"] = TARGET_VS_REFERENCE
-    if e2e_preset:
-        records.append(_end_to_end(e2e_preset, gap, steps, rank))
+    for e2e_rank, accumulation in e2e_settings if e2e_preset else ():
+        records.append(_end_to_end(e2e_preset, gap, steps, e2e_rank, accumulation))
     return records
 
 
-def _end_to_end(preset: str, gap: int, steps: int, rank: int, batch: int = 4,
+def _end_to_end(preset: str, gap: int, steps: int, rank: int, accumulation: int, batch: int = 4,
                 seq_len: int = 128) -> dict[str, Any]:
-    """Forward + backward + update on random tokens, GaLore against AdamW, same init."""
+    """Forward + backward of `accumulation` micro-batches, then the update, on random tokens:
+    GaLore against AdamW from the same init. The optimizer's share of a step shrinks as the
+    tokens per update grow (the papers update once per 131k tokens)."""
     torch.manual_seed(0)
     base = build_model(preset, VOCAB, seq_len, None)
-    ids = torch.randint(0, VOCAB, (batch, seq_len))
+    ids = torch.randint(0, VOCAB, (accumulation, batch, seq_len))
     methods = {"adamw": {"name": "full"},
                "galore": {"name": "galore", "rank": rank, "update_proj_gap": gap}}
     models = {n: copy.deepcopy(base) for n in methods}
@@ -137,12 +145,15 @@ def _end_to_end(preset: str, gap: int, steps: int, rank: int, batch: int = 4,
 
     def step(name: str) -> Callable[[], None]:
         def run() -> None:
-            models[name](input_ids=ids, labels=ids).loss.backward()
+            for micro in ids:
+                models[name](input_ids=micro, labels=micro).loss.backward()
             opts[name].step()
             opts[name].zero_grad(set_to_none=True)
         return run
 
     times = _alternate({n: step(n) for n in methods}, opts, steps, SVD_ROUNDS, gap)
     ms = {n: t["ms_per_step"] for n, t in times.items()}
-    return {"name": f"e2e_galore/{preset}", **times["galore"], "adamw_ms_per_step": ms["adamw"],
+    tokens = accumulation * batch * seq_len
+    return {"name": f"e2e_galore/{preset}/rank{rank}/{tokens}tok", **times["galore"],
+            "rank": rank, "tokens_per_update": tokens, "adamw_ms_per_step": ms["adamw"],
             "ratio_to_adamw": ms["galore"] / ms["adamw"], "target": TARGET_END_TO_END}

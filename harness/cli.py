@@ -29,12 +29,26 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def rank_and_micro(text: str) -> tuple[int, int]:
+    rank, _, micro = text.partition(":")
+    if not (rank.isdigit() and micro.isdigit() and int(rank) > 0 and int(micro) > 0):
+        raise argparse.ArgumentTypeError(f"expected RANK:MICRO, two whole numbers of at least 1 "
+                                         f"(e.g. 64:4), got '{text}'")
+    return int(rank), int(micro)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from harness.profile import SKIPPED
     from harness.train import train
 
     run = load_run(read_yaml(args.config), parse_overrides(args.set))
     out = Path(args.out) if args.out else Path("runs") / run.name
-    summary = train(run, out)
+    steps = run.train.steps
+    if args.profile and steps and args.profile + SKIPPED > steps:
+        raise UserError(f"--profile {args.profile}: the run has {steps} steps and the profile "
+                        f"needs {args.profile + SKIPPED} (the first {SKIPPED} are not recorded); "
+                        "lower --profile or raise train.steps")
+    summary = train(run, out, profile_steps=args.profile or 0)
     status = summary["status"]
     print(f"{out}: {status}" + (f" ({summary['error']})" if summary.get("error") else ""))
     if status == "interrupted":
@@ -182,6 +196,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         records = bench_launch(args.rounds)
         print(json.dumps(records, indent=2) if args.json else launch_table(records))
         return EXIT_OK
+    if args.what == "syncs":
+        from harness.bench_syncs import bench_syncs, syncs_table
+
+        records = bench_syncs(args.preset, args.steps, args.seq_len, args.batch_size)
+        print(json.dumps(records, indent=2) if args.json else syncs_table(records))
+        return EXIT_OK
     if args.what == "memory":
         from harness.bench_memory import bench_memory, memory_table
 
@@ -190,7 +210,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return EXIT_OK
     from harness.bench_optim import bench_optim
 
-    records = bench_optim(args.preset, args.gap, args.steps, args.rank)
+    e2e = tuple(args.e2e) or ((args.rank, 1),)
+    records = bench_optim(args.preset, args.gap, args.steps, args.rank, e2e_settings=e2e)
     print(json.dumps(records, indent=2) if args.json else optim_table(records))
     return EXIT_OK
 
@@ -214,6 +235,10 @@ def build_parser() -> Parser:
     t.add_argument("config", help="run config YAML")
     t.add_argument("--set", **sets)
     t.add_argument("--out", help="run folder (default runs/<name>); resumes from its checkpoint")
+    t.add_argument("--profile", type=positive_int, metavar="STEPS", help="record a torch.profiler "
+                   "trace of STEPS steps (after 2 unrecorded) in OUT/profile: trace.json and "
+                   "ops.txt, the operators by self time; the run's tok/s then includes the "
+                   "profiler's cost")
 
     s = command(sub, "sweep", cmd_sweep, "run a sweep of trials", "Expand a sweep into trials "
                 "(methods x search space x seeds) and run those not yet finished.")
@@ -240,15 +265,17 @@ def build_parser() -> Parser:
                 "against a bare PyTorch loop (same model, data, batch, precision, steps), in "
                 "alternating rounds. optim: the optimizer step alone on a preset's shapes, GaLore "
                 "against AdamW and galore-torch (SVD amortised over the gap), plus GaLore's "
-                "end-to-end step on llama_tiny. memory: each method's weight, gradient, "
+                "end-to-end step on llama_tiny (--e2e). memory: each method's weight, gradient, "
                 "optimizer-state and extra bytes after a few steps of --preset, against the "
                 "estimator (target: equal), and the peak. launch: the time from a trial's "
                 "launch to its first training step, minus its model build, under the local and "
-                "submitit-local launchers (--rounds trials each).")
-    b.add_argument("what", choices=["loop", "optim", "memory", "launch"], help="loop: harness "
-                   "vs bare loop; optim: optimizer step per method vs AdamW and galore-torch; "
-                   "memory: estimator vs measured bytes per method; launch: each launcher's "
-                   "per-trial overhead")
+                "submitit-local launchers (--rounds trials each). syncs: reads of tensor values "
+                "by the host (each a device sync on a GPU) per training step, per method and "
+                "modifier, with where they are (target: none).")
+    b.add_argument("what", choices=["loop", "optim", "memory", "launch", "syncs"],
+                   help="loop: harness vs bare loop; optim: optimizer step per method vs AdamW "
+                   "and galore-torch; memory: estimator vs measured bytes per method; launch: "
+                   "each launcher's per-trial overhead; syncs: host reads per training step")
     b.add_argument("--model", default="llama_tiny", help="model preset (default llama_tiny)")
     b.add_argument("--steps", type=positive_int, default=20, help="steps per run (default 20)")
     b.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
@@ -258,9 +285,13 @@ def build_parser() -> Parser:
     b.add_argument("--rounds", type=positive_int, default=3,
                    help="alternating rounds (loop); trials per launcher (launch)")
     b.add_argument("--preset", default="llama_60m",
-                   help="shapes for optim and memory (default llama_60m)")
+                   help="shapes for optim, memory and syncs (default llama_60m)")
     b.add_argument("--gap", type=positive_int, default=200, help="GaLore update_proj_gap (optim)")
     b.add_argument("--rank", type=positive_int, default=128, help="GaLore rank (optim)")
+    b.add_argument("--e2e", type=rank_and_micro, action="append", default=[],
+                   metavar="RANK:MICRO", help="optim: an end-to-end GaLore step at this rank "
+                   "with MICRO micro-batches of 4x128 tokens per update (repeatable; default "
+                   "--rank with one)")
     b.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
     b.add_argument("--json", action="store_true", help="print JSON records instead of a table")
 

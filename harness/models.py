@@ -39,7 +39,24 @@ def check_preset(name: str, path: str) -> Preset:
     return PRESETS[name]
 
 
-def llama_config(name: str, vocab_size: int, seq_len: int, pad_id: int | None, **extra: Any) -> Any:
+CAUSAL_SDPA = "causal_sdpa"
+
+
+def register_causal_sdpa() -> str:
+    """transformers' sdpa under a name it has no mask function for. No mask is then built, so
+    sdpa runs with is_causal=True (the flash kernels) as with "sdpa" on unpadded input, and the
+    check for packed sequences that "sdpa" runs in every forward (a read of a device value: a
+    host sync per micro-batch on a GPU) is skipped. Right only where no padding mask is needed:
+    causal LM on packed blocks, whose padding sits after the last real token."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    return CAUSAL_SDPA
+
+
+def llama_config(name: str, vocab_size: int, seq_len: int, pad_id: int | None,
+                 attention: str = "sdpa", **extra: Any) -> Any:
     """GaLore's configs (RMSNorm eps 1e-6, SiLU, untied head)."""
     from transformers import LlamaConfig
 
@@ -58,7 +75,7 @@ def llama_config(name: str, vocab_size: int, seq_len: int, pad_id: int | None, *
         tie_word_embeddings=False,
         pad_token_id=pad_id,
         use_cache=False,
-        attn_implementation="sdpa",
+        attn_implementation=attention,
         **extra,
     )
 
@@ -67,7 +84,8 @@ def build_model(name: str, vocab_size: int, seq_len: int, pad_id: int | None) ->
     """Random-init LLaMA for pretraining."""
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM(llama_config(name, vocab_size, seq_len, pad_id))
+    config = llama_config(name, vocab_size, seq_len, pad_id, attention=register_causal_sdpa())
+    return LlamaForCausalLM(config)
 
 
 def describe(model: LlamaForCausalLM) -> str:

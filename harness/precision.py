@@ -16,7 +16,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class Precision:
     """fp16 multiplies the loss by a scale before backward so small gradients survive; a step
     whose gradients overflow is skipped and the scale backs off (torch.amp.GradScaler). Clipping
-    sees unscaled gradients. `skipped` counts the skipped steps over the whole trial."""
+    sees unscaled gradients. `skipped` counts the skipped steps over the whole trial. The
+    schedule advances on skipped steps too, as in torch's AMP recipe: knowing at once that a
+    step was skipped would cost a host sync every step."""
 
     def __init__(self, train: TrainConfig, device: torch.device) -> None:
         self.device = device
@@ -32,6 +34,7 @@ class Precision:
                 growth_interval=s.growth_interval,
             )
         self.skipped = 0
+        self.overflows: list[tuple[int, torch.Tensor]] = []  # (step, overflowed?) not yet read
 
     def autocast(self) -> AbstractContextManager[Any]:
         if self.dtype is None:
@@ -41,27 +44,36 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
-    def step(
-        self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], clip: float | None
-    ) -> bool:
-        """Unscale, clip (if `clip`) and step; False when fp16 overflowed and the step was
-        skipped (reading the scale is fp16's one host sync per step)."""
+    def step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
+             clip: float | None, step: int) -> None:
+        """Unscale, clip (if `clip`) and step. Whether fp16 overflowed (GradScaler then skips
+        the update) stays on the device until `settle`: a non-finite gradient norm, which is
+        what GradScaler checks, so the loop reads no value per step."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
-        if clip:
-            torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True) if clip else None
         if self.scaler is None:
             optimizer.step()
-            return True
-        before = self.scaler.get_scale()
+            return
+        if norm is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        self.overflows.append((step, ~norm.isfinite()))
         self.scaler.step(optimizer)
         self.scaler.update()
-        stepped = self.scaler.get_scale() >= before  # only an overflow lowers the scale
-        self.skipped += not stepped
-        return stepped
+
+    def settle(self) -> list[int]:
+        """The steps skipped since the last call, read in one go; counted in `skipped`."""
+        if not self.overflows:
+            return []
+        flags = torch.stack([o for _, o in self.overflows]).tolist()
+        skipped = [s for (s, _), f in zip(self.overflows, flags, strict=True) if f]
+        self.overflows.clear()
+        self.skipped += len(skipped)
+        return skipped
 
     def log(self) -> dict[str, Any]:
-        """What a metrics line and the summary record: the scale and the skipped steps."""
+        """What a metrics line and the summary record: the scale and the skipped steps (after
+        `settle`)."""
         if self.scaler is None:
             return {}
         return {"loss_scale": self.scaler.get_scale(), "skipped_steps": self.skipped}

@@ -22,6 +22,7 @@ from harness.config import RunConfig, TrainConfig, UserError
 from harness.methods import build_method
 from harness.models import describe
 from harness.precision import Precision
+from harness.profile import profiled
 from harness.records import Records, base_summary, rng_state, set_rng_state
 
 
@@ -112,6 +113,7 @@ class Trainer:
         self.meter = meter.Meter(self.device)
         self.flops_per_token = meter.flops_per_token(self.model, run.task.seq_len)
         self.first_step = self.step
+        self.after_step: Callable[[], Any] | None = None  # `harness train --profile`
 
     def _resume(self) -> None:
         state = self.rec.load_checkpoint()
@@ -135,9 +137,15 @@ class Trainer:
         self.net = distributed.wrap(self.model, self.device, self.layerwise)
         self._trainable = distributed.trainable(self.model)
 
+    def _settle(self) -> None:
+        """fp16: an event line for each step skipped since the last read."""
+        for step in self.precision.settle():
+            self.rec.log({"kind": "event", "step": step, "skipped": "overflow"})
+
     def save(self) -> None:
         """Rank 0 writes the bare model's state: the same checkpoint as one process's."""
         distributed.check_same(self.model, self.step)
+        self._settle()
         self.rec.save_checkpoint(
             {
                 "model": self.model.state_dict(),
@@ -173,13 +181,11 @@ class Trainer:
                 self.precision.backward(loss * self.world / targets)  # × W undoes DDP's average
             total += loss.detach()
         clip = None if self.layerwise else self.run.train.grad_clip  # layer-wise: per parameter
-        params = [p for p in self.model.parameters() if p.grad is not None] if clip else []
+        grads = clip or self.precision.scaler is not None  # fp16 checks their norm
+        params = [p for p in self.model.parameters() if p.grad is not None] if grads else []
         self.lr = self.optimizer.param_groups[0]["lr"]
-        if self.precision.step(self.optimizer, params, clip):
-            self.scheduler.step()  # the schedule follows the updates made, as in HF's Trainer
-        else:
-            self.rec.log({"kind": "event", "step": self.step + 1, "skipped": "overflow",
-                          **self.precision.log()})
+        self.precision.step(self.optimizer, params, clip, self.step + 1)
+        self.scheduler.step()
         if self.offloader is not None:
             self.offloaded += self.offloader.take_bytes()
         events = self.method.on_step(self.step + 1, self.model, self.optimizer)
@@ -213,6 +219,8 @@ class Trainer:
             self.step += 1
             self.tokens += self.step_tokens
             self.meter.add(self.step_tokens)
+            if self.after_step is not None:
+                self.after_step()
             if self.step == first + 1:  # the first step pays one-off costs: not steady state
                 self.meter.lap(steady=steps == first + 1)
             if self.step % t.log_every == 0 or self.step == steps:
@@ -236,6 +244,7 @@ class Trainer:
 
     def _log(self, loss: torch.Tensor, running: torch.Tensor) -> None:
         seconds, tps = self.meter.lap()
+        self._settle()
         if not torch.isfinite(running):
             raise NonFinite(f"loss is {float(running)} by step {self.step}")
         lr, value = self.lr, float(loss)
@@ -279,6 +288,7 @@ class Trainer:
     def results(self) -> dict[str, Any]:
         tps = self.meter.tokens_per_s
         peak = meter.peak_flops(self.device, self.run.train.precision)
+        self._settle()
         mfu = tps * self.flops_per_token / peak if tps and peak else None
         return {
             "step": self.step,
@@ -318,9 +328,11 @@ class _StopFlag:
         self.set = True
 
 
-def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None = None) -> dict:
+def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None = None,
+          profile_steps: int = 0) -> dict:
     """Run (or resume) one trial in `out`; returns its summary, which is also on disk.
-    Under DDP every rank calls this; only rank 0's records write."""
+    Under DDP every rank calls this; only rank 0's records write. `profile_steps`: trace that
+    many steps (harness/profile.py)."""
     rec = distributed.main_only(Records(out, run))
     previous = rec.summary()
     if previous and previous.get("status") == "ok" and rec.ckpt_path.exists():
@@ -342,7 +354,8 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
         )
         summary["device"] = str(trainer.device)
         rec.start_wandb()
-        summary["status"] = trainer.fit()
+        with profiled(trainer, profile_steps, out):
+            summary["status"] = trainer.fit()
     except NonFinite as e:
         summary.update(status="nan", error=str(e))
     except Pruned as e:

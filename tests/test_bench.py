@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from harness.cli import main
 
 
@@ -37,10 +39,11 @@ def test_bench_loop_json_record(capsys):
 
 def test_bench_optim_table_from_the_command(capsys):
     argv = ["bench", "optim", "--preset", "llama_micro", "--gap", "4", "--steps", "2", "--rank",
-            "8", "--threads", "1"]
+            "8", "--threads", "1", "--e2e", "8:2"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    for name in ("adamw", "galore", "galore_torch", "e2e_galore/llama_tiny"):
+    for name in ("adamw", "galore", "galore_rsvd", "galore_torch",
+                 "e2e_galore/llama_tiny/rank8/1024tok"):
         assert name in out
     assert "vs galore-torch" in out and "0.8" in out and "1.05" in out
 
@@ -71,3 +74,43 @@ def test_bench_launch_times_each_launcher(capsys):
     assert [r["name"] for r in records] == ["launch/local", "launch/submitit-local"]
     for r in records:
         assert len(r["per_trial"]) == 1 and 0 < r["value"] < 120 and r["unit"] == "s"
+
+
+def test_bench_e2e_setting_is_checked(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "optim", "--e2e", "64"])
+    assert stop.value.code == 2
+    assert "expected RANK:MICRO" in capsys.readouterr().err
+
+
+def test_training_step_reads_no_device_value():
+    """No `.item()`, `float(t)` or `bool(t)` in a steady training step (each is a host sync on
+    a GPU), fp16 included; GradScaler's own check is seen where the optimizer is not fused."""
+    from harness.bench_memory import method_run
+    from harness.bench_syncs import count_reads, syncs_table
+
+    records = []
+    for label, overrides, expected in [("full", None, set()),
+                                       ("full", {"train.precision": "fp16"}, set()),
+                                       ("galore", {"train.precision": "fp16"}, {"precision.py"})]:
+        sites, cuda = count_reads(method_run(label, "llama_micro", 4, 32, 2, overrides), 2)
+        assert {s.split(":")[0].split("/")[-1] for s in sites} == expected, sites
+        assert sum(sites.values()) == 2 * len(expected) and cuda == 0
+        records.append({"name": label, "value": sum(sites.values()) / 2, "target": len(expected),
+                        "sites": dict(sites), "cuda_syncs_per_step": 0.0})
+    assert "harness/precision.py" in syncs_table(records)
+
+
+def test_train_profile_writes_trace_and_operator_table(tmp_path, capsys):
+    from conftest import micro_run, write_yaml
+
+    config = write_yaml(tmp_path / "run.yaml", micro_run(steps=4))
+    assert main(["train", str(config), "--out", str(tmp_path / "t"), "--profile", "3"]) == 2
+    assert "--profile 3: the run has 4 steps and the profile needs 5" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()  # refused before anything was written
+    assert main(["train", str(config), "--out", str(tmp_path / "t"), "--profile", "2"]) == 0
+    trace = json.loads((tmp_path / "t" / "profile" / "trace.json").read_text())
+    steps = {e["name"] for e in trace["traceEvents"] if e["name"].startswith("ProfilerStep")}
+    assert steps == {"ProfilerStep#2", "ProfilerStep#3"}  # steps 3 and 4 of the run
+    ops = (tmp_path / "t" / "profile" / "ops.txt").read_text()
+    assert "aten::mm" in ops and "Self CPU" in ops

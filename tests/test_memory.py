@@ -108,18 +108,17 @@ def test_layerwise_holds_one_gradient_at_a_time(tmp_path):
 
 
 def test_fp16_overflow_skips_the_step_and_backs_off(tmp_path):
-    """A scale of 2^40 overflows fp16 at once: those steps are skipped (logged as events) and
-    the scale backs off by 2^-12 each time, until the updates run."""
+    """A scale of 2^40 overflows fp16 at once: those steps are skipped (logged as events, read
+    without a per-step sync) and the scale backs off by 2^-12 each time, until updates run."""
     data = run_config("full", "fp16")
     data["train"].update(steps=6, loss_scale={"init": 2.0**40, "backoff_factor": 2.0**-12,
                                               "growth_interval": 100})
     summary = train(load_run(data), tmp_path / "t")
     assert summary["status"] == "ok", summary["error"]
     rows = read_jsonl(tmp_path / "t" / "metrics.jsonl")
-    skipped = [r for r in rows if r["kind"] == "event" and r.get("skipped") == "overflow"]
-    assert len(skipped) == summary["skipped_steps"] >= 1
-    scales = [r["loss_scale"] for r in skipped]
-    assert scales == [2.0 ** (40 - 12 * k) for k in range(1, len(scales) + 1)]
+    skipped = [r["step"] for r in rows if r["kind"] == "event" and r.get("skipped") == "overflow"]
+    assert skipped == list(range(1, summary["skipped_steps"] + 1)) and skipped  # the first ones
+    assert summary["loss_scale"] == 2.0 ** (40 - 12 * len(skipped))  # one backoff each
     train_rows = [r for r in rows if r["kind"] == "train"]
     assert train_rows[-1]["skipped_steps"] == len(skipped) < 6
     assert train_rows[-1]["loss"] < train_rows[0]["loss"]  # the unskipped steps trained

@@ -1,0 +1,55 @@
+"""`harness train --profile N`: a torch.profiler trace of N training steps, to see where the
+time goes before changing anything.
+
+Step 1 (allocation, lazy init) and step 2 (profiler warm-up) are not recorded; steps 3…N+2 are.
+The trial folder gets `profile/trace.json` (open in https://ui.perfetto.dev or
+chrome://tracing) and `profile/ops.txt`, the operators by self time (device time on CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+if TYPE_CHECKING:
+    from harness.train import Trainer
+
+SKIPPED = 2  # steps before the recorded ones
+
+
+def profiler(steps: int, device: torch.device) -> profile:
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    return profile(activities=activities, record_shapes=True,
+                   schedule=schedule(wait=SKIPPED - 1, warmup=1, active=steps, repeat=1))
+
+
+def write(prof: profile, out: Path, device: torch.device, rows: int = 30) -> str:
+    """Write the trace and the operator table; returns the table's first `rows` rows."""
+    folder = out / "profile"
+    folder.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(folder / "trace.json"))
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    averages = prof.key_averages()
+    (folder / "ops.txt").write_text(averages.table(sort_by=key, row_limit=200) + "\n")
+    return averages.table(sort_by=key, row_limit=rows)
+
+
+@contextmanager
+def profiled(trainer: Trainer, steps: int, out: Path) -> Iterator[None]:
+    """Trace `steps` steps of `trainer.fit()` run inside this block (none when 0); a run that
+    ends sooner is traced up to its end."""
+    if not steps:
+        yield
+        return
+    with profiler(steps, trainer.device) as prof:
+        trainer.after_step = prof.step
+        yield
+    print(write(prof, out, trainer.device), flush=True)
+    print(f"profile of {steps} steps: {out / 'profile'} (trace.json, ops.txt)", flush=True)
