@@ -94,6 +94,8 @@ class Trainer:
         self.method = build_method(run)
         self.model = self.method.prepare(model.to(self.device), run)
         self.offloader = memory.apply(self.model, run.memory, self.device)
+        # forward and loss in one graph; the model itself, its state_dict and hooks unchanged
+        self.loss = torch.compile(self.data.loss) if t.compile else self.data.loss
         self.precision = Precision(t, self.device)
         self.offloaded = 0  # activation bytes moved to the host, over the steps run here
         self.optimizer = self.method.optimizer(self.model, run)
@@ -177,7 +179,7 @@ class Trainer:
             wait = self.net.no_sync() if self.net is not self.model and not last else nullcontext()
             with wait:
                 with self.precision.autocast():
-                    loss = self.data.loss(self.net, batch)
+                    loss = self.loss(self.net, batch)
                 self.precision.backward(loss * self.world / targets)  # × W undoes DDP's average
             total += loss.detach()
         clip = None if self.layerwise else self.run.train.grad_clip  # layer-wise: per parameter

@@ -143,3 +143,16 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     assert factors[:3] == [0.5, 1.0, 1.0]
     assert all(a >= b for a, b in itertools.pairwise(factors[1:]))
     assert lr_factor(10, run.train) == pytest.approx(0.1)
+
+
+def test_compile_trains_the_same_model(tmp_path):
+    """train.compile runs forward and loss as one compiled graph: the same losses (to float
+    rounding) and a checkpoint with the same keys as the eager run."""
+    runs = {c: load_run(micro_run(steps=3, compile=c)) for c in (False, True)}
+    summaries = {c: train(r, tmp_path / str(c)) for c, r in runs.items()}
+    assert all(s["status"] == "ok" for s in summaries.values())
+    assert math.isclose(summaries[True]["eval_loss"], summaries[False]["eval_loss"], rel_tol=1e-5)
+    state = {c: torch.load(tmp_path / str(c) / "checkpoint" / "state.pt", weights_only=False)
+             for c in runs}
+    keys = {c: set(s["model"]) for c, s in state.items()}
+    assert keys[True] == keys[False]
