@@ -90,10 +90,10 @@ def _alternate(steps: dict[str, Callable[[], Any]], opts: dict[str, torch.optim.
 
 def bench_optim(preset: str = "llama_60m", gap: int = 200, steps: int = 20, rank: int = 128,
                 e2e_preset: str | None = "llama_tiny",
-                e2e_settings: tuple[tuple[int, int], ...] = ((128, 1),)) -> list[dict[str, Any]]:
+                e2e_settings: tuple[tuple[int, int], ...] | None = None) -> list[dict[str, Any]]:
     """Optimizer-step time per candidate on `preset` (CPU, fp32, random gradients), plus the
     end-to-end step (forward, backward, update) of GaLore over AdamW on `e2e_preset`, once per
-    (rank, micro-batches per update) in `e2e_settings`.
+    (rank, micro-batches per update) in `e2e_settings` (default: `rank` and one).
 
     Records: name, ms_per_step (SVD amortised over `gap`), ratio_to_adamw, and for ours
     ratio_to_galore_torch. "adamw" is torch AdamW as the `full` method builds it (fused);
@@ -124,7 +124,7 @@ def bench_optim(preset: str = "llama_60m", gap: int = 200, steps: int = 20, rank
         if r["name"].startswith("galore") and r["name"] != "galore_torch":
             r["ratio_to_galore_torch"] = ms[r["name"]] / ms["galore_torch"]
             r["target"] = TARGET_VS_REFERENCE
-    for e2e_rank, accumulation in e2e_settings if e2e_preset else ():
+    for e2e_rank, accumulation in (e2e_settings or ((rank, 1),)) if e2e_preset else ():
         records.append(_end_to_end(e2e_preset, gap, steps, e2e_rank, accumulation))
     return records
 

@@ -71,19 +71,17 @@ def count_reads(run: Any, steps: int) -> tuple[Counter[str], int]:
             trainer.model.train()
             for _ in range(WARMUP):
                 trainer.train_step()
-            cuda = trainer.device.type == "cuda"
-            if cuda:
+            if trainer.device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode("warn")
             with warnings.catch_warnings(record=True) as caught, HostReads() as reads:
                 warnings.simplefilter("always")
                 for _ in range(steps):
                     trainer.train_step()
-            if cuda:
-                torch.cuda.set_sync_debug_mode("default")
-            syncs = sum("synchroniz" in str(w.message) for w in caught)
-            return reads.sites, syncs
+            return reads.sites, sum("synchroniz" in str(w.message) for w in caught)
         finally:
+            if trainer.device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
             trainer.close()
 
 
@@ -99,7 +97,7 @@ def bench_syncs(preset: str, steps: int, seq_len: int, batch_size: int) -> list[
         records.append({"name": f"syncs/{preset}/{label}",
                         "value": sum(sites.values()) / steps, "target": EXPECTED.get(label, 0),
                         "sites": {s: n / steps for s, n in sites.most_common()},
-                        "cuda_syncs_per_step": syncs / steps if syncs else 0.0})
+                        "cuda_syncs_per_step": syncs / steps})
     return records
 
 

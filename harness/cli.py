@@ -210,8 +210,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return EXIT_OK
     from harness.bench_optim import bench_optim
 
-    e2e = tuple(args.e2e) or ((args.rank, 1),)
-    records = bench_optim(args.preset, args.gap, args.steps, args.rank, e2e_settings=e2e)
+    records = bench_optim(args.preset, args.gap, args.steps, args.rank,
+                          e2e_settings=tuple(args.e2e))
     print(json.dumps(records, indent=2) if args.json else optim_table(records))
     return EXIT_OK
 

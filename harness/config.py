@@ -100,7 +100,9 @@ class TrainConfig(Strict):
     )
     loss_scale: LossScaleConfig = LossScaleConfig()
     grad_clip: float | None = Field(1.0, gt=0)
-    compile: bool = Field(False, description="torch.compile the model (compiled at the first step)")
+    compile: bool = Field(
+        False, description="torch.compile forward and loss as one graph (compiled in step 1)"
+    )
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(
         0, ge=0, description="steps between checkpoints (0: only at the end)"

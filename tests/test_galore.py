@@ -258,12 +258,15 @@ def test_bench_optim_records_are_sane():
 
     records = bench_optim("llama_micro", gap=4, steps=2, rank=8, e2e_preset="llama_micro")
     by_name = {r["name"]: r for r in records}
-    assert list(by_name) == ["adamw", "galore", "galore_torch", "e2e_galore/llama_micro"]
-    assert by_name["galore"]["target"] == 0.8
-    assert by_name["e2e_galore/llama_micro"]["target"] == 1.05
+    e2e = "e2e_galore/llama_micro/rank8/512tok"
+    assert list(by_name) == ["adamw", "galore", "galore_rsvd", "galore_torch", e2e]
+    assert by_name["galore"]["target"] == by_name["galore_rsvd"]["target"] == 0.8
+    assert by_name[e2e]["target"] == 1.05 and by_name[e2e]["tokens_per_update"] == 512
     for r in records:
         assert r["ms_svd"] > 0 and r["ms_normal"] > 0 and 0.01 < r["ratio_to_adamw"] < 100
         assert r["ms_per_step"] == pytest.approx((3 * r["ms_normal"] + r["ms_svd"]) / 4)
     assert by_name["adamw"]["ratio_to_adamw"] == 1.0
-    ours, ref = by_name["galore"], by_name["galore_torch"]
-    assert ours["ratio_to_galore_torch"] == pytest.approx(ours["ms_per_step"] / ref["ms_per_step"])
+    ref = by_name["galore_torch"]
+    for ours in (by_name["galore"], by_name["galore_rsvd"]):
+        assert ours["ratio_to_galore_torch"] == pytest.approx(ours["ms_per_step"]
+                                                              / ref["ms_per_step"])
