@@ -35,6 +35,13 @@ def _run(preset: str, method: dict[str, Any], seq_len: int = 64) -> Any:
                      "train": {"lr": 1e-3, "batch_size": 1}, "method": method})
 
 
+def _optimizer(preset: str, method: dict[str, Any], model: nn.Module,
+               seq_len: int = 64) -> torch.optim.Optimizer:
+    """The optimizer `method` builds for `model`, as a run of it would."""
+    run = _run(preset, method, seq_len)
+    return build_method(run).optimizer(model, run)
+
+
 def _galore_torch(model: nn.Module, rank: int, gap: int, targeted: Callable) -> Any:
     from galore_torch import GaLoreAdamW
 
@@ -110,11 +117,9 @@ def bench_optim(preset: str = "llama_60m", gap: int = 200, steps: int = 20, rank
         for p, g in zip(model.parameters(), grads, strict=True):
             p.grad = g
     opts = {
-        "adamw": build_method(_run(preset, {"name": "full"})).optimizer(
-            models["adamw"], _run(preset, {"name": "full"})),
+        "adamw": _optimizer(preset, {"name": "full"}, models["adamw"]),
         "galore": method.optimizer(models["galore"], _run(preset, galore)),
-        "galore_rsvd": build_method(_run(preset, rsvd)).optimizer(models["galore_rsvd"],
-                                                                  _run(preset, rsvd)),
+        "galore_rsvd": _optimizer(preset, rsvd, models["galore_rsvd"]),
         "galore_torch": _galore_torch(models["galore_torch"], rank, gap, method.targeted),
     }
     times = _alternate({n: o.step for n, o in opts.items()}, opts, steps, SVD_ROUNDS, gap)
@@ -140,8 +145,7 @@ def _end_to_end(preset: str, gap: int, steps: int, rank: int, accumulation: int,
     methods = {"adamw": {"name": "full"},
                "galore": {"name": "galore", "rank": rank, "update_proj_gap": gap}}
     models = {n: copy.deepcopy(base) for n in methods}
-    opts = {n: build_method(_run(preset, m, seq_len)).optimizer(models[n], _run(preset, m))
-            for n, m in methods.items()}
+    opts = {n: _optimizer(preset, m, models[n], seq_len) for n, m in methods.items()}
 
     def step(name: str) -> Callable[[], None]:
         def run() -> None:
