@@ -1,5 +1,8 @@
 """`harness estimate`: each trial's memory from shapes alone, and GaLore Table 2 beside it.
 
+A trial's peak adds the activation model (harness/activations.py) to the method's bytes; it is
+a GPU's unless the trial runs on the CPU, where offloaded activations stay in the same memory.
+
 Nothing is allocated and no data is read: shapes come from a model on the meta device, and
 the tokenizer is only loaded when its vocabulary size is not already known, so every paper
 sweep (7B included) is estimated offline in seconds.
@@ -16,6 +19,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
+from harness.activations import activations, peak_bytes
 from harness.analysis.format import human_bytes
 from harness.config import UserError
 from harness.methods import build_method
@@ -74,10 +78,13 @@ def estimate_sweep(sweep: SweepConfig) -> list[dict[str, Any]]:
     for trial in plan(sweep):
         run = trial.run
         shapes = _shapes(run.model, vocab_size(run.task.tokenizer), run.task.seq_len)
-        estimate = build_method(run).estimate(shapes, run)
+        method = build_method(run)
+        estimate = method.estimate(shapes, run)
+        acts = activations(run, shapes, method, "cpu" if run.device == "cpu" else "cuda")
         records.append(
             {"trial": trial.id, "method": trial.label, "method_name": run.method_name,
-             "params": run.method_params, **estimate.as_dict()}
+             "params": run.method_params, **estimate.as_dict(),
+             "peak_bytes": peak_bytes(estimate, acts, run, shapes)}
         )  # fmt: skip
     return records
 
@@ -90,11 +97,11 @@ def _changed(record: dict[str, Any]) -> str:
 def format_table(records: list[dict[str, Any]]) -> str:
     rows = [
         [r["trial"], r["method"], _changed(r),
-         *(human_bytes(r[k]) for k in (*BYTE_FIELDS, "total_bytes"))]
+         *(human_bytes(r[k]) for k in (*BYTE_FIELDS, "total_bytes", "peak_bytes"))]
         for r in records
     ]  # fmt: skip
     headers = ["trial", "method", "set hyperparameters", "weights", "grads", "optimizer", "extra",
-               "total"]  # fmt: skip
+               "total", "peak"]  # fmt: skip
     return tabulate(rows, headers=headers, disable_numparse=True)
 
 

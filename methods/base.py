@@ -43,6 +43,10 @@ class Method:
     name: ClassVar[str]
     summary: ClassVar[str]
     Config: ClassVar[type[Strict]] = Strict
+    # What the targeted linears become, for the activation model (harness/activations.py):
+    # "float" (trained as they are), "adapter" (frozen, plus rank-r adapters), "factored"
+    # (two rank-r factors) or "quantized" (codes, no float weight for autocast to copy).
+    linears: ClassVar[str] = "float"
 
     def __init__(self, config: Strict) -> None:
         self.config = config

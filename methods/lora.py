@@ -112,6 +112,7 @@ class LoraShapes:
 @register("lora")
 class Lora(Method):
     summary = "LoRA adapters on frozen linears (peft); embeddings, norms and head full-rank"
+    linears = "adapter"
     Config = LoraParams
 
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:

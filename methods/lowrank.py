@@ -65,6 +65,7 @@ class LowRankLinear(nn.Module):
 @register("lowrank")
 class LowRank(Full):
     summary = "W = B·A of rank r in attention/MLP linears, trained from scratch with AdamW"
+    linears = "factored"
     Config = LowRankConfig
 
     def _is_target(self, module_name: str) -> bool:

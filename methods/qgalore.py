@@ -90,6 +90,10 @@ class QGaLore(GaLore):
     summary = "Q-GaLore: INT8 weights updated in backward, INT4 projections, lazy SVDs"
     Config = QGaLoreConfig
 
+    @property
+    def linears(self) -> str:  # type: ignore[override]
+        return "float" if self.config.simulate else "quantized"
+
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         c = self.config
         targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)

@@ -1,0 +1,155 @@
+"""Activation memory of a pretraining step from shapes alone, and with it the step's peak.
+
+Counted on llama_* (torch 2.13, transformers' LLaMA, saved-tensor hooks), per token and decoder
+layer, d hidden, i intermediate, h heads, a the activation's bytes (4 fp32, 2 under autocast):
+- each RMSNorm keeps its fp32 input, the normalised fp32 input and the 4-byte inverse root;
+- attention keeps q, k, v and the output (a·d each) and flash attention's fp32 log-sum-exp
+  (4 per head); its linears keep their input: one shared fp32 norm output, but under autocast
+  a 2-byte copy per linear that reads it (q, k and v: three);
+- the MLP keeps gate, silu(gate), up and their product (a·i each), and its input as above
+  (gate and up: two copies under autocast);
+- autocast also keeps a 2-byte copy of every float linear weight until that linear's backward;
+- the head keeps the final norm's three, the lm_head input and log-softmax's fp32 output (4V a
+  predicted token); at the start of backward two more V-wide fp32 gradients live beside them.
+That is 40d + 16i + 4h + 8 bytes a token and layer in fp32 and 34d + 8i + 4h + 8 under
+autocast. Forward peaks while the loss is computed: all of it, the weight copies autocast
+caches but nothing saved, and logits, their shifted copy, its fp32 cast and log-softmax's
+output (12V a token). A method changes the linears (`Method.linears`); recompute keeps only a
+recomputed module's input and adds one layer's activations back while that layer's backward
+runs; offload moves the offloaded modules' saved tensors of all but the last layer off a GPU
+and brings one layer back ahead of backward. A step's peak is then the method's weights,
+states and extras plus the largest of: the start of backward, the last layer's and the first
+layer's backward (with every gradient above it), and all gradients (the update); gradients of
+earlier micro-batches live through later ones. Checked against whole steps: tests/
+test_activations.py and `harness bench memory` (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.config import RunConfig
+from harness.methods.base import TARGETS, MemoryEstimate, Method, Shapes, numel
+from harness.models import PRESETS
+
+KIND_LINEARS = {"attention": TARGETS[:4], "mlp": TARGETS[4:], "norm": ()}
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    vocab: int
+    seq_len: int
+    batch: int  # sequences per forward (the micro-batch)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+    @property
+    def predicted(self) -> int:
+        """Tokens with a next token to predict: the loss drops each sequence's last."""
+        return self.batch * (self.seq_len - 1)
+
+
+def dims(run: RunConfig, shapes: Shapes) -> Dims:
+    p = PRESETS[run.model]
+    vocab = shapes["lm_head.weight"][0]
+    return Dims(p.hidden, p.intermediate, p.layers, p.heads, vocab, run.task.seq_len,
+                run.train.batch_size)  # fmt: skip
+
+
+def kind_bytes(d: Dims, kind: str, autocast: bool, method: Method) -> int:
+    """Bytes a token that one layer's `kind` module(s) save for backward."""
+    a = 2 if autocast else 4
+    if kind == "norm":  # the normalised input is kept for the weight's gradient only
+        return 2 * ((8 if trains_norms(method) else 4) * d.hidden + 4)
+    linears = [n for n in KIND_LINEARS[kind] if n in targets(method)]
+    rank = getattr(method.config, "rank", 0) if method.linears in ("adapter", "factored") else 0
+    readers = 3 if kind == "attention" else 2  # linears reading the same input
+    inputs = readers * 2 * d.hidden if autocast and method.linears != "quantized" else 4 * d.hidden
+    if autocast and method.linears == "adapter" and "o_proj" in linears:
+        inputs += 2 * d.hidden  # the adapter's copy of o_proj's input (attention's output)
+    saved = inputs + rank * a * len(linears)
+    if kind == "attention":
+        return saved + 4 * a * d.hidden + 4 * d.heads
+    return saved + 4 * a * d.intermediate
+
+
+def trains_norms(method: Method) -> bool:
+    return getattr(method.config, "train_non_targets", True)
+
+
+def targets(method: Method) -> tuple[str, ...]:
+    return tuple(getattr(method.config, "target_modules", TARGETS))
+
+
+def weight_copies(shapes: Shapes, method: Method, kind: str | None) -> int:
+    """Autocast's 2-byte copies of one layer's float linear weights of `kind` (None: lm_head's):
+    quantized and factored linears have none (a factor's own copy is rank-sized: ignored)."""
+    if kind is None:
+        return 2 * numel(shapes["lm_head.weight"])
+    if method.linears in ("quantized", "factored"):
+        return 0
+    names = KIND_LINEARS[kind]
+    layer = [s for n, s in shapes.items() if ".layers.0." in n and n.split(".")[-2] in names]
+    return 2 * sum(map(numel, layer))
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes beyond the static ones at the moments a step's peak can fall on."""
+
+    start: int  # the start of backward: everything saved plus the loss's gradients
+    top: int  # the last layer's backward, its activations recomputed or fetched back
+    bottom: int  # the first layer's backward; gradients of the layers above come on top
+
+
+def activations(run: RunConfig, shapes: Shapes, method: Method, device: str) -> Activations:
+    """`device` "cpu" keeps offloaded tensors in the same memory (nothing is saved there)."""
+    d, m = dims(run, shapes), run.memory
+    autocast = run.train.precision != "fp32"
+    a, t = (2 if autocast else 4), d.tokens
+    kinds = ("norm", "attention", "mlp")
+    saves = {k: kind_bytes(d, k, autocast, method) * t for k in kinds}
+    copies = {k: weight_copies(shapes, method, k) if autocast else 0 for k in kinds}
+    recomputed = kinds if m.recompute == "full" else tuple(m.recomputed)
+    kept = {k: saves[k] + copies[k] for k in kinds if k not in recomputed}
+    inputs = {"norm": 2, "attention": 1, "mlp": 1}  # fp32 inputs a recomputed module keeps
+    kept.update({k: inputs[k] * 4 * d.hidden * t for k in recomputed if m.recompute != "full"})
+    if m.recompute == "full":
+        kept["input"] = 4 * d.hidden * t
+    layer = sum(kept.values())
+    full = sum(saves.values()) + sum(copies.values())  # a layer while its backward runs
+    offloaded = sum(kept[k] for k in m.offloaded) if device != "cpu" else 0
+    rope = 2 * d.seq_len * d.hidden // d.heads * 4
+    layers = d.layers * layer - (d.layers - 1) * offloaded + rope
+    head = ((8 if trains_norms(method) else 4) * d.hidden + 4 + a * d.hidden) * t
+    head += 4 * d.vocab * d.predicted + (weight_copies(shapes, method, None) if autocast else 0)
+    # the autocast cache holds trained float weights' copies through forward, saved or not
+    cached = sum(copies[k] for k in recomputed) * d.layers if method.linears == "float" else 0
+    grads = 8 * d.hidden * t  # the hidden state's gradient, and its residual branch's
+    return Activations(
+        start=layers + head + 8 * d.vocab * d.predicted + cached,
+        top=layers + offloaded + full - layer + grads,
+        bottom=full + rope + grads,
+    )
+
+
+def peak_bytes(estimate: MemoryEstimate, acts: Activations, run: RunConfig,
+               shapes: Shapes) -> int:
+    """The step's peak: static bytes plus the largest of the moments, each with the gradients
+    alive then. Without layer-wise updates the first layer's backward has every gradient but
+    the embedding's; gradients of earlier micro-batches are there throughout."""
+    static = estimate.weight_bytes + estimate.optimizer_state_bytes + estimate.extra_bytes
+    grads = estimate.grad_bytes
+    if run.memory.layerwise:  # one gradient at a time (`grad_bytes`): never beside the rest
+        return static + max(acts.start, acts.top, acts.bottom, grads)
+    total = sum(map(numel, shapes.values()))
+    embedding = sum(numel(s) for n, s in shapes.items() if "embed" in n)
+    above = grads * (total - embedding) // total  # the first layer's own come as it runs
+    earlier = grads if run.train.accumulation > 1 else 0
+    return static + max(earlier + max(acts.start, acts.top), earlier + acts.bottom + above, grads)
