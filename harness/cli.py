@@ -204,6 +204,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.what == "memory":
         from harness.bench_memory import bench_memory, memory_table
+        from harness.tensor_peak import SKIPPED
+
+        if args.steps <= SKIPPED:
+            raise UserError(f"--steps {args.steps}: bench memory measures the peak of step "
+                            f"{SKIPPED + 1}, after {SKIPPED} unmeasured; use --steps 3 or more")
 
         records = bench_memory(args.preset, args.steps, args.seq_len, args.batch_size)
         print(json.dumps(records, indent=2) if args.json else memory_table(records))
@@ -267,8 +272,9 @@ def build_parser() -> Parser:
                 "against AdamW and galore-torch (SVD amortised over the gap), plus GaLore's "
                 "end-to-end step on llama_tiny (--e2e). memory: each method's weight, gradient, "
                 "optimizer-state and extra bytes after a few steps of --preset, against the "
-                "estimator (target: equal), and the peak. launch: the time from a trial's "
-                "launch to its first training step, minus its model build, under the local and "
+                "estimator (target: equal), and the peak of step 3 (target: within 5%). "
+                "launch: the time from a trial's launch to its first training step, minus its "
+                "model build, under the local and "
                 "submitit-local launchers (--rounds trials each). syncs: reads of tensor values "
                 "by the host (each a device sync on a GPU) per training step, per method and "
                 "modifier, with where they are (target: none).")
@@ -297,8 +303,8 @@ def build_parser() -> Parser:
 
     e = command(sub, "estimate", cmd_estimate, "predict each trial's memory", "Predict each "
                 "trial's weight, gradient, optimizer-state and extra bytes from the model's shapes "
-                "alone (nothing allocated, no data read); on GaLore's presets, compare with the "
-                "paper's Table 2.")
+                "alone (nothing allocated, no data read), and its peak with activations; on "
+                "GaLore's presets, compare with the paper's Table 2.")
     e.add_argument("sweep", help="sweep YAML, e.g. sweeps/c4_1b.yaml")
     e.add_argument("--set", **sets)
     e.add_argument("--json", action="store_true", help="print JSON records instead of a table")

@@ -49,14 +49,15 @@ def test_bench_optim_table_from_the_command(capsys):
 
 
 def test_bench_memory_estimates_every_method_exactly(capsys):
-    """Weights, gradients, optimizer states and extras after two steps equal the estimator's
-    prediction for every method (8-bit layer-wise GaLore included)."""
-    argv = ["bench", "memory", "--preset", "llama_micro", "--steps", "2", "--seq-len", "32",
+    """Weights, gradients, optimizer states and extras after three steps equal the estimator's
+    prediction for every method (8-bit layer-wise GaLore included); each method also gets a
+    peak record with its ±5% tolerance."""
+    argv = ["bench", "memory", "--preset", "llama_micro", "--steps", "3", "--seq-len", "32",
             "--batch-size", "2", "--json"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     records = json.loads(out[out.index("[\n") :])
-    parts = [r for r in records if r["target"] == 1.0]
+    parts = [r for r in records if "tolerance" not in r]
     assert len(parts) == 9 * 4
     assert all(r["value"] == r["estimate"] and r["ratio"] == 1.0 for r in parts), [
         r for r in parts if r["value"] != r["estimate"]]
@@ -64,6 +65,15 @@ def test_bench_memory_estimates_every_method_exactly(capsys):
     full = {r["name"]: r["value"] for r in parts if "/galore/" in r["name"]}
     assert layerwise["memory/llama_micro/galore_8bit_layerwise/grad_bytes"] < full[
         "memory/llama_micro/galore/grad_bytes"]
+    peaks = {r["name"].split("/")[2]: r for r in records if r.get("tolerance") == 0.05}
+    assert len(peaks) == 9 and all(r["value"] > 0 and r["estimate"] > 0 for r in peaks.values())
+    assert abs(peaks["full"]["ratio"] - 1) <= 0.05
+
+
+def test_bench_memory_refuses_fewer_than_three_steps(capsys):
+    assert main(["bench", "memory", "--preset", "llama_micro", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --steps 2:") and "--steps 3 or more" in err
 
 
 def test_bench_launch_times_each_launcher(capsys):
