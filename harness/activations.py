@@ -117,11 +117,12 @@ def activations(run: RunConfig, shapes: Shapes, method: Method, device: str) -> 
     saves = {k: kind_bytes(d, k, autocast, method) * t for k in kinds}
     copies = {k: weight_copies(shapes, method, k) if autocast else 0 for k in kinds}
     recomputed = kinds if m.recompute == "full" else tuple(m.recomputed)
-    kept = {k: saves[k] + copies[k] for k in kinds if k not in recomputed}
     inputs = {"norm": 2, "attention": 1, "mlp": 1}  # fp32 inputs a recomputed module keeps
-    kept.update({k: inputs[k] * 4 * d.hidden * t for k in recomputed if m.recompute != "full"})
     if m.recompute == "full":
-        kept["input"] = 4 * d.hidden * t
+        kept = {"input": 4 * d.hidden * t}  # the layer's
+    else:
+        kept = {k: inputs[k] * 4 * d.hidden * t if k in recomputed else saves[k] + copies[k]
+                for k in kinds}  # fmt: skip
     layer = sum(kept.values())
     full = sum(saves.values()) + sum(copies.values())  # a layer while its backward runs
     offloaded = sum(kept[k] for k in m.offloaded) if device != "cpu" else 0

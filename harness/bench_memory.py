@@ -13,7 +13,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 from tabulate import tabulate
 
 from harness.activations import activations, peak_bytes
@@ -23,7 +22,7 @@ from harness.methods import build_method
 from harness.models import param_shapes
 from harness.records import Records
 from harness.tensor_peak import step_peak
-from harness.train import Trainer
+from harness.train import Trainer, pick_device
 
 PARTS = {  # summary key -> MemoryEstimate field
     "param_bytes": "weight_bytes",
@@ -63,8 +62,8 @@ def bench_memory(preset: str, steps: int, seq_len: int, batch_size: int) -> list
         method = build_method(run)
         shapes = param_shapes(preset, vocab_size(run.task.tokenizer), seq_len)
         estimate = method.estimate(shapes, run)
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # where "auto" runs it
-        predicted_peak = peak_bytes(estimate, activations(run, shapes, method, device), run, shapes)
+        acts = activations(run, shapes, method, pick_device(run.device).type)
+        predicted_peak = peak_bytes(estimate, acts, run, shapes)
         for key, field in PARTS.items():
             records.append(_record(f"memory/{preset}/{label}/{key}", summary[key],
                                    getattr(estimate, field)))

@@ -204,7 +204,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.what == "memory":
         from harness.bench_memory import bench_memory, memory_table
-        from harness.tensor_peak import SKIPPED
+        from harness.profile import SKIPPED
 
         if args.steps <= SKIPPED:
             raise UserError(f"--steps {args.steps}: bench memory measures the peak of step "

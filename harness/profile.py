@@ -22,11 +22,14 @@ if TYPE_CHECKING:
 SKIPPED = 2  # steps before the recorded ones
 
 
-def profiler(steps: int, device: torch.device) -> profile:
+def profiler(steps: int, device: torch.device, memory: bool = False) -> profile:
+    """`memory`: also record allocations with their stacks, for the memory timeline
+    (harness/tensor_peak.py)."""
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    return profile(activities=activities, record_shapes=True,
+    return profile(activities=activities, record_shapes=True, profile_memory=memory,
+                   with_stack=memory,
                    schedule=schedule(wait=SKIPPED - 1, warmup=1, active=steps, repeat=1))
 
 

@@ -8,13 +8,12 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
-from torch.profiler import ProfilerActivity, profile, schedule
 from torch.profiler._memory_profiler import Action
+
+from harness.profile import SKIPPED, profiler  # step 1 allocates the optimizer's states
 
 if TYPE_CHECKING:
     from harness.train import Trainer
-
-SKIPPED = 2  # step 1 allocates the optimizer's states; step 2 warms the profiler up
 
 
 def step_peak(trainer: Trainer) -> tuple[int, dict[str, int]]:
@@ -30,9 +29,7 @@ def step_peak(trainer: Trainer) -> tuple[int, dict[str, int]]:
         trainer.after_step = reset
         trainer.fit()
         return torch.cuda.max_memory_allocated(trainer.device), {}
-    when = schedule(wait=SKIPPED - 1, warmup=1, active=1, repeat=1)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True, schedule=when) as prof:
+    with profiler(1, trainer.device, memory=True) as prof:
         trainer.after_step = prof.step
         trainer.fit()
     return _peak(prof._memory_profile())
@@ -43,14 +40,15 @@ def _peak(memory: object) -> tuple[int, dict[str, int]]:
     current = peak = 0
     at_peak: Counter[str] = Counter()
     for _, action, (key, version), size in memory.timeline:  # type: ignore[attr-defined]
-        if action in (Action.PREEXISTING, Action.CREATE, Action.INCREMENT_VERSION):
-            category = memory._categories.get(key, version + (action == Action.INCREMENT_VERSION))  # type: ignore[attr-defined]
-            old = live.get(key, (0, ""))[0]
-            size = old if action == Action.INCREMENT_VERSION and old else size
-            live[key] = (size, category.name.lower() if category else "other")
-            current += size - old
-        elif action == Action.DESTROY:
+        if action == Action.DESTROY:
             current -= live.pop(key, (0, ""))[0]
+            continue
+        bumped = action == Action.INCREMENT_VERSION  # written in place: same bytes, maybe a new
+        old = live.get(key, (0, ""))[0]  # category (a gradient becoming an optimizer state)
+        nbytes = old if bumped and old else size
+        category = memory._categories.get(key, version + bumped)  # type: ignore[attr-defined]
+        live[key] = (nbytes, category.name.lower() if category else "other")
+        current += nbytes - old
         if current > peak:
             peak = current
             at_peak = Counter()

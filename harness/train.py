@@ -115,7 +115,7 @@ class Trainer:
         self.meter = meter.Meter(self.device)
         self.flops_per_token = meter.flops_per_token(self.model, run.task.seq_len)
         self.first_step = self.step
-        self.after_step: Callable[[], Any] | None = None  # `harness train --profile`
+        self.after_step: Callable[[], Any] | None = None  # profiling (--profile, bench memory)
 
     def _resume(self) -> None:
         state = self.rec.load_checkpoint()
