@@ -233,7 +233,7 @@ def load_studies(sweep: dict[str, Any], runs_dir: Path) -> dict[str, optuna.Stud
         return {}
     import optuna
 
-    from harness.search import open_storage  # imports torch: only for Optuna sweeps
+    from harness.sweep.study import open_storage
 
     storage = open_storage(target)
     stored = set(optuna.study.get_all_study_names(storage))

@@ -12,17 +12,6 @@ import pandas as pd
 VARIANT_DEFAULTS = {"method": "unknown", "memory": "none", "precision": "fp32"}
 
 
-def human_bytes(value: Any) -> str:
-    """Decimal units (GB = 1e9 bytes) to match how accelerator memory is usually quoted."""
-    if pd.isna(value):
-        return ""
-    if value >= 1e9:
-        return f"{value / 1e9:.2f} GB"
-    if value >= 1e6:
-        return f"{value / 1e6:.1f} MB"
-    if value >= 1e3:
-        return f"{value / 1e3:.1f} kB"
-    return f"{value:.0f} B"
 
 
 def text_table(table: pd.DataFrame) -> str:

@@ -11,7 +11,9 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from .format import human_bytes, ordered
+from harness.cost.estimate import human_bytes
+
+from .format import ordered
 from .paper import task_kind
 from .stats import at_best_lr
 

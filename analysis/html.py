@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.records import atomic_write
+from harness.trials import atomic_write
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif;

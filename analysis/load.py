@@ -16,7 +16,8 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from harness.records import read_json, read_jsonl
+from harness.config import memory_label
+from harness.trials import read_json, read_jsonl
 
 PathArg = str | os.PathLike
 Paths = PathArg | Iterable[PathArg]
@@ -93,18 +94,6 @@ def flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def memory_label(memory: dict[str, Any]) -> str:
-    """The memory modifiers in a few words ("recompute attention, offload mlp"; "none")."""
-    parts = []
-    for key in ("recompute", "offload"):
-        value = memory.get(key, "none")
-        if value != "none":
-            parts.append(f"{key} {'+'.join(value) if isinstance(value, list) else value}")
-    if memory.get("layerwise"):
-        parts.append("layerwise")
-    if memory.get("optimizer_offload", "none") != "none":
-        parts.append(f"optimizer {memory['optimizer_offload']}")
-    return ", ".join(parts) or "none"
 
 
 def _trials(paths: Paths) -> Iterator[tuple[Path, dict[str, Any]]]:

@@ -13,7 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, LogFormatter
 
-from harness.records import atomic_write
+from harness.trials import atomic_write
 
 # Stacked segments of the memory chart: summary field -> legend text.
 SEGMENTS = {

@@ -13,7 +13,8 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from harness.records import atomic_write
+from harness.cost.estimate import human_bytes
+from harness.trials import atomic_write
 
 from .figures import (
     best_lr_trials,
@@ -27,7 +28,6 @@ from .format import (
     VARIANT_DEFAULTS,
     cell,
     fill_variants,
-    human_bytes,
     ordered,
     text_table,
     variant_label,

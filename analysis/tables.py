@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.records import atomic_write
+from harness.trials import atomic_write
 
 from .format import cell, text_table
 from .glue import GLUE_NOTE, GLUE_TITLE, glue_table, has_glue

@@ -11,7 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from harness.config import UserError, load_run, parse_overrides, read_yaml
+from harness.config import parse_overrides, read_yaml
+from harness.errors import UserError
+from harness.methods.resolve import load_run
 
 EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -38,7 +40,8 @@ def rank_and_micro(text: str) -> tuple[int, int]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from harness.profile import SKIPPED
+    from harness.cost.profile import SKIPPED
+    from harness.sweep.study import pruner_for
     from harness.train import train
 
     run = load_run(read_yaml(args.config), parse_overrides(args.set))
@@ -48,7 +51,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UserError(f"--profile {args.profile}: the run has {steps} steps and the profile "
                         f"needs {args.profile + SKIPPED} (the first {SKIPPED} are not recorded); "
                         "lower --profile or raise train.steps")
-    summary = train(run, out, profile_steps=args.profile or 0)
+    summary = train(run, out, profile_steps=args.profile or 0, prune=pruner_for(out))
     status = summary["status"]
     print(f"{out}: {status}" + (f" ({summary['error']})" if summary.get("error") else ""))
     if status == "interrupted":
@@ -58,11 +61,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from harness.sweep import load_sweep, plan, plan_table, run_sweep
+    from harness.sweep.plan import load_sweep, plan, plan_table
+    from harness.sweep.run import run_sweep
 
     sweep = load_sweep(args.sweep, parse_overrides(args.set))
     if args.dry_run and sweep.search.sampler != "grid":
-        from harness.search import describe
+        from harness.sweep.study import describe
 
         print(describe(sweep))
         return EXIT_OK
@@ -87,7 +91,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _load(runs_dir: str):
     from harness.analysis import load_runs
-    from harness.sweep import trial_status
+    from harness.sweep.status import trial_status
 
     try:
         trials = load_runs(runs_dir)
@@ -106,7 +110,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     import time
 
     from harness.analysis import status_table
-    from harness.sweep import FINISHED
+    from harness.sweep.status import FINISHED
 
     while True:
         trials = _load(args.runs_dir)
@@ -135,8 +139,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from harness.estimate import estimate_sweep, format_table, paper_comparison, to_json
-    from harness.sweep import load_sweep
+    from harness.cost.estimate import format_table, paper_comparison, to_json
+    from harness.sweep.plan import estimate_sweep, load_sweep
 
     sweep = load_sweep(args.sweep, parse_overrides(args.set))
     records = estimate_sweep(sweep)
@@ -157,8 +161,8 @@ def type_name(annotation: object) -> str:
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
-    from harness.memory import modifier_support
     from harness.methods import get_method, method_names
+    from harness.methods.resolve import modifier_support
 
     for name in method_names():
         cls = get_method(name)
@@ -181,7 +185,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     import torch
 
-    from harness.bench import bench_loop, bench_run, optim_table, report
+    from harness.bench.loop import bench_loop, bench_run, optim_table, report
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -191,20 +195,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(report(run, bench_loop(run, args.rounds), args.json))
         return EXIT_OK
     if args.what == "launch":
-        from harness.bench_launch import bench_launch, launch_table
+        from harness.bench.launch import bench_launch, launch_table
 
         records = bench_launch(args.rounds)
         print(json.dumps(records, indent=2) if args.json else launch_table(records))
         return EXIT_OK
     if args.what == "syncs":
-        from harness.bench_syncs import bench_syncs, syncs_table
+        from harness.bench.syncs import bench_syncs, syncs_table
 
         records = bench_syncs(args.preset, args.steps, args.seq_len, args.batch_size)
         print(json.dumps(records, indent=2) if args.json else syncs_table(records))
         return EXIT_OK
     if args.what == "memory":
-        from harness.bench_memory import bench_memory, memory_table
-        from harness.profile import SKIPPED
+        from harness.bench.memory import bench_memory, memory_table
+        from harness.cost.profile import SKIPPED
 
         if args.steps <= SKIPPED:
             raise UserError(f"--steps {args.steps}: bench memory measures the peak of step "
@@ -213,7 +217,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         records = bench_memory(args.preset, args.steps, args.seq_len, args.batch_size)
         print(json.dumps(records, indent=2) if args.json else memory_table(records))
         return EXIT_OK
-    from harness.bench_optim import bench_optim
+    from harness.bench.optim import bench_optim
 
     records = bench_optim(args.preset, args.gap, args.steps, args.rank,
                           e2e_settings=tuple(args.e2e))

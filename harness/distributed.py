@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.config import TrainConfig, UserError
+from harness.config import TrainConfig
+from harness.errors import UserError
 
 # A collective that waits this long fails instead of hanging: longer than the slowest thing one
 # rank does alone (rank 0 writing a checkpoint), as torch's default for gloo.
@@ -178,3 +179,13 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 
 def main_only(records: Any) -> Any:
     return records if is_main() else MainOnly(records)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError(
+            "device: 'cuda' asked for but no CUDA device is visible (allowed: auto, cpu)"
+        )
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from harness.config import suggest
+from harness.config import Common, ModelFrom
+from harness.errors import UserError, suggest
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
@@ -99,3 +100,12 @@ def param_shapes(name: str, vocab_size: int, seq_len: int) -> dict[str, torch.Si
     with torch.device("meta"):
         model = build_model(name, vocab_size, seq_len, None)
     return {n: p.shape for n, p in model.named_parameters()}
+
+
+def check_model(run: Common) -> None:
+    """Pretraining starts from a preset; fine-tuning also from a hub model, a local one or a
+    harness checkpoint (resolved when the trial starts: the pretraining may still be running)."""
+    if run.task.kind == "pretrain":
+        if isinstance(run.model, ModelFrom):
+            raise UserError("model: {from: ...} fine-tunes a checkpoint; it needs task.kind glue")
+        check_preset(run.model, "model")

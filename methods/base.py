@@ -8,7 +8,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from harness.config import Strict, suggest
+from harness import distributed
+from harness.config import Strict
+from harness.config.steps import lr_factor
+from harness.errors import suggest
+from harness.modifiers.optimizer import make_optimizer
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
@@ -65,9 +69,6 @@ class Method:
     def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
         """`build_optimizer` as the memory modifiers ask: per parameter inside backward
         (layerwise), and with its states on the host (optimizer_offload: host)."""
-        from harness import distributed
-        from harness.memory import make_optimizer
-
         # Layer-wise gradient memory depends on the micro-batches each process accumulates.
         self.accumulation = max(1, run.train.accumulation // distributed.world_size())
         groups = [g for g in self.param_groups(model, run) if g["params"]]
@@ -85,8 +86,6 @@ class Method:
 
     def lr_factor(self, step: int, run: RunConfig) -> float:
         """The LR multiplier for `step` (from 0); ReLoRA makes it jagged."""
-        from harness.train import lr_factor
-
         return lr_factor(step, run.train)
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
@@ -95,8 +94,6 @@ class Method:
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
         """Bytes counted from the real tensors, after a step, while gradients still exist."""
-        from harness.meter import tensor_bytes
-
         params = list(model.parameters())
         return MemoryEstimate(
             weight_bytes=sum(tensor_bytes(p) for p in params),
@@ -106,8 +103,6 @@ class Method:
 
     def held_grad_bytes(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> int:
         """Layer-wise updates freed each gradient inside backward: count what existed."""
-        from harness.meter import tensor_bytes
-
         if getattr(optimizer, "layerwise", False):
             sizes = [p.numel() for p in params if p.requires_grad]
             return grad_bytes_of(sizes, True, self.accumulation)
@@ -173,3 +168,14 @@ def numel(shape: torch.Size | tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor inside nested dicts/lists (an optimizer's state)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0

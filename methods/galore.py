@@ -14,7 +14,6 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from harness.memory import unwrap
 from harness.methods.base import (
     TARGETS,
     Groups,
@@ -24,6 +23,7 @@ from harness.methods.base import (
     grad_bytes,
     numel,
     register,
+    tensor_bytes,
 )
 from harness.methods.full import AdamConfig
 from harness.methods.galore_optim import (
@@ -34,6 +34,7 @@ from harness.methods.galore_optim import (
     lowrank_shape,
     side_of,
 )
+from harness.modifiers.optimizer import unwrap
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
@@ -126,8 +127,6 @@ class GaLore(Method):
         return MemoryEstimate(4 * sum(sizes), grad_bytes(sizes, run), state, extra)
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
-        from harness.meter import tensor_bytes
-
         params = list(model.parameters())
         states = list(optimizer.state.values())
         moments = [{k: v for k, v in s.items() if k not in BASIS_KEYS} for s in states]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from harness.config import UserError
+from harness.errors import UserError
 from harness.methods.base import TARGETS, MemoryEstimate, Shapes, grad_bytes, numel, register
 from harness.methods.full import AdamConfig, Full
 

@@ -28,7 +28,6 @@ from pydantic import Field
 from torch import nn
 from torch.nn.utils import parametrize
 
-from harness.memory import unwrap
 from harness.methods.base import (
     Groups,
     MemoryEstimate,
@@ -37,6 +36,7 @@ from harness.methods.base import (
     grad_bytes_of,
     numel,
     register,
+    tensor_bytes,
 )
 from harness.methods.galore import GaLore, ProjectionConfig, basis_numel, state_bytes
 from harness.methods.galore_optim import BASIS_KEYS, lowrank_shape, side_of
@@ -52,6 +52,7 @@ from harness.methods.quant import (
     int8_bytes,
     quantize_int8,
 )
+from harness.modifiers.optimizer import unwrap
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
@@ -182,8 +183,6 @@ class QGaLore(GaLore):
         return MemoryEstimate(weights, grads, state, extra)
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
-        from harness.meter import tensor_bytes
-
         params = list(model.parameters())
         floats = sum(tensor_bytes(p) for p in params)
         if self.config.simulate:

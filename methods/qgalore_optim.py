@@ -38,13 +38,13 @@ from harness.methods.galore_optim import (
     project_back_,
     side_of,
 )
-from harness.methods.layerwise import LayerwiseOptimizer
 from harness.methods.quant import (
     Int8Linear,
     LazyGap,
     dequantize_int4_packed,
     quantize_int4_packed,
 )
+from harness.modifiers.layerwise import LayerwiseOptimizer
 
 INT4_KEYS = ("packed", "scale", "zero")
 

@@ -15,7 +15,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from harness.methods.base import MemoryEstimate, Shapes, register
+from harness.methods.base import MemoryEstimate, Shapes, register, tensor_bytes
 from harness.methods.lora import Lora, LoraParams, LoraShapes, adam_bytes, add_adapters, is_target
 
 if TYPE_CHECKING:
@@ -110,8 +110,6 @@ class QLora(Lora):
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
         import bitsandbytes as bnb
-
-        from harness.meter import tensor_bytes
 
         counted = super().measure(model, optimizer)
         constants = {

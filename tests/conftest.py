@@ -95,7 +95,7 @@ def require_service(env: str, what: str, start: str) -> str:
 
 def train_losses(trial_dir: Path) -> dict[int, float]:
     """Logged training loss by step, for comparing an interrupted run with a clean one."""
-    from harness.records import read_jsonl
+    from harness.trials import read_jsonl
 
     return {r["step"]: r["loss"] for r in read_jsonl(trial_dir / "metrics.jsonl")
             if r["kind"] == "train"}
@@ -112,9 +112,9 @@ def wait_for_step(trial_dir: Path, step: int, timeout_s: float = 300) -> None:
 
 def assert_matches_one_process(trial_dir: Path, run: dict[str, Any], scratch: Path) -> None:
     """A data-parallel trial's losses equal those of `run` trained here in one process."""
-    from harness.config import load_run
-    from harness.records import read_json
+    from harness.methods.resolve import load_run
     from harness.train import train
+    from harness.trials import read_json
 
     single = train(load_run(run), scratch)
     ddp, one = train_losses(trial_dir), train_losses(scratch)

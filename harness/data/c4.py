@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from harness.config import TaskConfig, UserError
+from harness.config import TaskConfig
+from harness.errors import UserError
 
 SAMPLE = Path(__file__).parent / "sample"
 TOKENIZE_CHUNK = 64  # documents tokenized per call: the fast tokenizer batches in Rust

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from harness.config import UserError
 from harness.data.c4 import SAMPLE
+from harness.errors import UserError
 
 HUB = "nyu-mll/glue"
 FORMATS = {".tsv": "csv", ".csv": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}

@@ -1,0 +1,1 @@
+"""`harness bench` subcommands, one file each."""

@@ -1,0 +1,105 @@
+"""`harness bench memory`: the analytic estimator against the bytes a real run holds.
+
+Each method trains a few steps of a preset in this process; its weights, gradients, optimizer
+states and extras (projections, quantization constants) are then counted from the real tensors
+and compared with `Method.estimate` on the preset's shapes. Target: equal (ratio 1). The peak of
+a steady step (harness/tensor_peak.py: allocated bytes on a GPU, live tensor bytes on the CPU)
+is compared with the estimator's, which adds the activation model: target within ±5%.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from harness.config import RunConfig
+from harness.cost.activations import activations, peak_bytes
+from harness.cost.estimate import vocab_size
+from harness.cost.tensor_peak import step_peak
+from harness.distributed import pick_device
+from harness.methods import build_method
+from harness.methods.resolve import load_run
+from harness.models import param_shapes
+from harness.train import Trainer
+from harness.trials import Records
+
+PARTS = {  # summary key -> MemoryEstimate field
+    "param_bytes": "weight_bytes",
+    "grad_bytes": "grad_bytes",
+    "optimizer_state_bytes": "optimizer_state_bytes",
+    "extra_bytes": "extra_bytes",
+}
+METHODS = {  # one small setting each, so every method runs on any preset
+    "full": {}, "adam8bit": {}, "lora": {"rank": 8}, "relora": {"rank": 8},
+    "qlora": {"rank": 8}, "lowrank": {"rank": 16}, "galore": {"rank": 16},
+    "galore_8bit_layerwise": {"method": "galore", "rank": 16, "optimizer": "adam8bit"},
+    "qgalore": {"rank": 16},
+}  # fmt: skip
+PEAK_TOLERANCE = 0.05
+
+
+def method_run(label: str, preset: str, steps: int, seq_len: int, batch_size: int,
+               overrides: dict[str, Any] | None = None) -> RunConfig:
+    """A short run of one METHODS entry on `preset`; `overrides` are dotted keys (--set's)."""
+    params = METHODS[label]
+    name = params.get("method", label)
+    method = {"name": name, **{k: v for k, v in params.items() if k != "method"}}
+    return load_run({
+        "name": "bench", "model": preset, "device": "auto", "method": method,
+        "task": {"seq_len": seq_len},
+        "train": {"steps": steps, "batch_size": batch_size, "log_every": steps},
+        "eval": {"tokens": seq_len},
+        "memory": {"layerwise": label.endswith("layerwise")},
+    }, overrides)  # fmt: skip
+
+
+def bench_memory(preset: str, steps: int, seq_len: int, batch_size: int) -> list[dict[str, Any]]:
+    records = []
+    for label in METHODS:
+        run = method_run(label, preset, steps, seq_len, batch_size)
+        summary, peak = _measure(run)
+        method = build_method(run)
+        shapes = param_shapes(preset, vocab_size(run.task.tokenizer), seq_len)
+        estimate = method.estimate(shapes, run)
+        acts = activations(run, shapes, method, pick_device(run.device).type)
+        predicted_peak = peak_bytes(estimate, acts, run, shapes)
+        for key, field in PARTS.items():
+            records.append(_record(f"memory/{preset}/{label}/{key}", summary[key],
+                                   getattr(estimate, field)))
+        records.append({**_record(f"memory/{preset}/{label}/peak_bytes", peak, predicted_peak),
+                        "tolerance": PEAK_TOLERANCE})
+    return records
+
+
+def _record(name: str, counted: int, predicted: int) -> dict[str, Any]:
+    ratio = counted / predicted if predicted else float(counted == 0)
+    return {"name": name, "value": counted, "estimate": predicted, "ratio": ratio, "target": 1.0}
+
+
+def _measure(run: RunConfig) -> tuple[dict[str, Any], int]:
+    """The trial's summary, and the peak of its steady steps."""
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(run, Records(Path(out), run), lambda step: False)
+        try:
+            peak, _ = step_peak(trainer)
+            return trainer.results(), peak
+        finally:
+            trainer.close()
+
+
+def met(record: dict[str, Any]) -> bool:
+    """Exact, or within the record's tolerance of its target ratio."""
+    tolerance = record.get("tolerance")
+    if tolerance is None:
+        return record["value"] == record["estimate"]
+    return abs(record["ratio"] - record["target"]) <= tolerance
+
+
+def memory_table(records: list[dict[str, Any]]) -> str:
+    rows = [[r["name"], f"{r['value']:,}", f"{r['estimate']:,}", f"{r['ratio']:.4f}",
+             f"{r['target']} ± {r['tolerance']}" if "tolerance" in r else "exact",
+             "yes" if met(r) else "no"] for r in records]  # fmt: skip
+    return tabulate(rows, headers=["record", "measured", "estimated", "ratio", "target", "met?"])

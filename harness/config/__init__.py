@@ -1,0 +1,29 @@
+"""Typed configs loaded from YAML: a run, a sweep, their search spaces and step arithmetic."""
+
+from harness.config.run import (
+    GLUE_TASKS,
+    MODULE_KINDS,
+    Common,
+    EvalConfig,
+    LossScaleConfig,
+    MemoryConfig,
+    ModelFrom,
+    RunConfig,
+    Strict,
+    TaskConfig,
+    TrainConfig,
+    WandbConfig,
+    memory_label,
+    parse_overrides,
+    read_yaml,
+    set_dotted,
+    validate,
+)
+from harness.config.sweep import LauncherConfig, SearchConfig, SweepConfig
+
+__all__ = [
+    "GLUE_TASKS", "MODULE_KINDS", "Common", "EvalConfig", "LauncherConfig", "LossScaleConfig",
+    "MemoryConfig", "ModelFrom", "RunConfig", "SearchConfig", "Strict", "SweepConfig",
+    "TaskConfig", "TrainConfig", "WandbConfig", "memory_label", "parse_overrides", "read_yaml",
+    "set_dotted", "validate",
+]

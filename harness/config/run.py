@@ -1,0 +1,374 @@
+"""Typed configs for a run and a sweep, loaded strictly from YAML.
+
+Every error is a `UserError` whose one-line message names the key path, the bad value and
+what is allowed, so the CLI can print it without a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from harness.errors import UserError
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "sample")
+
+
+class TaskConfig(Strict):
+    kind: Literal["pretrain", "glue"] = "pretrain"
+    glue_task: str = Field(
+        "sample", description="glue: cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, or sample"
+    )
+    dataset: str = Field(
+        "sample",
+        description="pretrain: sample | c4 (hub, streaming) | dir or glob of C4 json.gz train "
+        "shards; glue: hub (nyu-mll/glue) | dir of GLUE-schema files",
+    )
+    validation: str | None = Field(
+        None, description="glob of validation shards (default: derived from dataset)"
+    )
+    tokenizer: str = Field("sample", description="sample | hub name (t5-base) | local directory")
+    seq_len: int = Field(256, ge=2)
+    packing: bool = Field(
+        True, description="pack documents with EOS between them; false = truncate and pad"
+    )
+    shuffle_buffer: int = Field(1000, ge=1, description="documents held for the seeded shuffle")
+    padding: Literal["longest", "max_length"] = Field(
+        "longest", description="glue: pad each batch to its longest example, or to seq_len"
+    )
+    classifier_dropout: float | None = Field(
+        None, ge=0, lt=1, description="glue: dropout before the classification head (model's own)"
+    )
+
+    @model_validator(mode="after")
+    def _glue_fits(self) -> TaskConfig:
+        if self.kind == "glue" and self.glue_task not in GLUE_TASKS:
+            allowed = ", ".join(GLUE_TASKS)
+            raise ValueError(f"glue_task: '{self.glue_task}' is not a task (allowed: {allowed})")
+        if self.kind == "glue" and self.glue_task != "sample" and self.dataset == "sample":
+            raise ValueError(
+                f"dataset: 'sample' holds only the embedded task; GLUE {self.glue_task} reads "
+                "from hub (nyu-mll/glue) or a folder of GLUE-schema files"
+            )
+        return self
+
+
+class LossScaleConfig(Strict):
+    """fp16's dynamic loss scaling (torch.amp.GradScaler): an overflowing step is skipped and
+    the scale backs off; `growth_interval` clean steps in a row grow it."""
+
+    init: float = Field(2.0**16, gt=0, description="the first step's scale")
+    growth_factor: float = Field(2.0, gt=1, description="multiplies the scale after the interval")
+    backoff_factor: float = Field(0.5, gt=0, lt=1, description="multiplies it on an overflow")
+    growth_interval: int = Field(2000, ge=1, description="clean steps before the scale grows")
+
+
+class TrainConfig(Strict):
+    lr: float = Field(1e-3, gt=0)
+    steps: int | None = Field(None, ge=1, description="optimizer steps (default 100)")
+    epochs: int | None = Field(
+        None, ge=1, description="glue: passes over the training set, instead of steps"
+    )
+    batch_size: int = Field(8, ge=1, description="micro-batch (sequences per forward)")
+    total_batch_size: int | None = Field(None, ge=1, description="sequences per optimizer step")
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="bf16/fp16: autocast over fp32 weights; fp16 scales the loss"
+    )
+    loss_scale: LossScaleConfig = LossScaleConfig()
+    grad_clip: float | None = Field(1.0, gt=0)
+    compile: bool = Field(
+        False, description="torch.compile forward and loss as one graph (compiled in step 1)"
+    )
+    log_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(
+        0, ge=0, description="steps between checkpoints (0: only at the end)"
+    )
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> TrainConfig:
+        total = self.total_batch_size or self.batch_size
+        if total % self.batch_size:
+            raise ValueError(
+                f"total_batch_size {total} is not a multiple of batch_size {self.batch_size}"
+            )
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_steps(cls, data: Any) -> Any:
+        """100 steps unless the budget is in epochs (the trainer counts their steps)."""
+        if isinstance(data, dict) and data.get("epochs") is None and data.get("steps") is None:
+            return {**data, "steps": 100}
+        return data
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> TrainConfig:
+        if self.epochs is not None and self.steps is not None:
+            raise ValueError("set train.steps or train.epochs, not both")
+        return self
+
+    @property
+    def accumulation(self) -> int:
+        return (self.total_batch_size or self.batch_size) // self.batch_size
+
+
+class EvalConfig(Strict):
+    every: int = Field(0, ge=0, description="steps between evaluations (0: only at the end)")
+    tokens: int = Field(100_000, ge=1, description="validation tokens per evaluation (papers: 10M)")
+    batch_size: int | None = Field(None, ge=1)
+
+
+class WandbConfig(Strict):
+    enabled: bool = False
+    mode: Literal["offline", "online"] = "offline"
+    project: str = "harness"
+    entity: str | None = None
+
+
+MODULE_KINDS = ("attention", "mlp", "norm")
+
+
+def _module_kinds(value: Any, words: tuple[str, ...]) -> Any:
+    """`none` (and `full` for recompute) or a non-empty list of module kinds, without repeats."""
+    allowed = f"{', '.join(words)}, or a list of {', '.join(MODULE_KINDS)}"
+    if isinstance(value, str) and value in words:
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{value!r} is not allowed (allowed: {allowed})")
+    for kind in value:
+        if kind not in MODULE_KINDS:
+            raise ValueError(f"{kind!r} is not a module kind (allowed: {allowed})")
+    if len(set(value)) < len(value):
+        raise ValueError(f"{value!r} names a module kind twice")
+    return value
+
+
+class MemoryConfig(Strict):
+    """Memory modifiers, orthogonal to the method (harness/memory.py applies them)."""
+
+    recompute: str | list[str] = Field(
+        "none", description="none | full (every decoder layer) | a list of attention, mlp, norm"
+    )
+    offload: str | list[str] = Field(
+        "none", description="none | a list of module kinds whose saved activations go to host"
+    )
+    offload_min_bytes: int = Field(
+        1 << 20, ge=0, description="saved tensors smaller than this stay on the device"
+    )
+    optimizer_offload: Literal["none", "host", "paged"] = Field(
+        "none", description="host: states on the CPU, updated there; paged: bitsandbytes paged"
+    )
+    layerwise: bool = Field(False, description="each parameter's update runs inside backward")
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _recompute(cls, value: Any) -> Any:
+        return _module_kinds(value, ("none", "full"))
+
+    @field_validator("offload", mode="before")
+    @classmethod
+    def _offload(cls, value: Any) -> Any:
+        return _module_kinds(value, ("none",))
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> MemoryConfig:
+        if self.recompute == "full" and self.offloaded:
+            raise ValueError(
+                "recompute: full keeps no activations inside decoder layers, so offload has "
+                "nothing to move; recompute a list of module kinds and offload the others"
+            )
+        both = [k for k in self.recomputed if k in self.offloaded]
+        if both:
+            raise ValueError(
+                f"{both[0]} is both recomputed and offloaded; a recomputed module saves "
+                "nothing to offload (give each module kind one of the two)"
+            )
+        return self
+
+    @property
+    def recomputed(self) -> list[str]:
+        return self.recompute if isinstance(self.recompute, list) else []
+
+    @property
+    def offloaded(self) -> list[str]:
+        return self.offload if isinstance(self.offload, list) else []
+
+
+class ModelFrom(Strict):
+    """A harness pretraining trial (its folder) or a sweep (its best trial) to fine-tune."""
+
+    from_: str = Field(alias="from", description="runs/<sweep>/trials/<id>, or runs/<sweep>")
+    sweep: str | None = Field(
+        None, description="the pretraining sweep file, run first (into `from`) when it is absent"
+    )
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class Common(Strict):
+    """Keys a sweep shares with every trial it runs."""
+
+    model: str | ModelFrom = Field(
+        "llama_tiny",
+        description="a preset (llama_tiny…llama_7b); glue also: a hub name or local path of an "
+        "encoder, or {from: runs/<sweep>[/trials/<id>]} for a harness LLaMA checkpoint",
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    task: TaskConfig = TaskConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    memory: MemoryConfig = MemoryConfig()
+    wandb: WandbConfig = WandbConfig()
+
+    @model_validator(mode="after")
+    def _precision_fits(self) -> Common:
+        if self.train.precision == "fp16" and self.memory.layerwise:
+            raise ValueError(
+                "memory.layerwise with train.precision fp16: loss scaling skips a whole step "
+                "when any gradient overflows, but layer-wise updates have already applied the "
+                "layers whose gradients came first; use bf16, or turn layerwise off"
+            )
+        return self
+
+
+class RunConfig(Common):
+    name: str = "run"
+    label: str | None = Field(None, description="the method's name in its sweep")
+    seed: int = 0
+    method: dict[str, Any] = Field(default_factory=lambda: {"name": "full"})
+    provenance: dict[str, Any] | None = Field(None, description="written by the harness")
+
+    @property
+    def method_name(self) -> str:
+        return self.method["name"]
+
+    @property
+    def method_params(self) -> dict[str, Any]:
+        return {k: v for k, v in self.method.items() if k != "name"}
+
+    def identity(self) -> str:
+        """Stable hash of everything that changes results (not the name, logging or provenance)."""
+        data = self.model_dump(exclude={"name", "label", "provenance", "wandb"})
+        data["train"].pop("log_every")
+        blob = json.dumps(data, sort_keys=True, default=str)
+        return hashlib.sha1(blob.encode()).hexdigest()[:8]
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise UserError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of keys at the top level")
+    return data
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise UserError(f"{key}: '{part}' is not a mapping, cannot set a key inside it")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(sets: list[str]) -> dict[str, Any]:
+    """`--set a.b=1` pairs; values are YAML, so 1e-3, true and [1, 2] mean what they look like."""
+    out: dict[str, Any] = {}
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set expects KEY=VALUE (e.g. train.steps=20), got '{item}'")
+        try:
+            out[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise UserError(f"--set {key}: value '{raw}' is not valid YAML") from None
+    return out
+
+
+def validate(model: type[BaseModel], data: Any, prefix: str = "") -> Any:
+    """Validate and turn pydantic's report into one line naming the key path and what is allowed."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise UserError(_explain(model, e.errors()[0], prefix, len(e.errors()))) from None
+
+
+def _explain(model: type[BaseModel], err: dict[str, Any], prefix: str, count: int) -> str:
+    loc = [str(p) for p in err["loc"]]
+    path = (prefix + ".".join(loc)).rstrip(".")
+    more = f" (and {count - 1} more problem{'s' * (count > 2)})" if count > 1 else ""
+    value = err.get("input")
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        allowed = _fields_at(model, loc[:-1])
+        close = difflib.get_close_matches(loc[-1], allowed, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return f"unknown key '{path}' ({hint}allowed: {', '.join(allowed)}){more}"
+    if kind == "missing":
+        return f"missing key '{path}'{more}"
+    if kind == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        return f"{path}: {value!r} is not allowed (allowed: {expected}){more}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if kind == "value_error":
+        return f"{path or 'config'}: {msg}{more}"
+    return f"{path}: {value!r} is invalid ({msg}){more}"
+
+
+def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:
+    """Field names of the nested model at `loc`, for 'allowed:' lists and suggestions."""
+    current: Any = model
+    for part in loc:
+        field = current.model_fields.get(part) if hasattr(current, "model_fields") else None
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            return []
+        current = field.annotation
+    return list(current.model_fields)
+
+
+def memory_label(memory: dict[str, Any]) -> str:
+    """The memory modifiers in a few words ("recompute attention, offload mlp"; "none")."""
+    parts = []
+    for key in ("recompute", "offload"):
+        value = memory.get(key, "none")
+        if value != "none":
+            parts.append(f"{key} {'+'.join(value) if isinstance(value, list) else value}")
+    if memory.get("layerwise"):
+        parts.append("layerwise")
+    if memory.get("optimizer_offload", "none") != "none":
+        parts.append(f"optimizer {memory['optimizer_offload']}")
+    return ", ".join(parts) or "none"

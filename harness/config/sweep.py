@@ -1,0 +1,106 @@
+"""Typed configs of a sweep: its search, where its trials run, and the sweep file itself."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from harness.config.run import Common, Strict
+from harness.config.space import check_distributions, check_space
+
+
+class SearchConfig(Strict):
+    sampler: Literal["grid", "random", "tpe", "cmaes"] = "grid"
+    space: dict[str, Any] = Field(
+        default_factory=dict,
+        description="grid: dotted key -> list of values; other samplers: key -> distribution",
+    )
+    metric: Literal["eval_ppl", "eval_loss", "eval_score"] = Field(
+        "eval_ppl", description="eval_score: a GLUE task's score (maximize)"
+    )
+    direction: Literal["minimize", "maximize"] = "minimize"
+    n_trials: int | None = Field(None, ge=1, description="Optuna trials per method")
+    timeout_min: float | None = Field(None, gt=0, description="stop asking new trials after this")
+    enqueue: list[dict[str, Any]] = Field(
+        default_factory=list, description="fixed points each method's study tries first"
+    )
+    pruner: Literal["none", "median", "hyperband"] = "none"
+    heartbeat_s: int = Field(
+        60, ge=1, description="database storage: a trial silent 3x this long is retried"
+    )
+
+    @model_validator(mode="after")
+    def _fits_sampler(self) -> SearchConfig:
+        if self.sampler == "grid":
+            extra = [k for k in ("n_trials", "timeout_min") if getattr(self, k) is not None]
+            extra += ["enqueue"] * bool(self.enqueue) + ["pruner"] * (self.pruner != "none")
+            if extra:
+                raise ValueError(
+                    f"{extra[0]} needs an Optuna sampler (random, tpe, cmaes), not grid"
+                )
+            check_space(self.space, "search.space")
+        elif self.n_trials is None:
+            raise ValueError(
+                f"n_trials is required for sampler '{self.sampler}' "
+                "(the number of trials per method)"
+            )
+        else:
+            check_distributions(self.space, "search.space")
+        return self
+
+
+class LauncherConfig(Strict):
+    """Where trials run; the Slurm keys may come from a named profile in `slurm/<name>.yaml`."""
+
+    kind: Literal["local", "submitit-local", "slurm"] = "local"
+    jobs: int = Field(1, ge=1, description="trials run at once (Optuna: workers)")
+    profile: str | None = Field(None, description="cluster profile: slurm/<profile>.yaml")
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    nodes: int = Field(1, ge=1)
+    tasks_per_node: int = Field(1, ge=1, description="processes per node (DDP ranks)")
+    gpus_per_node: int = Field(0, ge=0)
+    cpus_per_task: int | None = Field(None, ge=1)
+    mem: str | None = Field(None, description="memory per node, e.g. 64G")
+    timeout_min: int = Field(60, ge=1, description="time limit per job; it requeues after it")
+    signal_delay_s: int = Field(90, ge=1, description="USR2 this long before the time limit")
+    max_timeouts: int = Field(3, ge=0, description="requeues after a time limit (preemption: any)")
+    array_parallelism: int | None = Field(None, ge=1, description="default: jobs")
+    sbatch: dict[str, str | int | bool] = Field(
+        default_factory=dict, description="extra #SBATCH options, e.g. {exclusive: true}"
+    )
+    setup: list[str] = Field(
+        default_factory=list, description="shell lines run first (module load, conda activate)"
+    )
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+class SweepConfig(Common):
+    name: str
+    methods: dict[str, dict[str, Any]] = Field(min_length=1)
+    search: SearchConfig = Field(default_factory=SearchConfig)
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    launcher: LauncherConfig = LauncherConfig()
+    storage: str | None = Field(
+        None, description="Optuna storage: a journal file path or a database URL"
+    )
+
+    @model_validator(mode="after")
+    def _launcher_fits(self) -> SweepConfig:
+        if self.launcher.ranks > 1 and self.launcher.kind == "local":
+            raise ValueError(
+                "launcher: nodes x tasks_per_node > 1 (a DDP trial) needs kind submitit-local "
+                "or slurm (or run `torchrun ... harness train`)"
+            )
+        if self.launcher.ranks > 1 and self.search.sampler != "grid":
+            raise ValueError(
+                "launcher: DDP trials (nodes x tasks_per_node > 1) run in grid sweeps; "
+                "Optuna workers run one process each"
+            )
+        return self

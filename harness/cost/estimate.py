@@ -1,0 +1,175 @@
+"""`harness estimate`: each trial's memory from shapes alone, and GaLore Table 2 beside it.
+
+A trial's peak adds the activation model (harness/activations.py) to the method's bytes; it is
+a GPU's unless the trial runs on the CPU, where offloaded activations stay in the same memory.
+
+Nothing is allocated and no data is read: shapes come from a model on the meta device, and
+the tokenizer is only loaded when its vocabulary size is not already known, so every paper
+sweep (7B included) is estimated offline in seconds.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import pandas as pd
+import torch
+from tabulate import tabulate
+
+from harness.config import RunConfig, SweepConfig
+from harness.cost.activations import activations, peak_bytes
+from harness.methods.base import build_method, changed_params
+from harness.models import param_shapes
+
+# len(tokenizer), which is what the trainer sizes the embedding with.
+KNOWN_VOCAB: dict[str, int] = {
+    "sample": 8192,  # harness/data/sample/tokenizer
+    "t5-small": 32100,  # 32000 sentencepiece pieces + 100 <extra_id_*> (all T5 sizes share it)
+    "t5-base": 32100,
+    "t5-large": 32100,
+    "google-t5/t5-small": 32100,
+    "google-t5/t5-base": 32100,
+    "google-t5/t5-large": 32100,
+    "gpt2": 50257,
+}
+BYTE_FIELDS = ("weight_bytes", "grad_bytes", "optimizer_state_bytes", "extra_bytes")
+
+PAPER_CSV = "paper/galore_table2_memory.csv"
+PAPER_MODELS = {"llama_60m": "60M", "llama_130m": "130M", "llama_350m": "350M", "llama_1b": "1B"}
+PAPER_METHODS = {
+    "full": "Full-rank",
+    "galore": "GaLore",
+    "lowrank": "Low-rank",
+    "lora": "LoRA",
+    "relora": "ReLoRA",
+}
+# Table 2 trains with BF16 AdamW: a variant with another inner optimizer is not its row.
+PAPER_SETTINGS = {"optimizer": "adamw"}
+PAPER_TOLERANCE = 0.08  # worst full-rank / low-rank gap under the convention below (7.2%)
+
+
+@lru_cache
+def vocab_size(tokenizer: str) -> int:
+    if tokenizer in KNOWN_VOCAB:
+        return KNOWN_VOCAB[tokenizer]
+    from harness.data.c4 import load_tokenizer
+
+    return len(load_tokenizer(tokenizer))
+
+
+@lru_cache
+def _shapes(model: str, vocab: int, seq_len: int) -> dict[str, torch.Size]:
+    return param_shapes(model, vocab, seq_len)
+
+
+
+
+def estimate_run(run: RunConfig) -> dict[str, Any]:
+    """The method's predicted bytes for one run, by kind and in total, and its peak."""
+    shapes = _shapes(run.model, vocab_size(run.task.tokenizer), run.task.seq_len)
+    method = build_method(run)
+    estimate = method.estimate(shapes, run)
+    acts = activations(run, shapes, method, "cpu" if run.device == "cpu" else "cuda")
+    return {"method_name": run.method_name, "params": run.method_params, **estimate.as_dict(),
+            "peak_bytes": peak_bytes(estimate, acts, run, shapes)}
+
+
+def _changed(record: dict[str, Any]) -> str:
+    changed = changed_params(record["method_name"], record["params"])
+    return ", ".join(f"{k}={v}" for k, v in changed.items())
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    rows = [
+        [r["trial"], r["method"], _changed(r),
+         *(human_bytes(r[k]) for k in (*BYTE_FIELDS, "total_bytes", "peak_bytes"))]
+        for r in records
+    ]  # fmt: skip
+    headers = ["trial", "method", "set hyperparameters", "weights", "grads", "optimizer", "extra",
+               "total", "peak"]  # fmt: skip
+    return tabulate(rows, headers=headers, disable_numparse=True)
+
+
+def to_json(records: list[dict[str, Any]]) -> str:
+    return json.dumps(records, indent=2, default=str)
+
+
+def paper_table() -> dict[tuple[str, str], float]:
+    """GaLore Table 2's memory column: (paper method, paper model) -> GB."""
+    text = resources.files("harness.analysis").joinpath(PAPER_CSV).read_text()
+    rows = csv.DictReader(text.splitlines())
+    return {(r["method"], r["model"]): float(r["memory_gb"]) for r in rows}
+
+
+def paper_bytes(record: dict[str, Any]) -> float:
+    """Our estimate restated in the paper's convention (see `paper_comparison`)."""
+    return (record["weight_bytes"] + record["optimizer_state_bytes"] + record["extra_bytes"]) / 2
+
+
+def paper_comparison(records: list[dict[str, Any]], sweep: SweepConfig) -> str:
+    """Our memory next to GaLore Table 2's for the methods both have ('' off the paper's presets).
+
+    The paper's column is "BF16 weights + optimizer states": every stored element at 2 bytes
+    (weights, Adam's two moments, GaLore's projections), no gradients, decimal GB. The methods
+    in Table 2 estimate fp32 weights, states and projections (4 bytes an element), so the
+    paper's figure is (weights + optimizer states + extra) / 2 of ours (Adam's 4-byte step
+    counters add 2 bytes a tensor: nothing at this scale). Full rank is then 6 bytes a
+    parameter; with the paper's vocab 32000: 60M 58.07M params -> 0.348 GB (paper 0.36),
+    130M 134.11M -> 0.805 (0.76), 350M 367.97M -> 2.208 (2.06), 1B 1339.08M -> 8.034 (7.80),
+    -3.2% to +7.2%; Low-rank at the paper's ranks is -1.3% to +4.5%. Checked alternatives
+    fit worse: GiB is -9.9% (full 60M) and -8.0% (low-rank 60M), fp32 moments (10 bytes a
+    parameter) +61% and more. The residue is the paper's own: its full-rank figures are 5.6
+    to 6.2 bytes a parameter across sizes, which no one convention reproduces. t5-base's
+    vocab 32100 (what the trainer builds) moves totals by at most 0.3%. GaLore's and LoRA's
+    estimates follow Table 1 (mn + mr + 2nr, mn + 3mr + 3nr), yet the paper's GaLore figures
+    are 8-15% below that formula and its LoRA ones 9-17% above it at 60M and 130M (at 60M
+    equal to full rank's): those rows differ by the paper's arithmetic, not the convention.
+    """
+    model = PAPER_MODELS.get(sweep.model)
+    if model is None:
+        return ""
+    paper = paper_table()
+    rows, seen = [], set()
+    for r in records:
+        ours = paper_bytes(r)
+        key = (r["method"], ours)
+        theirs = paper.get((PAPER_METHODS.get(r["method_name"], ""), model))
+        as_paper = all(r["params"].get(k, v) == v for k, v in PAPER_SETTINGS.items())
+        if theirs is None or not as_paper or key in seen:  # lr, seed: same bytes, one row
+            continue
+        seen.add(key)
+        diff = ours / (theirs * 1e9) - 1
+        flag = "" if abs(diff) <= PAPER_TOLERANCE else " !"
+        rows.append([r["method"], PAPER_METHODS[r["method_name"]], _changed(r),
+                     f"{theirs:.2f}", f"{ours / 1e9:.3f}", f"{diff:+.1%}{flag}"])  # fmt: skip
+    if not rows:
+        return ""
+    headers = ["method", "paper method", "set hyperparameters", "paper GB", "ours GB", "diff"]
+    table = tabulate(rows, headers=headers, disable_numparse=True)
+    note = (
+        f"\n! more than {PAPER_TOLERANCE:.0%} apart: a rank other than the paper's, or a "
+        "figure Table 1's formula does not give (GaLore; LoRA at 60M, 130M)"
+        if any(row[-1].endswith("!") for row in rows)
+        else ""
+    )
+    return (
+        f"GaLore Table 2, LLaMA {model}: BF16 weights + optimizer states, no gradients, "
+        f"decimal GB\n{table}{note}"
+    )
+
+
+def human_bytes(value: Any) -> str:
+    """Decimal units (GB = 1e9 bytes) to match how accelerator memory is usually quoted."""
+    if pd.isna(value):
+        return ""
+    if value >= 1e9:
+        return f"{value / 1e9:.2f} GB"
+    if value >= 1e6:
+        return f"{value / 1e6:.1f} MB"
+    if value >= 1e3:
+        return f"{value / 1e3:.1f} kB"
+    return f"{value:.0f} B"

@@ -1,0 +1,133 @@
+"""What a trial costs: tokens/s (training only), MFU, peak memory and where the bytes are."""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+
+from harness.methods.quant import Int8Linear
+
+# Dense peak FLOP/s per device family and precision (vendor datasheets, SXM parts, no sparsity).
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp32": 91.6e12},
+    "A10G": {"bf16": 70e12, "fp32": 31.2e12},
+}
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """None where the peak is unknown (every CPU): MFU is then not reported rather than guessed."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for family, peaks in PEAK_FLOPS.items():
+        if family in name:
+            return peaks.get(precision)
+    return None
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """PaLM's count: 6 per non-embedding parameter plus attention's 12 * layers * hidden * seq."""
+    cfg = model.config
+    params = weight_counts(model)[1] - model.get_input_embeddings().weight.numel()
+    return 6 * params + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+
+
+def logical_numel(p: torch.Tensor) -> int:
+    """Weights, not storage: a packed 4-bit tensor holds two weights per byte."""
+    state = getattr(p, "quant_state", None)
+    return state.shape.numel() if state is not None else p.numel()
+
+
+def weight_counts(model: nn.Module) -> tuple[int, int]:
+    """(trained, all) weights, including INT8 weights held as buffers and updated in backward."""
+    params = list(model.parameters())
+    int8 = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Int8Linear))
+    trained = sum(logical_numel(p) for p in params if p.requires_grad) + int8
+    return trained, sum(map(logical_numel, params)) + int8
+
+
+def current_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return psutil.Process().memory_info().rss
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    """CUDA: max allocated and reserved; CPU: the process's peak RSS (one process per trial)."""
+    if device.type == "cuda":
+        return {
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_memory_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
+    return {"peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+
+
+def breakdown(method: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The method's own count of the real tensors, plus parameter counts."""
+    counted = method.measure(model, optimizer)
+    trained, total = weight_counts(model)
+    return {
+        "param_bytes": counted.weight_bytes,
+        "grad_bytes": counted.grad_bytes,
+        "optimizer_state_bytes": counted.optimizer_state_bytes,
+        "extra_bytes": counted.extra_bytes,
+        "trainable_params": trained,
+        "total_params": total,
+    }
+
+
+class Meter:
+    """Training time between marks; the device syncs only when a lap is read (log steps)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.train_s = 0.0
+        self.tokens = 0
+        self._mark = time.perf_counter()
+        self._lap_tokens = 0
+        self._lap_s = 0.0
+        self._last = (0.0, 0.0)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def add(self, tokens: int) -> None:
+        self._lap_tokens += tokens
+
+    def pause(self) -> None:
+        """Close the running interval before eval or a checkpoint, which are not training."""
+        self._sync()
+        self._lap_s += time.perf_counter() - self._mark
+
+    def resume(self) -> None:
+        self._mark = time.perf_counter()
+
+    def lap(self, steady: bool = True) -> tuple[float, float]:
+        """(seconds, tokens/s) since the last lap; `steady` counts it toward the trial's tok/s."""
+        self.pause()
+        if self._lap_tokens == 0:  # nothing since the last lap (the first step was its own)
+            self.resume()
+            return self._last
+        seconds, tokens = self._lap_s, self._lap_tokens
+        if steady:
+            self.train_s += seconds
+            self.tokens += tokens
+        self._lap_s, self._lap_tokens = 0.0, 0
+        self.resume()
+        self._last = (seconds, tokens / seconds if seconds > 0 else 0.0)
+        return self._last
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.train_s if self.train_s > 0 else None

@@ -1,0 +1,57 @@
+"""The peak of live tensor bytes in a steady training step: `torch.cuda.max_memory_allocated`
+on a GPU, and on the CPU, which keeps no allocator statistics, the profiler's memory timeline
+of one step. `harness bench memory` checks the activation model against it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import torch
+from torch.profiler._memory_profiler import Action
+
+from harness.cost.profile import SKIPPED, profiler
+
+if TYPE_CHECKING:
+    from harness.train import Trainer
+
+
+def step_peak(trainer: Trainer) -> tuple[int, dict[str, int]]:
+    """Run `trainer.fit()` (more than SKIPPED steps) and return the peak after the first SKIPPED
+    steps, with its breakdown by the profiler's categories (parameter, activation, ...) on CPU."""
+    if trainer.run.train.steps <= SKIPPED:
+        raise ValueError(f"step_peak needs more than {SKIPPED} steps")
+    if trainer.device.type == "cuda":
+        def reset() -> None:
+            if trainer.step == SKIPPED:
+                torch.cuda.reset_peak_memory_stats(trainer.device)
+
+        trainer.after_step = reset
+        trainer.fit()
+        return torch.cuda.max_memory_allocated(trainer.device), {}
+    with profiler(1, trainer.device, memory=True) as prof:
+        trainer.after_step = prof.step
+        trainer.fit()
+    return _peak(prof._memory_profile())
+
+
+def _peak(memory: object) -> tuple[int, dict[str, int]]:
+    live: dict[object, tuple[int, str]] = {}
+    current = peak = 0
+    at_peak: Counter[str] = Counter()
+    for _, action, (key, version), size in memory.timeline:  # type: ignore[attr-defined]
+        if action == Action.DESTROY:
+            current -= live.pop(key, (0, ""))[0]
+            continue
+        bumped = action == Action.INCREMENT_VERSION  # written in place: same bytes, maybe a new
+        old = live.get(key, (0, ""))[0]  # category (a gradient becoming an optimizer state)
+        nbytes = old if bumped and old else size
+        category = memory._categories.get(key, version + bumped)  # type: ignore[attr-defined]
+        live[key] = (nbytes, category.name.lower() if category else "other")
+        current += nbytes - old
+        if current > peak:
+            peak = current
+            at_peak = Counter()
+            for nbytes, category in live.values():
+                at_peak[category] += nbytes
+    return peak, dict(at_peak)

@@ -1,0 +1,160 @@
+"""Expand a sweep into trials (methods x search space x seeds) and run the unfinished ones."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from harness.config import (
+    Common,
+    LauncherConfig,
+    RunConfig,
+    SweepConfig,
+    memory_label,
+    read_yaml,
+    set_dotted,
+    validate,
+)
+from harness.config.space import check_space
+from harness.cost.estimate import estimate_run
+from harness.errors import UserError, suggest
+from harness.methods.base import changed_params
+from harness.methods.resolve import load_run, resolve_method
+from harness.models import check_model
+
+
+@dataclass
+class Trial:
+    id: str
+    label: str
+    run: RunConfig
+    point: dict[str, Any]
+
+    @property
+    def tokens(self) -> int:
+        """The token budget (at most, for fine-tuning: examples are shorter than seq_len)."""
+        t = self.run.train
+        return t.steps * (t.total_batch_size or t.batch_size) * self.run.task.seq_len
+
+    @property
+    def budget(self) -> str:
+        t = self.run.train
+        return f"{t.epochs} epochs" if t.epochs else str(t.steps)
+
+
+def load_sweep(path: str | Path, overrides: dict[str, Any]) -> SweepConfig:
+    """Read the YAML and apply `--set`s; an overridden key leaves every search space."""
+    data = read_yaml(path)
+    for key, value in overrides.items():
+        set_dotted(data, key, value)
+        spaces = [data.get("search", {}).get("space")]
+        spaces += [
+            m.get("space") for m in (data.get("methods") or {}).values() if isinstance(m, dict)
+        ]
+        for space in spaces:
+            if isinstance(space, dict):
+                space.pop(key, None)
+    launcher = data.get("launcher")
+    if isinstance(launcher, dict) and launcher.get("profile"):
+        data["launcher"] = {**read_profile(launcher["profile"], Path(path)), **launcher}
+    sweep = validate(SweepConfig, data)
+    check_model(sweep)
+    return sweep
+
+
+def read_profile(name: str, sweep_path: Path) -> dict[str, Any]:
+    """A named cluster profile, `slurm/<name>.yaml` beside the working or the sweep's folder;
+    the sweep's own launcher keys override it."""
+    places = [Path("slurm"), sweep_path.resolve().parent.parent / "slurm"]
+    found = [p / f"{name}.yaml" for p in places if (p / f"{name}.yaml").is_file()]
+    if not found:
+        known = sorted({f.stem for p in places if p.is_dir() for f in p.glob("*.yaml")})
+        raise suggest(name, known, "cluster profile", "launcher.profile")
+    data = read_yaml(found[0])
+    validate(LauncherConfig, data, prefix=f"{found[0]}: ")
+    return data
+
+
+def method_entry(sweep: SweepConfig, label: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """A method's registered name, its fixed parameters (checked) and its own search space;
+    its `memory:` modifiers are read by `make_trial`."""
+    entry = dict(sweep.methods[label] or {})
+    name = entry.pop("method", label)
+    space = entry.pop("space", {})
+    entry.pop("memory", None)
+    resolve_method({"name": name, **entry}, f"methods.{label}")
+    return name, entry, space
+
+
+def make_trial(sweep: SweepConfig, label: str, point: dict[str, Any], seed: int) -> Trial:
+    """The resolved run for one point of a method's space; its id hashes the resolved config."""
+    name, entry, _ = method_entry(sweep, label)
+    data = {
+        **sweep.model_dump(include=set(Common.model_fields), exclude_unset=True, by_alias=True),
+        "name": sweep.name,
+        "label": label,
+        "seed": seed,
+        "method": {"name": name, **entry},
+    }
+    own = (sweep.methods[label] or {}).get("memory") or {}
+    if not isinstance(own, dict):
+        raise UserError(f"methods.{label}.memory: expected a mapping of memory keys, got {own!r}")
+    data["memory"] = {**data.get("memory", {}), **own}  # the method's own win
+    for key, value in point.items():
+        set_dotted(data, key, value)
+    try:
+        run = load_run(data)
+    except UserError as e:
+        raise UserError(f"methods.{label} with {point}: {e}") from None
+    return Trial(f"{label}-{run.identity()}", label, run, point)
+
+
+def plan(sweep: SweepConfig) -> list[Trial]:
+    """Grid trials; for an Optuna sampler, each method's base point (the space left unset)."""
+    trials: dict[str, Trial] = {}
+    for label in sweep.methods:
+        _, _, own = method_entry(sweep, label)
+        if sweep.search.sampler == "grid":
+            space = {**sweep.search.space, **check_space(own, f"methods.{label}.space")}
+        else:
+            space = {}
+        for values in itertools.product(*space.values()):
+            point = dict(zip(space, values, strict=True))
+            for seed in sweep.seeds:
+                trial = make_trial(sweep, label, point, seed)
+                trials.setdefault(trial.id, trial)
+    return list(trials.values())
+
+
+def plan_table(trials: list[Trial]) -> str:
+    rows = []
+    for t in trials:
+        changed = changed_params(t.run.method_name, t.run.method_params)
+        params = {**changed, **t.point, "seed": t.run.seed}
+        hp = ", ".join(f"{k}={v}" for k, v in params.items())
+        memory = memory_label(t.run.memory.model_dump())
+        tokens = "" if t.run.train.epochs else f"{t.tokens:,}"
+        rows.append([t.id, t.label, hp, memory, t.budget, tokens])
+    headers = ["trial", "method", "hyperparameters", "memory", "steps", "tokens"]
+    return tabulate(rows, headers=headers)
+
+
+def preflight(sweep: SweepConfig) -> None:
+    """Fail once, before any trial starts, when the tokenizer or data cannot be reached."""
+    from harness.data.c4 import load_tokenizer, open_documents
+
+    load_tokenizer(sweep.task.tokenizer)
+    for split in ("train", "validation"):
+        open_documents(sweep.task, split)
+
+
+def estimate_sweep(sweep: SweepConfig) -> list[dict[str, Any]]:
+    """One record per planned trial: the method's predicted bytes, by kind and in total."""
+    if sweep.task.kind != "pretrain":
+        raise UserError("estimate: predicts pretraining presets only; a GLUE sweep's model "
+                        "(an encoder or a checkpoint) is measured by running it")
+    return [{"trial": t.id, "method": t.label, **estimate_run(t.run)} for t in plan(sweep)]

@@ -1,0 +1,113 @@
+"""Run a sweep: its unfinished trials, on the launcher it names."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from optuna.storages import RDBStorage
+from optuna.trial import TrialState
+
+from harness.config import ModelFrom, SweepConfig
+from harness.errors import UserError
+from harness.sweep.launchers import LocalLauncher, run_jobs, run_local, run_workers
+from harness.sweep.plan import load_sweep, plan, preflight
+from harness.sweep.status import FAILED, FINISHED, trial_status
+from harness.sweep.study import (
+    DONE,
+    counted,
+    enqueued,
+    method_space,
+    open_storage,
+    open_study,
+    recover,
+    retry_failures,
+    storage_target,
+)
+from harness.sweep.worker import Worker, WorkerJob
+from harness.trials import write_yaml
+
+
+def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> int:
+    """Run every unfinished trial; 0 if all are ok, 1 if any failed (all are still recorded)."""
+    pretrain_first(sweep)
+    if sweep.task.kind == "pretrain":
+        preflight(sweep)
+    out.mkdir(parents=True, exist_ok=True)
+    write_yaml(out / "sweep.yaml", sweep.model_dump())
+    if sweep.search.sampler == "grid":
+        failed = run_grid(sweep, out, retry_failed)
+    else:
+        failed = run_search(sweep, out, retry_failed)
+    return 1 if failed else 0
+
+
+def pretrain_first(sweep: SweepConfig) -> None:
+    """Fine-tuning from a sweep's best checkpoint: run that pretraining sweep when its runs
+    directory does not exist yet, so pretrain → fine-tune is one command."""
+    source = sweep.model
+    if not isinstance(source, ModelFrom) or not source.sweep or Path(source.from_).exists():
+        return
+    print(f"model.from: {source.from_} does not exist yet; running {source.sweep} first",
+          flush=True)
+    if run_sweep(load_sweep(source.sweep, {}), Path(source.from_)) != 0:
+        raise UserError(f"model.from: the pretraining sweep {source.sweep} had failed trials "
+                        f"(see {source.from_}); fix or re-run it, then this sweep")
+
+
+def run_grid(sweep: SweepConfig, out: Path, retry_failed: bool) -> bool:
+    """Run the plan's unfinished trials; True if any trial ended failed, oom or nan. Trials
+    whose Slurm job is still queued or running are left to it (a sweep run again collects)."""
+    trials = plan(sweep)
+    skip = set(FINISHED) - (set(FAILED) if retry_failed else set())
+    todo, live = [], 0
+    for t in trials:
+        trial_dir = out / "trials" / t.id
+        status = trial_status(trial_dir)
+        live += status in ("queued", "running")
+        if status in skip or status in ("queued", "running"):
+            continue
+        write_yaml(trial_dir / "config.yaml", t.run.model_dump(by_alias=True))
+        todo.append((t.id, trial_dir))
+    in_slurm = f"{live} still in Slurm, " if live else ""
+    print(
+        f"{sweep.name}: {len(trials)} trials, {len(trials) - len(todo) - live} already "
+        f"finished, {in_slurm}{len(todo)} to run in {out}",
+        flush=True,
+    )
+    if sweep.launcher.kind == "local":
+        run_local(todo, sweep.launcher.jobs)
+    else:
+        run_jobs(todo, sweep.launcher, out)
+    return any(trial_status(out / "trials" / t.id) in FAILED for t in trials)
+
+
+def run_search(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> bool:
+    """Run each method's study to `n_trials` with `jobs` workers; True if some trial failed
+    (pruned is fine)."""
+    target = storage_target(sweep, out)
+    storage = open_storage(target, sweep.search.heartbeat_s)
+    points = enqueued(sweep, {label: method_space(sweep, label) for label in sweep.methods})
+    for label in sweep.methods:
+        study = open_study(sweep, label, storage)
+        if not isinstance(storage, RDBStorage):  # heartbeats find dead workers there
+            recover(study, out, sweep.search.metric)
+        if retry_failed:
+            retry_failures(study, out)
+        for point in points[label]:
+            study.enqueue_trial(point, skip_if_exists=True)
+        done = sum(t.state in DONE for t in counted(study.get_trials(deepcopy=False)))
+        print(f"{study.study_name}: {done} of {sweep.search.n_trials} trials finished", flush=True)
+    labels = list(sweep.methods)
+    jobs = sweep.launcher.jobs
+    if sweep.launcher.kind == "local":
+        slots, lock = LocalLauncher(jobs), threading.Lock()
+        workers = [Worker(sweep, out, slots.run_one, i) for i in range(jobs)]
+        slots.pool([lambda w=w: w.run(labels, lock) for w in workers])
+    else:
+        run_workers([WorkerJob(sweep, out, i) for i in range(jobs)], sweep.launcher, out)
+    failed = False
+    for label in labels:
+        trials = counted(open_study(sweep, label, storage).get_trials(deepcopy=False))
+        failed |= any(t.state == TrialState.FAIL for t in trials)
+    return failed

@@ -1,0 +1,98 @@
+"""Pretraining as the loop sees it: a LLaMA preset, packed blocks of text, next-token loss,
+and validation perplexity over a fixed set of held-out tokens."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness import distributed
+from harness.config import RunConfig
+from harness.data.c4 import BlockStream, eval_blocks, load_tokenizer
+from harness.data.loader import IGNORE, Prefetcher, to_batch
+from harness.models import build_model
+from harness.modifiers.precision import Precision
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # token ids, labels (IGNORE where padded)
+
+
+def build(run: RunConfig) -> tuple[nn.Module, Any]:
+    tok = load_tokenizer(run.task.tokenizer)
+    return build_model(run.model, len(tok), run.task.seq_len, tok.pad_token_id), tok
+
+
+def loss_sum(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token loss over real targets: token-weighted means need sums, not means."""
+    logits = model(input_ids=ids).logits
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(),
+        labels[:, 1:].flatten(),
+        ignore_index=IGNORE,
+        reduction="sum",
+    )
+
+
+class LMData:
+    """The seeded block stream, read ahead by a thread once training starts (after a resume
+    has restored its position); under DDP each rank takes its share of every round."""
+
+    steps_per_epoch = None
+
+    def __init__(self, run: RunConfig, tok: Any, device: torch.device) -> None:
+        self.run, self.tok, self.device = run, tok, device
+        self.stream = BlockStream(run.task, tok, run.seed)
+        self.prefetch: Prefetcher | None = None
+        self._eval: list[tuple[np.ndarray, int]] | None = None
+
+    def next(self) -> tuple[Batch, int]:
+        if self.prefetch is None:
+            self.prefetch = Prefetcher(self.stream, self.run.train.batch_size, self.device,
+                                       rank=distributed.rank(), world=distributed.world_size())
+        ids, labels = self.prefetch.next()
+        return (ids, labels), ids.numel()
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return (batch[1][:, 1:] != IGNORE).sum()
+
+    def loss(self, net: nn.Module, batch: Batch) -> torch.Tensor:
+        return loss_sum(net, *batch)
+
+    def state(self) -> Any:
+        return self.prefetch.state() if self.prefetch else self.stream.state()
+
+    def restore(self, state: Any) -> None:
+        self.stream.restore(state)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, precision: Precision) -> dict[str, float]:
+        run, world = self.run, distributed.world_size()
+        if self._eval is None:
+            self._eval = eval_blocks(run.task, self.tok, run.eval.tokens)
+            held = sum(n - 1 for _, n in self._eval)
+            if held < run.eval.tokens:
+                distributed.say(f"eval: the validation split holds {held:,} tokens, fewer "
+                                f"than eval.tokens {run.eval.tokens:,}; using them all")
+        batch = run.eval.batch_size or run.train.batch_size
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0
+        starts = range(0, len(self._eval), batch)  # data parallel: every W-th batch each
+        for i in starts[distributed.rank() :: world]:
+            ids, labels = to_batch(self._eval[i : i + batch], pin=False)
+            ids, labels = ids.to(self.device), labels.to(self.device)
+            with precision.autocast():
+                total += loss_sum(model, ids, labels).double()
+            count += int((labels[:, 1:] != IGNORE).sum())
+        if world > 1:  # float64 sums: the same loss as one process, to rounding
+            sums = distributed.all_sum(torch.stack([total, total.new_tensor(count)]))
+            total, count = sums[0], int(sums[1])
+        loss = float(total) / count
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700)), "eval_tokens": count}
+
+    def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()

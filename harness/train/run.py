@@ -1,0 +1,88 @@
+"""One trial's lifecycle: start or resume, stop cleanly on a signal, and always leave a
+summary saying how it ended."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness import distributed
+from harness.config import RunConfig
+from harness.cost.profile import profiled
+from harness.errors import UserError
+from harness.train.loop import NonFinite, Prune, Pruned, Trainer
+from harness.trials import Records, base_summary
+
+
+class _StopFlag:
+    """SIGINT, SIGTERM and USR2 (Slurm: preemption or time limit) ask for a clean stop: the
+    current step ends and a checkpoint is saved."""
+
+    def __init__(self) -> None:
+        self.set = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.set = True
+
+
+def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None = None,
+          profile_steps: int = 0, prune: Prune | None = None) -> dict:
+    """Run (or resume) one trial in `out`; returns its summary, which is also on disk.
+    Under DDP every rank calls this; only rank 0's records write. `profile_steps`: trace that
+    many steps (harness/cost/profile.py); `prune`: asked at each evaluation whether to stop."""
+    rec = distributed.main_only(Records(out, run))
+    previous = rec.summary()
+    if previous and previous.get("status") == "ok" and rec.ckpt_path.exists():
+        rec.load_checkpoint()  # refuses a folder that holds another config's run
+        print(f"{out}: already finished (status ok); nothing to do", flush=True)
+        return previous
+    out.mkdir(parents=True, exist_ok=True)
+    rec.write_config()
+    summary = base_summary(run, out)
+    summary["requeues"] = (previous or {}).get("requeues", 0)
+    rec.write_summary({**summary, "pid": os.getpid()})
+    flag = _StopFlag()
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+    handlers = {s: signal.signal(s, flag) for s in stops}
+    start, trainer = time.time(), None
+    try:
+        trainer = Trainer(
+            run, rec, lambda step: flag.set or bool(should_stop and should_stop(step)), prune
+        )
+        summary["device"] = str(trainer.device)
+        rec.start_wandb()
+        with profiled(trainer, profile_steps, out):
+            summary["status"] = trainer.fit()
+    except NonFinite as e:
+        summary.update(status="nan", error=str(e))
+    except Pruned as e:
+        print(e, flush=True)
+        summary["status"] = "pruned"
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        summary.update(status="oom", error=(str(e).splitlines() or [type(e).__name__])[0])
+    except UserError as e:
+        summary.update(status="failed", error=str(e))
+        raise
+    except Exception as e:
+        traceback.print_exc(file=sys.stderr)
+        summary.update(status="failed", error=f"{type(e).__name__}: {e}")
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        if trainer is not None:
+            summary.update(trainer.results())
+            trainer.close()
+        resumed = previous and previous.get("status") in ("interrupted", "running")
+        summary["wall_s"] = time.time() - start + ((resumed and previous.get("wall_s")) or 0)
+        rec.write_summary(summary)
+        rec.finish_wandb(summary)
+        distributed.teardown(failed=summary["status"] in ("failed", "oom", "running"))
+    return summary

@@ -1,0 +1,62 @@
+"""A run config resolved against the registry: the method's typed settings with their
+defaults, and the modifiers it refuses (config cannot know the methods: they sit above it)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from harness.config import RunConfig, set_dotted, validate
+from harness.errors import UserError
+from harness.methods.base import build_method, get_method
+from harness.models import check_model
+
+# One setting per modifier, as `harness methods` tries each on a method's defaults.
+MODIFIER_TRIALS: dict[str, dict[str, Any]] = {
+    "recompute": {"memory": {"recompute": "full"}},
+    "offload": {"memory": {"offload": ["mlp"]}},
+    "layerwise": {"memory": {"layerwise": True}},
+    "optimizer_offload host": {"memory": {"optimizer_offload": "host"}},
+    "optimizer_offload paged": {"memory": {"optimizer_offload": "paged"}},
+    "fp16": {"train": {"precision": "fp16"}},
+}
+
+
+def resolve_method(spec: dict[str, Any], path: str) -> dict[str, Any]:
+    """Check a method spec against the registry and its typed config; return it with defaults."""
+    spec = dict(spec)
+    name = spec.pop("name", None)
+    if not isinstance(name, str):
+        raise UserError(f"missing key '{path}.name' (a method name; see `harness methods`)")
+    params = validate(get_method(name, f"{path}.name").Config, spec, prefix=f"{path}.")
+    return {"name": name, **params.model_dump()}
+
+
+def load_run(data: dict[str, Any], overrides: dict[str, Any] | None = None) -> RunConfig:
+    data = json.loads(json.dumps(data, default=str))
+    for key, value in (overrides or {}).items():
+        set_dotted(data, key, value)
+    run = validate(RunConfig, data)
+    run.method = resolve_method(run.method, "method")
+    check_model(run)
+    check_modifiers(run)
+    return run
+
+
+def check_modifiers(run: RunConfig) -> None:
+    """Refuse, with the method's reason, memory modifiers or a precision it cannot honour."""
+    reason = build_method(run).refusal(run)
+    if reason:
+        raise UserError(f"method {run.method_name}: {reason}")
+
+
+def modifier_support(method: str) -> dict[str, str | None]:
+    """Each modifier -> None if `method` accepts it with its default settings, else why not."""
+    support: dict[str, str | None] = {}
+    for modifier, data in MODIFIER_TRIALS.items():
+        try:
+            load_run({**data, "method": {"name": method}})
+            support[modifier] = None
+        except UserError as e:
+            support[modifier] = str(e).removeprefix(f"method {method}: ")
+    return support

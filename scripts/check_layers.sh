@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The import layers (pyproject's [tool.importlinter]) and zero module cycles, checked on an
+# installed copy: methods/ and analysis/ install as harness.methods and harness.analysis
+# (package-dir), which an editable install does not lay out as folders for grimp to walk.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+site=$(mktemp -d)
+trap 'rm -rf "$site"' EXIT
+pip install -q --no-deps --no-build-isolation --target "$site" . >/dev/null
+cd "$site"  # so that `harness` is the installed copy, not this checkout's folder
+PYTHONPATH="$site" lint-imports --config "$OLDPWD/pyproject.toml"
+PYTHONPATH="$site" python "$OLDPWD/scripts/module_cycles.py"

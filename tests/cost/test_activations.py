@@ -1,0 +1,67 @@
+"""The activation model: the estimated peak of a step against the live tensor bytes of a real
+one (the profiler's memory timeline on CPU), across methods, precisions and modifiers."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from harness.bench.memory import PEAK_TOLERANCE, method_run
+from harness.cost.activations import activations, peak_bytes
+from harness.cost.tensor_peak import step_peak
+from harness.methods import build_method
+from harness.models import param_shapes
+from harness.train import Trainer
+from harness.trials import Records
+
+CASES = {  # label -> (METHODS entry, --set overrides)
+    "full fp32": ("full", {}),
+    "full bf16": ("full", {"train.precision": "bf16"}),
+    "lora bf16": ("lora", {"train.precision": "bf16"}),
+    "lowrank fp32": ("lowrank", {}),
+    "galore recompute full": ("galore", {"memory.recompute": "full"}),
+    "full bf16 recompute mlp": ("full", {"train.precision": "bf16", "memory.recompute": ["mlp"]}),
+    "full accumulation 2": ("full", {"train.total_batch_size": 8}),
+}
+
+
+def predicted(run, device: str) -> int:
+    shapes = param_shapes(run.model, 8192, run.task.seq_len)
+    method = build_method(run)
+    return peak_bytes(method.estimate(shapes, run), activations(run, shapes, method, device),
+                      run, shapes)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_estimated_peak_is_within_5_percent_of_a_measured_step(case):
+    label, overrides = CASES[case]
+    run = method_run(label, "llama_tiny", 3, 128, 4, {"device": "cpu", **overrides})
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(run, Records(Path(out), run), lambda step: False)
+        try:
+            measured, categories = step_peak(trainer)
+        finally:
+            trainer.close()
+    assert categories["parameter"] > 0 and categories.get("activation", 0) > 0
+    assert abs(measured / predicted(run, "cpu") - 1) <= PEAK_TOLERANCE
+
+
+def test_recompute_and_offload_lower_the_estimated_peak_and_offload_only_on_a_gpu():
+    def peak(overrides, device="cuda"):
+        return predicted(method_run("full", "llama_60m", 3, 256, 8, overrides), device)
+
+    plain = peak({})
+    assert peak({"memory.recompute": "full"}) < peak({"memory.recompute": ["mlp"]}) < plain
+    offload = {"memory.offload": ["mlp", "attention"]}
+    assert peak(offload) < plain and peak(offload, "cpu") == peak({}, "cpu")
+
+
+def test_bf16_keeps_fewer_activation_bytes_than_fp32_but_not_half():
+    """Norms stay fp32 and autocast copies each linear's input and weight."""
+    fp32 = method_run("full", "llama_60m", 3, 256, 16, {})
+    bf16 = method_run("full", "llama_60m", 3, 256, 16, {"train.precision": "bf16"})
+    shapes = param_shapes("llama_60m", 8192, 256)
+    a32, a16 = (activations(r, shapes, build_method(r), "cuda").start for r in (fp32, bf16))
+    assert 0.5 < a16 / a32 < 0.9

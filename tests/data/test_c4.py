@@ -1,0 +1,112 @@
+"""Packing, padding, deterministic order, exact stream state, local shards, missing data."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from harness.config import TaskConfig
+from harness.data.c4 import BlockStream, Packer, eval_blocks, load_tokenizer, open_documents
+from harness.data.loader import IGNORE, to_batch
+from harness.errors import UserError
+
+FAKE_TOKENIZER = SimpleNamespace(eos_token_id=1, pad_token_id=0)
+
+
+def feeder(*docs: list[int]):
+    it = iter(np.asarray(d, dtype=np.int32) for d in docs)
+    return lambda: next(it)
+
+
+def test_packing_puts_eos_between_documents_and_carries_the_rest():
+    packer = Packer(TaskConfig(seq_len=4), FAKE_TOKENIZER)
+    next_doc = feeder([2, 3, 4], [5, 6], [7, 8, 9, 10])
+    blocks = [packer.block(next_doc) for _ in range(3)]
+    assert [b.tolist() for b, _ in blocks] == [[2, 3, 4, 1], [5, 6, 1, 7], [8, 9, 10, 1]]
+    assert [n for _, n in blocks] == [4, 4, 4]
+
+
+def test_truncate_and_pad_masks_padding_out_of_the_loss():
+    packer = Packer(TaskConfig(seq_len=4, packing=False), FAKE_TOKENIZER)
+    next_doc = feeder([2, 3, 4, 5, 6], [7, 8])
+    blocks = [packer.block(next_doc) for _ in range(2)]
+    assert [(b.tolist(), n) for b, n in blocks] == [([2, 3, 4, 5], 4), ([7, 8, 1, 0], 3)]
+    ids, labels = to_batch(blocks, pin=False)
+    assert labels.tolist() == [[2, 3, 4, 5], [7, 8, 1, IGNORE]]
+    assert ids.dtype == labels.dtype == ids.new_zeros(0, dtype=int).dtype
+
+
+def take(stream: BlockStream, n: int) -> list[list[int]]:
+    return [stream.next_block()[0].tolist() for _ in range(n)]
+
+
+def test_order_is_deterministic_from_the_seed_and_resumes_exactly():
+    tok = load_tokenizer("sample")
+    task = TaskConfig(seq_len=64, shuffle_buffer=16)
+    a = BlockStream(task, tok, seed=0)
+    head = take(a, 30)
+    state = a.state()
+    tail = take(a, 30)
+    assert head == take(BlockStream(task, tok, seed=0), 30)
+    assert head != take(BlockStream(task, tok, seed=1), 30)
+    resumed = BlockStream(task, tok, seed=0)
+    resumed.restore(state)
+    assert take(resumed, 30) == tail
+
+
+def test_small_corpus_wraps_into_a_new_epoch(tmp_path):
+    tok = load_tokenizer("sample")
+    write_shards(tmp_path, {"train": ["one two three four five"] * 3, "validation": ["six"]})
+    stream = BlockStream(TaskConfig(dataset=str(tmp_path), seq_len=8, shuffle_buffer=2), tok, 0)
+    take(stream, 10)
+    assert stream.epoch >= 1
+
+
+def write_shards(root, splits: dict[str, list[str]], shards: int = 1) -> None:
+    for split, texts in splits.items():
+        for k in range(shards):
+            path = root / f"c4-{split}.{k:05d}-of-{shards:05d}.json.gz"
+            with gzip.open(path, "wt") as f:
+                for i, text in enumerate(texts[k::shards]):
+                    row = {"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": f"u{i}"}
+                    f.write(json.dumps(row) + "\n")
+
+
+def test_local_c4_shards_by_folder_and_by_glob(tmp_path):
+    write_shards(
+        tmp_path,
+        {"train": [f"train doc {i}" for i in range(6)], "validation": ["valid doc"]},
+        shards=2,
+    )
+    by_dir = [r["text"] for r in open_documents(TaskConfig(dataset=str(tmp_path)), "train")]
+    assert sorted(by_dir) == sorted(f"train doc {i}" for i in range(6))
+    glob_task = TaskConfig(dataset=str(tmp_path / "c4-train.*.json.gz"))
+    assert len(list(open_documents(glob_task, "train"))) == 6
+    assert [r["text"] for r in open_documents(glob_task, "validation")] == ["valid doc"]
+
+
+def test_missing_data_and_tokenizer_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match=r"task.dataset: no train shards match '.*c4-train"):
+        open_documents(TaskConfig(dataset=str(tmp_path)), "train")
+    with pytest.raises(UserError, match=r"task.tokenizer: no folder './missing'"):
+        load_tokenizer("./missing")
+    start = time.time()
+    with pytest.raises(UserError, match=r"task.tokenizer: cannot load 't5-base'"):
+        load_tokenizer("t5-base")  # offline here: the hub is tried, then a clear message
+    with pytest.raises(UserError, match=r"task.dataset: cannot open 'c4'"):
+        open_documents(TaskConfig(dataset="c4"), "train")
+    assert time.time() - start < 60
+
+
+def test_eval_takes_a_fixed_number_of_tokens_in_file_order():
+    tok = load_tokenizer("sample")
+    task = TaskConfig(seq_len=64)
+    blocks = eval_blocks(task, tok, 1000)
+    assert sum(n - 1 for _, n in blocks) >= 1000 > sum(n - 1 for _, n in blocks[:-1])
+    again = eval_blocks(task, tok, 1000)
+    assert all((a == b).all() for (a, _), (b, _) in zip(blocks, again, strict=True))

@@ -1,0 +1,291 @@
+"""Memory modifiers with every method: recompute and offload change no numbers, layer-wise and
+host optimizer offload equal the plain step, fp16 scales the loss; bad combinations are refused."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_estimate_matches, micro_run, train_losses
+
+from harness.errors import UserError
+from harness.methods import build_method
+from harness.methods.resolve import load_run
+from harness.models import param_shapes
+from harness.train import train
+from harness.trials import read_jsonl
+
+VOCAB = 8192
+METHODS: dict[str, dict[str, Any]] = {
+    "full": {"name": "full"},
+    "adam8bit": {"name": "adam8bit", "min_8bit_size": 256},
+    "lora": {"name": "lora", "rank": 4},
+    "relora": {"name": "relora", "rank": 4, "reset_every": 2, "restart_warmup_steps": 1},
+    "qlora": {"name": "qlora", "rank": 4},
+    "lowrank": {"name": "lowrank", "rank": 8},
+    "galore": {"name": "galore", "rank": 8, "update_proj_gap": 2},
+    "qgalore": {"name": "qgalore", "rank": 8, "update_proj_gap": 2},
+}
+MODIFIERS: dict[str, dict[str, Any]] = {
+    "recompute_full": {"memory": {"recompute": "full"}},
+    "recompute_attention": {"memory": {"recompute": ["attention"]}},
+    "offload_mlp": {"memory": {"offload": ["mlp"], "offload_min_bytes": 0}},
+    "layerwise": {"memory": {"layerwise": True}},
+    "optimizer_offload": {"memory": {"optimizer_offload": "host"}},
+    "fp16": {"train": {"precision": "fp16"}},
+}
+EXACT = ("recompute_full", "recompute_attention", "offload_mlp")  # the same arithmetic, on CPU
+_baselines: dict[str, dict[int, float]] = {}
+
+
+def run_config(method: str, modifier: str | None = None) -> dict[str, Any]:
+    """4 steps of 2 micro-batches (accumulation runs too), no clipping: layer-wise clips each
+    parameter on its own, so only unclipped steps are comparable."""
+    data = micro_run(steps=4, grad_clip=None)
+    data["eval"] = {"every": 0, "tokens": 256}
+    data["method"] = METHODS[method]
+    extra = MODIFIERS.get(modifier or "", {})
+    data["train"].update(extra.get("train", {}))
+    data["memory"] = extra.get("memory", {})
+    return data
+
+
+def baseline(method: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    if method not in _baselines:
+        out = tmp_path_factory.mktemp(f"{method}-plain")
+        assert train(load_run(run_config(method)), out)["status"] == "ok"
+        _baselines[method] = train_losses(out)
+    return _baselines[method]
+
+
+def refusal(method: str, modifier: str) -> str | None:
+    try:
+        load_run(run_config(method, modifier))
+    except UserError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("modifier", list(MODIFIERS))
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_with_every_modifier(tmp_path, tmp_path_factory, method, modifier):
+    reason = refusal(method, modifier)
+    if reason is not None:  # refused at load time, with the method's reason
+        refused = {("relora", "layerwise"), ("relora", "optimizer_offload"),
+                   ("qgalore", "optimizer_offload"), ("qgalore", "fp16")}
+        assert (method, modifier) in refused, reason
+        assert reason.startswith(f"method {method}: ") and len(reason) > 60
+        return
+    run = load_run(run_config(method, modifier))
+    summary = train(run, tmp_path / "t")
+    assert summary["status"] == "ok", summary["error"]
+    losses, plain = train_losses(tmp_path / "t"), baseline(method, tmp_path_factory)
+    assert losses.keys() == plain.keys() == {1, 2, 3, 4}
+    if modifier in EXACT:
+        assert losses == plain  # exactly: recompute and offload change no numbers
+    elif modifier == "fp16":
+        assert all(math.isfinite(v) for v in losses.values())
+        assert [losses[s] for s in plain] == pytest.approx(list(plain.values()), rel=0.02)
+        lines = [r for r in read_jsonl(tmp_path / "t" / "metrics.jsonl") if r["kind"] == "train"]
+        assert all(r["loss_scale"] > 0 and "skipped_steps" in r for r in lines)
+        assert summary["skipped_steps"] >= 0 and summary["loss_scale"] > 0
+    else:  # per-parameter optimizers, or the same update on host copies
+        assert [losses[s] for s in plain] == pytest.approx(list(plain.values()), rel=1e-5)
+    if modifier == "offload_mlp":
+        assert summary["offloaded_bytes_per_step"] > 0
+    if modifier in ("layerwise", "optimizer_offload") and method not in ("qgalore", "qlora"):
+        estimate = build_method(run).estimate(param_shapes(run.model, VOCAB, 32), run)
+        assert_estimate_matches(estimate, summary)
+
+
+def test_layerwise_holds_one_gradient_at_a_time(tmp_path):
+    data = {**run_config("full", "layerwise"), "train": {**run_config("full")["train"],
+                                                         "total_batch_size": 2}}
+    summary = train(load_run(data), tmp_path / "t")
+    sizes = [p.numel() for p in param_shapes("llama_micro", VOCAB, 32).values()]
+    assert summary["grad_bytes"] == 4 * max(sizes) < 4 * sum(sizes) / 2
+
+
+def test_fp16_overflow_skips_the_step_and_backs_off(tmp_path):
+    """A scale of 2^40 overflows fp16 at once: those steps are skipped (logged as events, read
+    without a per-step sync) and the scale backs off by 2^-12 each time, until updates run."""
+    data = run_config("full", "fp16")
+    data["train"].update(steps=6, loss_scale={"init": 2.0**40, "backoff_factor": 2.0**-12,
+                                              "growth_interval": 100})
+    summary = train(load_run(data), tmp_path / "t")
+    assert summary["status"] == "ok", summary["error"]
+    rows = read_jsonl(tmp_path / "t" / "metrics.jsonl")
+    skipped = [r["step"] for r in rows if r["kind"] == "event" and r.get("skipped") == "overflow"]
+    assert skipped == list(range(1, summary["skipped_steps"] + 1)) and skipped  # the first ones
+    assert summary["loss_scale"] == 2.0 ** (40 - 12 * len(skipped))  # one backoff each
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert train_rows[-1]["skipped_steps"] == len(skipped) < 6
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]  # the unskipped steps trained
+
+
+@pytest.mark.parametrize("modifier", ["fp16", "optimizer_offload"])
+def test_resume_keeps_loss_scale_and_host_states(tmp_path, modifier):
+    """Stopped after step 2 and resumed: the same losses as a run never stopped."""
+    data = run_config("galore" if modifier == "optimizer_offload" else "full", modifier)
+    data["train"]["loss_scale"] = {"init": 2.0**20, "growth_interval": 1}  # changes each step
+    whole = train(load_run(data), tmp_path / "whole")
+    stopped = train(load_run(data), tmp_path / "part", should_stop=lambda step: step == 2)
+    assert stopped["status"] == "interrupted" and stopped["step"] == 2
+    resumed = train(load_run(data), tmp_path / "part")
+    assert resumed["status"] == whole["status"] == "ok"
+    assert train_losses(tmp_path / "part") == train_losses(tmp_path / "whole")
+    assert resumed.get("loss_scale") == whole.get("loss_scale")
+
+
+def test_paged_optimizer_states_train_like_the_plain_ones(tmp_path, tmp_path_factory):
+    """bitsandbytes pages its states on CUDA; on CPU it falls back to the same update."""
+    data = run_config("adam8bit")
+    data["memory"] = {"optimizer_offload": "paged"}
+    assert train(load_run(data), tmp_path / "t")["status"] == "ok"
+    assert train_losses(tmp_path / "t") == baseline("adam8bit", tmp_path_factory)
+
+
+def test_offload_moves_all_but_the_last_layer_and_prefetches_one_layer(tmp_path):
+    """On llama_tiny (4 layers): layers 0-2 offload their MLP's saved tensors, parameters and
+    tensors under the threshold stay, and backward holds at most two layers' fetched tensors
+    (the one computing and the next) at any time; the gradients equal the plain ones."""
+    from harness.config import MemoryConfig
+    from harness.models import build_model
+    from harness.modifiers.recompute import apply
+    from harness.modifiers.recompute import decoder_layers as layers_of
+
+    def grads(memory: MemoryConfig) -> tuple[list[torch.Tensor], Any]:
+        torch.manual_seed(0)
+        model = build_model("llama_tiny", 512, 16, None)
+        offloader = apply(model, memory, torch.device("cpu"))
+        ids = torch.randint(0, 512, (2, 16))
+        if offloader is not None:  # count the layers whose fetched tensors wait to be used
+            waiting: dict[int, int] = {}
+            fetch_one, unpack = offloader._fetch_one, offloader.unpack
+
+            def fetched(saved: Any) -> None:
+                fetch_one(saved)
+                waiting[saved.layer] = waiting.get(saved.layer, 0) + 1
+                offloader.most = max(offloader.most, sum(n > 0 for n in waiting.values()))
+
+            def used(saved: Any) -> torch.Tensor:
+                layer = getattr(saved, "layer", None)
+                tensor = unpack(saved)
+                if layer is not None:
+                    waiting[layer] -= 1
+                return tensor
+
+            offloader.most = 0
+            offloader._fetch_one, offloader.unpack = fetched, used
+            with torch.no_grad():
+                model(input_ids=ids)
+            assert offloader.take_bytes() == 0  # eval saves nothing
+            loss = model(input_ids=ids).logits.float().pow(2).mean()
+            assert sorted(offloader.pending) == [0, 1, 2]
+            assert offloader.take_bytes() > 0
+            loss.backward()
+            assert not offloader.pending and not any(waiting.values())
+        else:
+            model(input_ids=ids).logits.float().pow(2).mean().backward()
+        assert len(layers_of(model)) == 4
+        return [p.grad for p in model.parameters()], offloader
+
+    plain, _ = grads(MemoryConfig())
+    moved, offloader = grads(MemoryConfig(offload=["mlp", "norm"], offload_min_bytes=4096))
+    assert all(torch.equal(a, b) for a, b in zip(plain, moved, strict=True))
+    assert offloader.most == 2  # the layer computing and the one prefetched
+
+
+@pytest.mark.parametrize(
+    ("memory", "train_keys", "message"),
+    [
+        ({"recompute": ["mlp"], "offload": ["mlp", "norm"]}, {},
+         "memory: mlp is both recomputed and offloaded"),
+        ({"recompute": "full", "offload": ["mlp"]}, {}, "memory: recompute: full keeps no"),
+        ({"recompute": ["mlp", "ffn"]}, {}, "memory.recompute: 'ffn' is not a module kind"),
+        ({"recompute": "some"}, {}, "memory.recompute: 'some' is not allowed (allowed: none, full"),
+        ({"offload": "full"}, {}, "memory.offload: 'full' is not allowed (allowed: none, or a"),
+        ({"layerwise": True}, {"precision": "fp16"}, "config: memory.layerwise with train.pre"),
+        ({"optimizer_offload": "cpu"}, {}, "memory.optimizer_offload: 'cpu' is not allowed"),
+        ({}, {"loss_scale": {"backoff_factor": 2}}, "train.loss_scale.backoff_factor: 2"),
+    ],
+)
+def test_impossible_combinations_are_refused_with_the_reason(memory, train_keys, message):
+    data = micro_run(**train_keys)
+    data["memory"] = memory
+    with pytest.raises(UserError) as e:
+        load_run(data)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_galore_refuses_paged_states():
+    data = {**run_config("galore"), "memory": {"optimizer_offload": "paged"}}
+    with pytest.raises(UserError, match="method galore: its low-rank moments"):
+        load_run(data)
+
+
+def saved_bytes(memory: dict[str, Any]) -> int:
+    """Bytes autograd keeps for backward after one forward of llama_tiny with `memory`."""
+    from harness.config import MemoryConfig
+    from harness.models import build_model
+    from harness.modifiers.recompute import apply
+
+    model = build_model("llama_tiny", 512, 64, None)
+    apply(model, MemoryConfig(**memory), torch.device("cpu"))
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        if not isinstance(t, torch.nn.Parameter):
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=torch.randint(0, 512, (2, 64))).logits.sum().backward()
+    return total
+
+
+def test_recompute_keeps_fewer_activations():
+    plain = saved_bytes({})
+    attention, mlp = saved_bytes({"recompute": ["attention"]}), saved_bytes({"recompute": ["mlp"]})
+    full = saved_bytes({"recompute": "full"})
+    assert full < min(attention, mlp) and max(attention, mlp) < plain
+    print(f"saved for backward: plain {plain:,} B, attention {attention:,}, mlp {mlp:,}, "
+          f"full {full:,}")
+
+
+def test_a_sweep_varies_modifiers_and_a_method_sets_its_own(tmp_path):
+    from conftest import write_yaml
+
+    from harness.sweep.plan import load_sweep, plan
+
+    base = micro_run()
+    sweep = {
+        "name": "mods", "model": base["model"], "task": base["task"], "train": base["train"],
+        "memory": {"offload": ["mlp"]},
+        "methods": {"full": {}, "galore_lw": {"method": "galore", "rank": 8,
+                                              "memory": {"layerwise": True}}},
+        "search": {"space": {"memory.recompute": ["none", ["attention"]]}},
+    }
+    trials = plan(load_sweep(write_yaml(tmp_path / "s.yaml", sweep), {}))
+    got = {(t.label, str(t.run.memory.recompute), t.run.memory.layerwise) for t in trials}
+    assert got == {("full", "none", False), ("full", "['attention']", False),
+                   ("galore_lw", "none", True), ("galore_lw", "['attention']", True)}
+    assert all(t.run.memory.offloaded == ["mlp"] for t in trials)
+    assert len({t.id for t in trials}) == 4
+    sweep["methods"]["relora"] = {"rank": 4, "memory": {"layerwise": True}}
+    with pytest.raises(UserError, match=r"^methods\.relora with .*: method relora: ReLoRA's"):
+        plan(load_sweep(write_yaml(tmp_path / "s.yaml", sweep), {}))
+
+
+def test_methods_command_lists_modifiers(capsys):
+    from harness.cli import main
+
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert "  modifiers: recompute, offload, layerwise, optimizer_offload host, " \
+           "optimizer_offload paged, fp16" in out
+    assert "  refuses layerwise: ReLoRA's warm start" in out
+    assert "  refuses fp16: its INT8 updates run inside backward" in out

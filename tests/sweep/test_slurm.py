@@ -1,0 +1,183 @@
+"""Sweeps on a real one-node Slurm cluster (`bash slurm/cluster.sh start`; CI starts it).
+
+Each test submits through `harness sweep` with `--set launcher.profile=local`, as a user does,
+and checks what Slurm and the trial folders say afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import (
+    REPO,
+    assert_matches_one_process,
+    micro_run,
+    require_service,
+    train_losses,
+    wait_for_step,
+    write_yaml,
+)
+
+from harness.methods.resolve import load_run
+from harness.train import train
+from harness.trials import read_json
+
+
+@pytest.fixture(autouse=True)
+def cluster() -> None:
+    require_service("HARNESS_SLURM", "the one-node Slurm cluster", "bash slurm/cluster.sh start")
+
+
+def sweep_file(tmp_path: Path, steps: int, lrs: list[float], **train_keys) -> Path:
+    run = micro_run(**{"steps": steps, "log_every": 1, **train_keys})
+    data = {k: run[k] for k in ("model", "task", "train", "eval")}
+    data["eval"] = {"every": 0, "tokens": 128}
+    data.update(name="slurm", methods={"full": {}}, search={"space": {"train.lr": lrs}},
+                launcher={"profile": "local"})
+    return write_yaml(tmp_path / "slurm.yaml", data)
+
+
+def start_sweep(path: Path, out: Path, *sets: str) -> subprocess.Popen:
+    args = [a for s in sets for a in ("--set", s)]
+    return subprocess.Popen(
+        [sys.executable, "-m", "harness.cli", "sweep", str(path), "--out", str(out), *args],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 600) -> str:
+    out, _ = proc.communicate(timeout=timeout_s)
+    return out
+
+
+def job_of(trial_dir: Path) -> str:
+    deadline = time.time() + 60
+    while not (trial_dir / "launch.json").exists():
+        assert time.time() < deadline
+        time.sleep(0.2)
+    return read_json(trial_dir / "launch.json")["job_id"]
+
+
+def only_trial(out: Path) -> Path:
+    deadline = time.time() + 60
+    while not (out / "trials").is_dir() or not any((out / "trials").iterdir()):
+        assert time.time() < deadline
+        time.sleep(0.2)
+    (trial_dir,) = (out / "trials").iterdir()
+    return trial_dir
+
+
+def test_grid_sweep_runs_as_one_job_array(tmp_path):
+    out = tmp_path / "runs"
+    start = time.time()
+    proc = start_sweep(sweep_file(tmp_path, 4, [1e-3, 2e-3, 3e-3]), out, "launcher.jobs=2")
+    log = finish(proc)
+    assert proc.returncode == 0, log
+    trial_dirs = sorted((out / "trials").iterdir())
+    jobs = [read_json(d / "launch.json")["job_id"] for d in trial_dirs]
+    assert len({j.split("_")[0] for j in jobs}) == 1 and len(set(jobs)) == 3, jobs
+    for d in trial_dirs:
+        summary = read_json(d / "summary.json")
+        assert summary["status"] == "ok" and summary["requeues"] == 0
+    states = subprocess.run(["sacct", "-n", "-X", "-j", jobs[0].split("_")[0], "-o", "State"],
+                            capture_output=True, text=True).stdout.split()
+    assert states == ["COMPLETED"] * 3, states
+    print(f"3-trial array sweep on Slurm: {time.time() - start:.1f} s")
+
+    again = finish(start_sweep(sweep_file(tmp_path, 4, [1e-3, 2e-3, 3e-3]), out))
+    assert "3 already finished, 0 to run" in again
+
+
+def test_preempted_trial_resumes_from_its_checkpoint_with_the_same_losses(tmp_path):
+    path = sweep_file(tmp_path, 60, [3e-3])
+    reference = train(load_run(micro_run(steps=60, log_every=1) | {
+        "eval": {"every": 0, "tokens": 128}}), tmp_path / "reference")
+    out = tmp_path / "runs"
+    proc = start_sweep(path, out)
+    trial_dir = only_trial(out)
+    wait_for_step(trial_dir, 5)
+    subprocess.run(["scancel", "--signal=USR2", job_of(trial_dir)], check=True)
+    log = finish(proc)
+    assert proc.returncode == 0, log
+    summary = read_json(trial_dir / "summary.json")
+    assert summary["status"] == "ok" and summary["requeues"] == 1
+    assert train_losses(trial_dir) == train_losses(tmp_path / "reference")
+    assert summary["eval_loss"] == reference["eval_loss"]
+    logs = "".join(p.read_text() for p in (out / "jobs").glob("*/*_log.out"))
+    assert "resumed from" in logs
+
+
+def test_a_trial_at_its_time_limit_is_requeued_and_resumes(tmp_path):
+    """Slurm checks limits every 30 s: with timeout_min=2 and a 30 s signal delay, USR2 comes
+    60-90 s in. The trial is too long to finish; once it has resumed, the job is cancelled."""
+    out = tmp_path / "runs"
+    path = sweep_file(tmp_path, 1_000_000, [3e-3], log_every=10)
+    proc = start_sweep(path, out, "launcher.timeout_min=2", "launcher.signal_delay_s=30")
+    trial_dir = only_trial(out)
+    job = job_of(trial_dir)
+    deadline = time.time() + 300
+    while (read_json(trial_dir / "summary.json") or {}).get("requeues", 0) < 1:
+        assert time.time() < deadline, "no requeue at the time limit"
+        time.sleep(1)
+    stopped_at = read_json(trial_dir / "summary.json")["step"]
+    wait_for_step(trial_dir, stopped_at + 20)
+    subprocess.run(["scancel", job], check=True)
+    proc.terminate()
+    finish(proc)
+    steps = sorted(train_losses(trial_dir))
+    assert steps == list(range(10, steps[-1] + 1, 10))  # resumed where it stopped: no gap
+    logs = "".join(p.read_text() for p in (out / "jobs").glob("*/*_log.out"))
+    assert f"resumed from {trial_dir / 'checkpoint' / 'state.pt'} at step {stopped_at}" in logs
+
+
+def test_a_crashed_trial_is_recorded_failed_and_the_sweep_ends(tmp_path):
+    out = tmp_path / "runs"
+    proc = start_sweep(sweep_file(tmp_path, 10_000, [3e-3]), out)
+    trial_dir = only_trial(out)
+    wait_for_step(trial_dir, 2)
+    os.kill(read_json(trial_dir / "summary.json")["pid"], signal.SIGKILL)
+    log = finish(proc, timeout_s=300)
+    assert proc.returncode == 1, log
+    summary = read_json(trial_dir / "summary.json")
+    assert summary["status"] == "failed"
+    assert summary["error"] == "trial process ended with signal 9"
+
+
+def test_optuna_workers_run_as_array_tasks(tmp_path):
+    import optuna
+
+    from harness.sweep.study import open_storage
+
+    path = sweep_file(tmp_path, 4, [3e-3])
+    out = tmp_path / "runs"
+    proc = start_sweep(path, out, "launcher.jobs=2", "search.sampler=random", "search.n_trials=3",
+                       "search.space={train.lr: {low: 0.001, high: 0.01, log: true}}")
+    log = finish(proc)
+    assert proc.returncode == 0, log
+    assert "submitted 2 workers" in log
+    study = optuna.load_study(study_name="slurm/full",
+                              storage=open_storage(str(out / "optuna.journal")))
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    ids = {t.user_attrs["trial_id"] for t in trials}
+    assert ids == {d.name for d in (out / "trials").iterdir()}
+
+
+def test_a_two_task_job_is_one_ddp_trial(tmp_path):
+    """tasks_per_node=2: Slurm starts two tasks; each gives its trial process torchrun's
+    variables from submitit's environment, and the trial equals a 1-process run."""
+    out = tmp_path / "runs"
+    proc = start_sweep(sweep_file(tmp_path, 4, [3e-3]), out, "launcher.tasks_per_node=2")
+    log = finish(proc)
+    assert proc.returncode == 0, log
+    trial_dir = only_trial(out)
+    run = micro_run(steps=4, lr=3e-3, log_every=1) | {"eval": {"every": 0, "tokens": 128}}
+    assert_matches_one_process(trial_dir, run, tmp_path / "single")
+    ranks = "".join(p.read_text() for p in (out / "jobs").glob("*/*_log.err"))
+    assert "rank 1/2: gloo" in ranks

@@ -1,0 +1,249 @@
+"""Optuna search through the real command: study per method, resume, enqueue, pruning."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from conftest import harness, micro_run, wait_for_step, write_yaml
+
+from harness.errors import UserError
+from harness.methods.resolve import load_run
+from harness.sweep.plan import load_sweep, make_trial
+from harness.sweep.study import method_space, open_storage, open_study, tell
+from harness.train import train
+from harness.trials import read_json, write_json
+
+
+def search_file(tmp_path, **search):
+    run = micro_run(steps=2)
+    data = {k: run[k] for k in ("model", "task", "train", "eval")}
+    data["eval"] = {"every": 0, "tokens": 64}
+    data.update(name="tpe", methods={"full": {}}, search=search)
+    return write_yaml(tmp_path / "tpe.yaml", data)
+
+
+@pytest.mark.parametrize(
+    ("search", "message"),
+    [
+        ({"sampler": "tpe", "space": {"train.lr": {"low": 1e-4}}}, "n_trials is required"),
+        (
+            {"sampler": "tpe", "n_trials": 2, "space": {"train.lr": {"low": 1e-4}}},
+            "search.space.train.lr: {'low': 0.0001} is not a distribution",
+        ),
+        (
+            {"sampler": "tpe", "n_trials": 2, "space": {"train.lr": {"low": 1, "high": 0.1}}},
+            "low 1 must be below high 0.1",
+        ),
+        (
+            {
+                "sampler": "random",
+                "n_trials": 2,
+                "space": {"train.lr": {"low": 0, "high": 1, "log": True}},
+            },
+            "log: true needs low > 0",
+        ),
+        ({"sampler": "grid", "n_trials": 3}, "n_trials needs an Optuna sampler"),
+    ],
+)
+def test_search_config_errors_are_one_line(tmp_path, search, message):
+    with pytest.raises(UserError, match=message) as e:
+        load_sweep(search_file(tmp_path, **search), {})
+    assert "\n" not in str(e.value)
+
+
+def test_method_space_is_conditional_and_ints_stay_ints(tmp_path):
+    path = search_file(
+        tmp_path,
+        sampler="random",
+        n_trials=2,
+        space={"train.lr": {"low": "1e-4", "high": "1e-2", "log": True}},
+    )
+    data = read_json_yaml(path)
+    data["methods"] = {
+        "full": {},
+        "lowrank": {"space": {"method.rank": {"low": 4, "high": 16, "step": 4}}},
+    }
+    sweep = load_sweep(write_yaml(path, data), {})
+    assert set(method_space(sweep, "full")) == {"train.lr"}
+    rank = method_space(sweep, "lowrank")["method.rank"]
+    assert isinstance(rank, optuna.distributions.IntDistribution) and rank.step == 4
+    trial = make_trial(sweep, "lowrank", {"train.lr": 1e-3, "method.rank": 8}, 0)
+    assert trial.run.method["rank"] == 8 and trial.id.startswith("lowrank-")
+    dry = harness("sweep", str(path), "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "lowrank: study tpe/lowrank" in dry.stdout and "method.rank" in dry.stdout
+    assert "2 trials per method x 2 methods = 4 trials" in dry.stdout
+
+
+def read_json_yaml(path):
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def test_tpe_sweep_runs_a_study_and_resumes_without_rerunning(tmp_path):
+    path = search_file(
+        tmp_path,
+        sampler="tpe",
+        n_trials=4,
+        space={"train.lr": {"low": 1e-4, "high": 1e-2, "log": True}},
+        enqueue=[{"train.lr": 0.003}],
+    )
+    out = tmp_path / "runs"
+    done = harness("sweep", str(path), "--out", str(out), "--jobs", "2")
+    assert done.returncode == 0, done.stderr
+    assert (out / "optuna.journal").is_file()
+    study = optuna.load_study(
+        study_name="tpe/full", storage=open_storage(str(out / "optuna.journal"))
+    )
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 4
+    assert trials[0].params == {"train.lr": 0.003}
+    ids = {t.user_attrs["trial_id"] for t in trials}
+    assert ids == {d.name for d in (out / "trials").iterdir()}
+    for t in trials:
+        summary = read_json(out / "trials" / t.user_attrs["trial_id"] / "summary.json")
+        assert summary["eval_ppl"] == pytest.approx(t.value)
+        assert summary["lr"] == pytest.approx(t.params["train.lr"])
+
+    again = harness("sweep", str(path), "--out", str(out))
+    assert again.returncode == 0, again.stderr
+    assert "tpe/full: 4 of 4 trials finished" in again.stdout
+    assert (
+        len(
+            optuna.load_study(
+                study_name="tpe/full", storage=open_storage(str(out / "optuna.journal"))
+            ).trials
+        )
+        == 4
+    )
+
+
+def test_a_trial_stops_as_pruned_when_its_study_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(optuna.pruners.MedianPruner, "prune", lambda self, study, trial: True)
+    path = search_file(tmp_path, sampler="tpe", n_trials=1, pruner="median")
+    sweep = load_sweep(path, {})
+    target = str(tmp_path / "optuna.journal")
+    study = open_study(sweep, "full", open_storage(target))
+    asked = study.ask()
+    out = tmp_path / "trial"
+    write_json(
+        out / "optuna.json",
+        {
+            "storage": target,
+            "study": "tpe/full",
+            "trial": 0,
+            "metric": "eval_ppl",
+            "pruner": "median",
+        },
+    )
+    summary = train(load_run(micro_run(steps=6)), out)
+    assert summary["status"] == "pruned" and summary["step"] == 3
+    assert summary["eval_ppl"] is not None
+    tell(study, asked.number, summary, "eval_ppl")
+    frozen = study.trials[0]
+    assert frozen.state == optuna.trial.TrialState.PRUNED
+    assert list(frozen.intermediate_values) == [3]
+
+
+@pytest.mark.parametrize(("sampler", "kind"), [("random", "RandomSampler"), ("tpe", "TPESampler"),
+                                               ("cmaes", "CmaEsSampler")])
+def test_each_sampler_is_built_seeded(tmp_path, sampler, kind):
+    from harness.sweep.study import make_sampler
+
+    data = {"name": "s", "model": "llama_micro", "methods": {"full": {}}, "seeds": [3],
+            "search": {"sampler": sampler, "n_trials": 2,
+                       "space": {"train.lr": {"low": 1e-4, "high": 1e-2, "log": True}}}}
+    built = make_sampler(load_sweep(write_yaml(tmp_path / "s.yaml", data), {}))
+    assert type(built).__name__ == kind
+
+
+def test_median_pruner_cuts_a_bad_trial_from_real_statistics(tmp_path):
+    """Five good learning rates finish; a sixth that barely learns is above their median at
+    its first evaluation and ends `pruned`, keeping its metrics."""
+    lrs = [0.003, 0.004, 0.005, 0.006, 0.007, 1e-7]
+    path = search_file(tmp_path, sampler="random", n_trials=6, pruner="median",
+                       space={"train.lr": {"low": 1e-8, "high": 1e-2, "log": True}},
+                       enqueue=[{"train.lr": lr} for lr in lrs])
+    data = read_json_yaml(path)
+    data["train"]["steps"], data["eval"]["every"] = 4, 2
+    out = tmp_path / "runs"
+    done = harness("sweep", str(write_yaml(path, data)), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    study = optuna.load_study(study_name="tpe/full",
+                              storage=open_storage(str(out / "optuna.journal")))
+    states = [t.state.name for t in study.get_trials()]
+    assert states == ["COMPLETE"] * 5 + ["PRUNED"]
+    pruned = study.get_trials()[5]
+    assert list(pruned.intermediate_values) == [2]
+    median = statistics.median(t.intermediate_values[2] for t in study.get_trials()[:5])
+    assert pruned.intermediate_values[2] > median
+    summary = read_json(out / "trials" / pruned.user_attrs["trial_id"] / "summary.json")
+    assert summary["status"] == "pruned" and summary["step"] == 2
+    assert summary["eval_ppl"] == pytest.approx(pruned.intermediate_values[2])
+    assert "pruned" in harness("status", str(out)).stdout
+
+
+def sweep_in_background(tmp_path, checkpoint_every: int, step: int):
+    """A one-trial random-search sweep of 60 steps, started and watched until `step`."""
+    path = search_file(tmp_path, sampler="random", n_trials=1,
+                       space={"train.lr": {"low": 1e-3, "high": 1e-2, "log": True}})
+    data = read_json_yaml(path)
+    data["train"].update(steps=60, checkpoint_every=checkpoint_every)
+    write_yaml(path, data)
+    out = tmp_path / "runs"
+    sweep = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", str(path),
+                              "--out", str(out)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    while not (out / "trials").is_dir() or not any((out / "trials").iterdir()):
+        time.sleep(0.2)
+    (trial_dir,) = (out / "trials").iterdir()
+    wait_for_step(trial_dir, step)
+    return sweep, path, out, trial_dir
+
+
+def test_retry_failed_queues_a_crashed_optuna_trial_again(tmp_path):
+    sweep, path, out, trial_dir = sweep_in_background(tmp_path, checkpoint_every=5, step=7)
+    os.kill(read_json(trial_dir / "summary.json")["pid"], signal.SIGKILL)
+    assert sweep.wait(timeout=120) == 1  # the crash is recorded failed; the sweep says so
+    assert read_json(trial_dir / "summary.json")["status"] == "failed"
+
+    again = harness("sweep", str(path), "--out", str(out), "--retry-failed")
+    assert again.returncode == 0, again.stderr
+    resumed = re.search(rf"resumed from {trial_dir}/checkpoint/state.pt at step (\d+)",
+                        again.stdout)
+    assert resumed and int(resumed.group(1)) >= 5, again.stdout[-2000:]
+    trials = optuna.load_study(study_name="tpe/full",
+                               storage=open_storage(str(out / "optuna.journal"))).get_trials()
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"]
+    assert trials[1].user_attrs["retry_of"] == 0
+    assert trials[1].user_attrs["trial_id"] == trials[0].user_attrs["trial_id"] == trial_dir.name
+    assert "tpe/full: 1 of 1 trials finished" in harness("sweep", str(path), "--out",
+                                                         str(out)).stdout
+
+
+def test_ctrl_c_leaves_the_trial_to_resume_on_the_next_run(tmp_path):
+    sweep, path, out, trial_dir = sweep_in_background(tmp_path, checkpoint_every=0, step=3)
+    sweep.send_signal(signal.SIGINT)
+    assert sweep.wait(timeout=120) == 130
+    assert read_json(trial_dir / "summary.json")["status"] == "interrupted"
+    storage = open_storage(str(out / "optuna.journal"))
+    assert [t.state.name for t in optuna.load_study(study_name="tpe/full",
+                                                    storage=storage).get_trials()] == ["RUNNING"]
+
+    again = harness("sweep", str(path), "--out", str(out))
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from {trial_dir}/checkpoint/state.pt" in again.stdout
+    trials = optuna.load_study(study_name="tpe/full", storage=storage).get_trials()
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"]  # told, then retried in place
+    assert trials[1].user_attrs["trial_id"] == trial_dir.name
+    assert "tpe/full: 1 of 1 trials finished" in harness("sweep", str(path), "--out",
+                                                         str(out)).stdout
