@@ -19,6 +19,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, MaxNLocator
 from scipy import stats
 
+from harness.trials import RunsDir, Status
+
 from .format import VARIANT_DEFAULTS, fill_variants, variant_label
 from .load import PathArg, read_sweep
 from .plots import logged_points, plain_log_y
@@ -40,7 +42,7 @@ def best_lr_trials(trials: pd.DataFrame, order: Sequence[str] = ()) -> pd.DataFr
     with the lowest mean final eval ppl, so that every figure compares what the summary table
     compares. Adds `variant`, the legend text; methods named in `order` come first."""
     trials = fill_variants(trials)
-    ok = trials[(trials["status"] == "ok") & trials["eval_ppl"].notna() & trials["lr"].notna()]
+    ok = trials[(trials["status"] == Status.OK) & trials["eval_ppl"].notna() & trials["lr"].notna()]
     picks = [
         group[group["lr"] == at_best_lr(group, "eval_ppl").name].assign(
             variant=variant_label(*key)
@@ -228,7 +230,7 @@ def load_studies(sweep: dict[str, Any], runs_dir: Path) -> dict[str, optuna.Stud
     in sweep order. A missing journal file means nothing ran yet; reading does not create it."""
     if (sweep.get("search") or {}).get("sampler", "grid") == "grid":
         return {}
-    target = str(sweep.get("storage") or runs_dir / "optuna.journal")
+    target = str(sweep.get("storage") or RunsDir(runs_dir).journal)
     if "://" not in target and not Path(target).is_file():
         return {}
     import optuna

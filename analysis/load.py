@@ -6,36 +6,23 @@ trial that has not started, and an unparsable line or file is skipped instead of
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import yaml
 
 from harness.config import memory_label
-from harness.trials import read_json, read_jsonl
+from harness.trials import RunsDir, Status, Summary, TrialDir, read_jsonl, read_jsonl_tail
 
 PathArg = str | os.PathLike
 Paths = PathArg | Iterable[PathArg]
 
-# summary.json fields, in the column order the tables use; `params` is flattened to params.*.
-SUMMARY_FIELDS = (
-    "trial", "status", "method", "method_name", "lr", "seed", "model", "steps", "step",
-    "tokens", "eval_loss", "eval_ppl", "tokens_per_s", "mfu", "peak_memory_bytes",
-    "param_bytes", "grad_bytes", "optimizer_state_bytes", "trainable_params", "total_params",
-    "wall_s", "device", "error", "requeues", "last_loss", "memory", "precision", "extra_bytes",
-    "skipped_steps", "offloaded_bytes_per_step",
-)  # fmt: skip
-NUMERIC_FIELDS = (
-    "lr", "steps", "step", "tokens", "eval_loss", "eval_ppl", "tokens_per_s", "mfu",
-    "peak_memory_bytes", "param_bytes", "grad_bytes", "optimizer_state_bytes",
-    "trainable_params", "total_params", "wall_s", "requeues", "last_loss", "extra_bytes",
-    "skipped_steps", "offloaded_bytes_per_step",
-)  # fmt: skip
+# The summary's fields, in the column order the tables use (the model is the one list);
+# `params` is flattened to params.* after the config's columns.
+SUMMARY_FIELDS = Summary.columns()
+NUMERIC_FIELDS = Summary.numeric_columns()
 # Where a trial without a summary (or with nulls in it) finds the same fact in its config.
 CONFIG_FALLBACKS = {
     "method": ("label", "method.name"),
@@ -62,21 +49,21 @@ def load_steps(paths: Paths) -> pd.DataFrame:
     rows = [
         {"run_dir": row["run_dir"], "trial": row["trial"], "method": row["method"], **record}
         for trial_dir, row in _trials(paths)
-        for record in read_jsonl(trial_dir / "metrics.jsonl")
+        for record in read_jsonl(trial_dir.metrics)
     ]
     return pd.DataFrame(rows) if rows else pd.DataFrame(columns=list(STEP_COLUMNS))
 
 
 def read_sweep(run_dir: PathArg) -> dict[str, Any]:
     """The resolved sweep.yaml, or {} for a single run that has none."""
-    return _read_yaml(Path(run_dir) / "sweep.yaml")
+    return RunsDir(run_dir).read_sweep()
 
 
 def check_runs_dir(run_dir: Path) -> None:
     """Fail early with a one-line message instead of reporting an empty sweep."""
     if not run_dir.is_dir():
         raise FileNotFoundError(f"runs directory not found: {run_dir}")
-    if not (run_dir / "trials").is_dir():
+    if not RunsDir(run_dir).is_runs_dir():
         raise FileNotFoundError(f"no trials/ folder in {run_dir}: not a runs directory")
 
 
@@ -96,11 +83,10 @@ def flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 
-def _trials(paths: Paths) -> Iterator[tuple[Path, dict[str, Any]]]:
+def _trials(paths: Paths) -> Iterator[tuple[TrialDir, dict[str, Any]]]:
     """Yield (trial dir, row) for every trial, run dirs in the given order, trials by id."""
     for run_dir in run_dirs(paths):
-        trial_dirs = [p for p in (run_dir / "trials").iterdir() if p.is_dir()]
-        for trial_dir in sorted(trial_dirs, key=lambda p: _natural_key(p.name)):
+        for trial_dir in RunsDir(run_dir).trial_dirs():
             yield trial_dir, _trial_row(run_dir, trial_dir)
 
 
@@ -113,19 +99,19 @@ def run_dirs(paths: Paths) -> list[Path]:
     return run_dirs
 
 
-def _trial_row(run_dir: Path, trial_dir: Path) -> dict[str, Any]:
+def _trial_row(run_dir: Path, trial_dir: TrialDir) -> dict[str, Any]:
     """Merge config and summary; the summary wins since it records what actually ran."""
-    raw = _read_yaml(trial_dir / "config.yaml")
+    raw = trial_dir.read_config()
     config = flatten(raw)
-    summary = read_json(trial_dir / "summary.json")
+    summary = trial_dir.read_summary()
     row: dict[str, Any] = {"run_dir": str(run_dir), **dict.fromkeys(SUMMARY_FIELDS), **config}
     row["memory"] = memory_label(raw.get("memory") or {})
     row["precision"] = (raw.get("train") or {}).get("precision", "fp32")
-    row.update(flatten(summary or {}))
+    row.update(flatten(summary.to_dict() if summary is not None else {}))
     # The folder name is what a user types to find the trial's files, so it is the id.
     row["trial"] = trial_dir.name
     if summary is None:
-        row["status"] = "pending"
+        row["status"] = Status.PENDING
     row.update(_progress(trial_dir, row))
     for field, keys in CONFIG_FALLBACKS.items():
         if row[field] is None:
@@ -133,44 +119,17 @@ def _trial_row(run_dir: Path, trial_dir: Path) -> dict[str, Any]:
     return row
 
 
-def _progress(trial_dir: Path, row: dict[str, Any]) -> dict[str, Any]:
+def _progress(trial_dir: TrialDir, row: dict[str, Any]) -> dict[str, Any]:
     """The last logged losses: the summary of a running trial is only rewritten at its end."""
-    try:
-        with (trial_dir / "metrics.jsonl").open("rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
-            tail = f.read().decode("utf-8", "replace").splitlines()[1:]
-    except OSError:
-        return {}
-    rows = [r for r in (_json_line(line) for line in tail) if isinstance(r, dict)]
+    rows = read_jsonl_tail(trial_dir.metrics)
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
     out: dict[str, Any] = {}
     if train:
         out["last_loss"] = train[-1].get("loss")
-        if row.get("status") == "running":
+        if row.get("status") == Status.RUNNING:
             out["step"] = train[-1].get("step")
             out["tokens_per_s"] = train[-1].get("tokens_per_s")
-    if evals and row.get("status") == "running":
+    if evals and row.get("status") == Status.RUNNING:
         out["eval_ppl"] = evals[-1].get("eval_ppl")
     return out
-
-
-def _json_line(line: str) -> Any:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:
-        return None
-
-
-def _natural_key(name: str) -> list[int | str]:
-    """Sort trial ids so that t2 comes before t10."""
-    parts = re.split(r"([0-9]+)", name)
-    return [int(part) if i % 2 else part for i, part in enumerate(parts)]
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, yaml.YAMLError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -14,7 +14,7 @@ import pandas as pd
 import yaml
 
 from harness.cost.estimate import human_bytes
-from harness.trials import atomic_write
+from harness.trials import RunsDir, Status, atomic_write
 
 from .figures import (
     best_lr_trials,
@@ -90,7 +90,7 @@ def write_report(paths: Paths, out: PathArg | None = None) -> str:
     sweep = read_sweep(dirs[0])
     name = str(sweep.get("name") or dirs[0].resolve().name)
     order = _sweep_methods(sweep)
-    out = Path(out) if out else dirs[0] / "report"
+    out = Path(out) if out else RunsDir(dirs[0]).report
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "trials.csv", trials.to_csv(index=False))
     pretraining = trials[task_kind(trials) != "glue"]
@@ -108,7 +108,8 @@ def write_report(paths: Paths, out: PathArg | None = None) -> str:
     blocks += [Heading("Figures"), *_figures(trials, pretraining, steps, order, name, out, dirs[0])]
     blocks.append(Paragraph("All trials, all columns: `trials.csv`."))
     if sweep:
-        blocks.append(Preformatted(yaml.safe_dump(sweep, sort_keys=False), "sweep.yaml"))
+        blocks.append(Preformatted(yaml.safe_dump(sweep, sort_keys=False),
+                                   RunsDir(dirs[0]).sweep_yaml.name))
     title = f"Sweep report: {name}"
     write_html(out / "report.html", title, blocks)
     atomic_write(out / "report.md", markdown_page(title, blocks))
@@ -181,8 +182,8 @@ def _method_row(variant: dict[str, str], group: pd.DataFrame) -> dict[str, str]:
 def _status_counts(status: pd.Series) -> str:
     """E.g. "1 ok / 3 (1 failed, 1 pending)": why a method has fewer results than planned."""
     counts = status.fillna("unknown").value_counts().sort_index()
-    others = ", ".join(f"{n} {s}" for s, n in counts.items() if s != "ok")
-    text = f"{int(counts.get('ok', 0))} ok / {len(status)}"
+    others = ", ".join(f"{n} {s}" for s, n in counts.items() if s != Status.OK)
+    text = f"{int(counts.get(Status.OK, 0))} ok / {len(status)}"
     return f"{text} ({others})" if others else text
 
 

@@ -14,6 +14,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from harness.trials import Status
+
 STAT_COLUMNS = ["mean", "ci", "n"]
 
 
@@ -36,7 +38,7 @@ def finished(trials: pd.DataFrame, value: str) -> pd.DataFrame:
     if value not in trials:
         return trials.iloc[0:0]
     values = pd.to_numeric(trials[value], errors="coerce")
-    keep = (trials["status"] == "ok") & values.notna() & trials["lr"].notna()
+    keep = (trials["status"] == Status.OK) & values.notna() & trials["lr"].notna()
     return trials[keep].assign(**{value: values[keep]})
 
 
@@ -90,7 +92,7 @@ def at_best_lr(trials: pd.DataFrame, metric: str, minimize: bool = True,
     """Among one configuration's ok trials: the seed-mean of `metric` (`mean`) and each of
     `aggs` (name=(column, how)) at the LR whose mean is best; the Series is named by that LR.
     None when no trial finished with a value and an LR."""
-    done = trials[(trials["status"] == "ok") & trials[metric].notna() & trials["lr"].notna()]
+    done = trials[(trials["status"] == Status.OK) & trials[metric].notna() & trials["lr"].notna()]
     if done.empty:
         return None
     by_lr = done.groupby("lr").agg(mean=(metric, "mean"), **aggs)

@@ -1,4 +1,5 @@
-"""The `harness` command: train, sweep, status, report, methods."""
+"""The `harness` command: train, sweep, status, report, estimate, methods, bench; each a thin
+call into one room, and every user error one line (harness.errors)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from harness.config import parse_overrides, read_yaml
-from harness.errors import UserError
+from harness.errors import UserError, render
 from harness.methods.resolve import load_run
 
 EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -41,8 +42,8 @@ def rank_and_micro(text: str) -> tuple[int, int]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from harness.cost.profile import SKIPPED
-    from harness.sweep.study import pruner_for
     from harness.train import train
+    from harness.trials import Status
 
     run = load_run(read_yaml(args.config), parse_overrides(args.set))
     out = Path(args.out) if args.out else Path("runs") / run.name
@@ -51,13 +52,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UserError(f"--profile {args.profile}: the run has {steps} steps and the profile "
                         f"needs {args.profile + SKIPPED} (the first {SKIPPED} are not recorded); "
                         "lower --profile or raise train.steps")
-    summary = train(run, out, profile_steps=args.profile or 0, prune=pruner_for(out))
+    summary = train(run, out, profile_steps=args.profile or 0)
     status = summary["status"]
     print(f"{out}: {status}" + (f" ({summary['error']})" if summary.get("error") else ""))
-    if status == "interrupted":
+    if status == Status.INTERRUPTED:
         print("stopped with a checkpoint; run the same command to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
-    return EXIT_OK if status == "ok" else EXIT_FAILED
+    return EXIT_OK if status == Status.OK else EXIT_FAILED
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -91,17 +92,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _load(runs_dir: str):
     from harness.analysis import load_runs
-    from harness.sweep.status import trial_status
+    from harness.sweep.status import trial_statuses
+    from harness.trials import RunsDir
 
     try:
         trials = load_runs(runs_dir)
     except FileNotFoundError as e:
         raise UserError(str(e)) from None
-    if len(trials):
-        trials["status"] = [
-            trial_status(Path(d) / "trials" / t)
-            for d, t in zip(trials["run_dir"], trials["trial"], strict=True)
-        ]
+    if len(trials):  # one squeue for all of them
+        trials["status"] = trial_statuses([
+            RunsDir(d).trial(t) for d, t in zip(trials["run_dir"], trials["trial"], strict=True)
+        ])
     return trials
 
 
@@ -110,7 +111,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     import time
 
     from harness.analysis import status_table
-    from harness.sweep.status import FINISHED
+    from harness.trials import FINISHED
 
     while True:
         trials = _load(args.runs_dir)
@@ -129,10 +130,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from harness.analysis import write_report
+    from harness.trials import RunsDir
 
     for runs_dir in args.runs_dirs:
         _load(runs_dir)
-    out = Path(args.out) if args.out else Path(args.runs_dirs[0]) / "report"
+    out = Path(args.out) if args.out else RunsDir(args.runs_dirs[0]).report
     print(write_report(args.runs_dirs, out))
     print(f"\nreport written to {out} (report.html, report.md)")
     return EXIT_OK
@@ -331,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(render(e), file=sys.stderr)
         return EXIT_USER
     except BrokenPipeError:  # `harness ... | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.config import TrainConfig
 from harness.errors import UserError
 
 # A collective that waits this long fails instead of hanging: longer than the slowest thing one
@@ -54,18 +53,6 @@ def say(*args: Any) -> None:
     """Progress lines come from rank 0 only; W copies of every line would bury them."""
     if is_main():
         print(*args, flush=True)
-
-
-def local_accumulation(train: TrainConfig) -> int:
-    """Micro-batches per step on this process: `total_batch_size` stays the global batch."""
-    world, total = world_size(), train.total_batch_size or train.batch_size
-    if world > 1 and total % (train.batch_size * world):
-        raise UserError(
-            f"train.total_batch_size: {total} sequences per step do not split into whole "
-            f"micro-batches of batch_size {train.batch_size} over {world} processes "
-            f"(WORLD_SIZE); use a multiple of {train.batch_size * world}"
-        )
-    return train.accumulation // world
 
 
 def init(device: torch.device) -> torch.device:

@@ -1,4 +1,8 @@
-"""User-facing errors: a mistake in the input is one line on stderr and exit code 2."""
+"""The user-facing error types and the one-line formatting, used by every command.
+
+A mistake in the input is a UserError: one line on stderr (`render`) and exit code 2. A failure
+recorded in a summary or printed by a launcher is its exception's `first_line` or `last_line`.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,11 @@ def suggest(name: str, choices: list[str], what: str, path: str) -> UserError:
     close = difflib.get_close_matches(name, choices, n=1)
     hint = f"did you mean '{close[0]}'? " if close else ""
     return UserError(f"{path}: unknown {what} '{name}' ({hint}allowed: {', '.join(choices)})")
+
+
+def render(error: UserError) -> str:
+    """How a command prints a user error on stderr (without the newline)."""
+    return f"error: {error}"
 
 
 def first_line(error: BaseException) -> str:

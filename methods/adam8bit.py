@@ -8,15 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import Field
 
-from harness.methods.base import (
-    Groups,
-    MemoryEstimate,
-    Method,
-    Shapes,
-    grad_bytes,
-    numel,
-    register,
-)
+from harness.methods.base import Groups, MemoryEstimate, Method, Shapes, grad_bytes, numel, register
 from harness.methods.full import AdamConfig
 
 if TYPE_CHECKING:
@@ -24,6 +16,14 @@ if TYPE_CHECKING:
 
 BLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states
 QMAP = 256  # entries in each state's float32 quantization map
+
+
+def adam8bit_state_bytes(n: int, min_8bit_size: int) -> int:
+    """bitsandbytes' 8-bit Adam moments of an n-value tensor: two uint8 states, each with its
+    float32 quantization map and a float32 absmax per block; smaller tensors stay 32-bit."""
+    if n < min_8bit_size:
+        return 8 * n
+    return 2 * (n + 4 * QMAP + 4 * math.ceil(n / BLOCK))
 
 
 class Adam8bitConfig(AdamConfig):
@@ -49,10 +49,5 @@ class Adam8bit(Method):
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         sizes = [numel(s) for s in shapes.values()]
-        states = sum(map(self._state_bytes, sizes))
-        return MemoryEstimate(4 * sum(sizes), grad_bytes(sizes, run), states)
-
-    def _state_bytes(self, n: int) -> int:
-        if n < self.config.min_8bit_size:
-            return 8 * n
-        return 2 * (n + 4 * QMAP + 4 * math.ceil(n / BLOCK))
+        states = sum(adam8bit_state_bytes(n, self.config.min_8bit_size) for n in sizes)
+        return MemoryEstimate(4 * sum(sizes), grad_bytes(sizes, run, self.steps), states)

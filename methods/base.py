@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
-from harness import distributed
 from harness.config import Strict
-from harness.config.steps import lr_factor
+from harness.config.steps import Steps, lr_factor
 from harness.errors import suggest
 from harness.modifiers.optimizer import make_optimizer
 
@@ -47,13 +47,14 @@ class Method:
     name: ClassVar[str]
     summary: ClassVar[str]
     Config: ClassVar[type[Strict]] = Strict
-    # What the targeted linears become, for the activation model (harness/activations.py):
+    # What the targeted linears become, for the activation model (harness/cost/activations.py):
     # "float" (trained as they are), "adapter" (frozen, plus rank-r adapters), "factored"
     # (two rank-r factors) or "quantized" (codes, no float weight for autocast to copy).
     linears: ClassVar[str] = "float"
 
-    def __init__(self, config: Strict) -> None:
+    def __init__(self, config: Strict, steps: Steps) -> None:
         self.config = config
+        self.steps = steps  # the run's step arithmetic: gradient memory depends on accumulation
 
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         return model
@@ -69,8 +70,6 @@ class Method:
     def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
         """`build_optimizer` as the memory modifiers ask: per parameter inside backward
         (layerwise), and with its states on the host (optimizer_offload: host)."""
-        # Layer-wise gradient memory depends on the micro-batches each process accumulates.
-        self.accumulation = max(1, run.train.accumulation // distributed.world_size())
         groups = [g for g in self.param_groups(model, run) if g["params"]]
         return make_optimizer(groups, lambda gs: self.build_optimizer(gs, run), run)
 
@@ -105,22 +104,22 @@ class Method:
         """Layer-wise updates freed each gradient inside backward: count what existed."""
         if getattr(optimizer, "layerwise", False):
             sizes = [p.numel() for p in params if p.requires_grad]
-            return grad_bytes_of(sizes, True, self.accumulation)
+            return grad_bytes_of(sizes, True, self.steps.accumulation)
         return sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
 
 
 def grad_bytes_of(sizes: list[int], layerwise: bool, accumulation: int) -> int:
-    """fp32 gradients of the trained tensors. Layer-wise without accumulation holds one at a
-    time: the largest is the peak. With accumulation every one lives until the last
-    micro-batch's backward."""
+    """fp32 gradients of the trained tensors. Layer-wise without accumulation (`accumulation`:
+    micro-batches per step on one process) holds one at a time: the largest is the peak. With
+    accumulation every one lives until the last micro-batch's backward."""
     if layerwise and accumulation == 1:
         return 4 * max(sizes)
     return 4 * sum(sizes)
 
 
-def grad_bytes(sizes: list[int], run: RunConfig) -> int:
+def grad_bytes(sizes: list[int], run: RunConfig, steps: Steps) -> int:
     """The estimate's gradient bytes for the trained tensors of `sizes` under `run`."""
-    return grad_bytes_of(sizes, run.memory.layerwise, run.train.accumulation)
+    return grad_bytes_of(sizes, run.memory.layerwise, steps.accumulation)
 
 
 def register(name: str):
@@ -142,9 +141,13 @@ def method_names() -> list[str]:
     return list(_REGISTRY)
 
 
-def build_method(run: RunConfig) -> Method:
-    cls = get_method(run.method_name)
-    return cls(cls.Config.model_validate(run.method_params))
+def build_method(run: RunConfig, steps: Steps | None = None) -> Method:
+    """The run's method on the typed settings `load_run` validated (methods/resolve.py), for
+    `steps` (default: one process)."""
+    if run.method_settings is None:
+        raise ValueError("build_method takes a run from load_run, which validates its method")
+    steps = steps or Steps.of(run.train, run.task.seq_len)
+    return get_method(run.method_name)(run.method_settings, steps)
 
 
 def changed_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -161,6 +164,21 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+
+
+def is_target(module: str, targets: Collection[str], anywhere: bool = False) -> bool:
+    """Whether the linear named `module` is one of `targets`: by its last name component (peft's
+    rule, which LoRA, QLoRA, ReLoRA and low-rank follow) or, `anywhere`, by any component
+    (GaLore's and Q-GaLore's: `intermediate` selects intermediate.dense)."""
+    parts = module.split(".")
+    return any(p in targets for p in parts) if anywhere else parts[-1] in targets
+
+
+def target_linears(model: nn.Module, targets: Collection[str],
+                   anywhere: bool = False) -> list[tuple[str, nn.Linear]]:
+    """The model's nn.Linear modules that `is_target`, with their names, in module order."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and is_target(name, targets, anywhere)]
 
 
 def numel(shape: torch.Size | tuple[int, ...]) -> int:

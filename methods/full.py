@@ -8,23 +8,24 @@ import torch
 from pydantic import Field
 
 from harness.config import Strict
-from harness.methods.base import (
-    Groups,
-    MemoryEstimate,
-    Method,
-    Shapes,
-    grad_bytes,
-    numel,
-    register,
-)
+from harness.methods.base import Groups, MemoryEstimate, Method, Shapes, grad_bytes, numel, register
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
+    from harness.config.steps import Steps
 
 
 class AdamConfig(Strict):
     betas: tuple[float, float] = Field((0.9, 0.999), description="moment decay rates")
     eps: float = Field(1e-8, gt=0, description="added to the second moment's root")
+
+
+def adam_bytes(weight_bytes: int, trainable: list[int], run: RunConfig,
+               steps: Steps) -> MemoryEstimate:
+    """AdamW's bytes: fp32 gradients, two fp32 moments and a float32 step per trained tensor."""
+    n = sum(trainable)
+    grads = grad_bytes(trainable, run, steps)
+    return MemoryEstimate(weight_bytes, grads, 8 * n + 4 * len(trainable))
 
 
 def adamw(groups: Groups, run: RunConfig, config: AdamConfig) -> torch.optim.Optimizer:
@@ -48,6 +49,5 @@ class Full(Method):
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         sizes = [numel(s) for s in shapes.values()]
-        # fp32 master weights and grads (bf16 is autocast); two fp32 moments and a step each.
-        n = sum(sizes)
-        return MemoryEstimate(4 * n, grad_bytes(sizes, run), 8 * n + 4 * len(sizes))
+        # fp32 master weights (bf16 is autocast)
+        return adam_bytes(4 * sum(sizes), sizes, run, self.steps)

@@ -14,6 +14,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from harness.methods.adam8bit import adam8bit_state_bytes
 from harness.methods.base import (
     TARGETS,
     Groups,
@@ -21,24 +22,17 @@ from harness.methods.base import (
     Method,
     Shapes,
     grad_bytes,
+    is_target,
     numel,
     register,
     tensor_bytes,
 )
 from harness.methods.full import AdamConfig
-from harness.methods.galore_optim import (
-    BASIS_KEYS,
-    BLOCK,
-    QMAP,
-    GaLoreOptimizer,
-    lowrank_shape,
-    side_of,
-)
+from harness.methods.galore_optim import BASIS_KEYS, GaLoreOptimizer, lowrank_shape, side_of
 from harness.modifiers.optimizer import unwrap
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
-
 
 
 class ProjectionConfig(AdamConfig):
@@ -72,8 +66,9 @@ class GaLore(Method):
     Config = GaLoreConfig
 
     def targeted(self, name: str, shape: tuple[int, ...]) -> bool:
-        parts = name.split(".")
-        return len(shape) == 2 and any(t in parts for t in self.config.target_modules)
+        """Whether the parameter `name` is a projected matrix (a target linear's weight)."""
+        module = name.rpartition(".")[0]
+        return len(shape) == 2 and is_target(module, self.config.target_modules, anywhere=True)
 
     def param_groups(self, model: nn.Module, run: RunConfig) -> Groups:
         """Projected matrices, the other matrices, and vectors (never decayed)."""
@@ -124,7 +119,7 @@ class GaLore(Method):
                 extra += 4 * basis_numel(shape, side, c.rank)
                 shape = lowrank_shape(shape, side, c.rank)
             state += state_bytes(shape, c.optimizer, c.min_8bit_size, c.adafactor_beta1)
-        return MemoryEstimate(4 * sum(sizes), grad_bytes(sizes, run), state, extra)
+        return MemoryEstimate(4 * sum(sizes), grad_bytes(sizes, run, self.steps), state, extra)
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
         params = list(model.parameters())
@@ -150,6 +145,6 @@ def state_bytes(shape: tuple[int, ...], inner: str, min_8bit_size: int,
     if inner == "adafactor":
         sq = 4 * (n // shape[-1] + n // shape[-2]) if len(shape) >= 2 else 4 * n
         return sq + (4 * n if beta1 is not None else 0)
-    if inner == "adam8bit" and n >= min_8bit_size:
-        return 2 * (n + 4 * QMAP + 4 * math.ceil(n / BLOCK))
+    if inner == "adam8bit":
+        return adam8bit_state_bytes(n, min_8bit_size)
     return 8 * n

@@ -22,10 +22,11 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as fused_adamw
 
+from harness.methods.adam8bit import BLOCK
+
 BASIS_KEYS = ("left", "right")  # projection matrices: extra bytes, not optimizer state
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col",
                "state1", "state2", "absmax1", "absmax2")
-BLOCK, QMAP = 256, 256  # bitsandbytes' block size and quantization-map length for 8-bit states
 OVERSAMPLE, POWER_ITERS = 8, 2  # randomized SVD (Halko et al., 2011)
 ADAFACTOR = {"eps": 1e-30, "clip": 1.0, "decay_rate": -0.8}  # transformers' defaults
 

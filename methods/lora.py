@@ -18,11 +18,11 @@ from harness.methods.base import (
     MemoryEstimate,
     Method,
     Shapes,
-    grad_bytes,
+    is_target,
     numel,
     register,
 )
-from harness.methods.full import AdamConfig, adamw
+from harness.methods.full import AdamConfig, adam_bytes, adamw
 
 if TYPE_CHECKING:
     from peft.tuners.lora import LoraLayer
@@ -85,28 +85,20 @@ def adapter_params(model: nn.Module) -> list[nn.Parameter]:
     ]
 
 
-def is_target(name: str, targets: list[str]) -> bool:
-    """Whether a base-model parameter belongs to a target linear (peft matches the name's tail)."""
-    module = name.rsplit(".", 1)[0]
-    return module.rsplit(".", 1)[-1] in targets
-
-
-def adam_bytes(weight_bytes: int, trainable: list[int], run: RunConfig) -> MemoryEstimate:
-    """fp32 gradients, two fp32 moments and a float32 step per trainable tensor."""
-    n = sum(trainable)
-    return MemoryEstimate(weight_bytes, grad_bytes(trainable, run), 8 * n + 4 * len(trainable))
-
-
 class LoraShapes:
-    """The base model's shapes split into target weights and the rest, plus the adapters' sizes."""
+    """The base model's shapes split into target weights and the rest, plus the adapters' sizes
+    and the tensors AdamW trains."""
 
     def __init__(self, shapes: Shapes, config: LoraParams) -> None:
-        targets = {n: s for n, s in shapes.items() if is_target(n, config.target_modules)}
+        targets = {n: s for n, s in shapes.items()
+                   if is_target(n.rpartition(".")[0], config.target_modules)}
         self.target_weights = [s for n, s in targets.items() if n.endswith(".weight")]
         self.frozen = [numel(s) for s in targets.values()]
         self.others = [numel(s) for n, s in shapes.items() if n not in targets]
         r = config.rank
         self.adapters = [n for out, inp in self.target_weights for n in (r * inp, out * r)]
+        self.trainable = self.adapters + (self.others if config.train_non_targets else [])
+        self.float_bytes = 4 * sum(self.frozen + self.others + self.adapters)
 
 
 @register("lora")
@@ -123,5 +115,4 @@ class Lora(Method):
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         s = LoraShapes(shapes, self.config)
-        trainable = s.adapters + (s.others if self.config.train_non_targets else [])
-        return adam_bytes(4 * sum(s.frozen + s.others + s.adapters), trainable, run)
+        return adam_bytes(s.float_bytes, s.trainable, run, self.steps)

@@ -18,12 +18,19 @@ from pydantic import Field
 from torch import nn
 
 from harness.errors import UserError
-from harness.methods.base import TARGETS, MemoryEstimate, Shapes, grad_bytes, numel, register
-from harness.methods.full import AdamConfig, Full
+from harness.methods.base import (
+    TARGETS,
+    MemoryEstimate,
+    Shapes,
+    is_target,
+    numel,
+    register,
+    target_linears,
+)
+from harness.methods.full import AdamConfig, Full, adam_bytes
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
-
 
 
 class LowRankConfig(AdamConfig):
@@ -68,9 +75,6 @@ class LowRank(Full):
     linears = "factored"
     Config = LowRankConfig
 
-    def _is_target(self, module_name: str) -> bool:
-        return module_name.rsplit(".", 1)[-1] in self.config.target_modules
-
     def _check_found(self, found: set[str]) -> None:
         missing = sorted(set(self.config.target_modules) - found)
         if missing:
@@ -80,29 +84,23 @@ class LowRank(Full):
 
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
-        targets = [
-            (name, m)
-            for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and self._is_target(name)
-        ]
+        targets = target_linears(model, self.config.target_modules)
         self._check_found({name.rsplit(".", 1)[-1] for name, _ in targets})
         for name, linear in targets:
             model.set_submodule(name, LowRankLinear(linear, self.config.rank, std))
         return model
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        r = self.config.rank
+        r, targets = self.config.rank, self.config.target_modules
         sizes: list[int] = []  # one entry per trained tensor after `prepare`
         found = set()
         for name, shape in shapes.items():
             module, _, leaf = name.rpartition(".")
-            if leaf == "weight" and len(shape) == 2 and self._is_target(module):
+            if leaf == "weight" and len(shape) == 2 and is_target(module, targets):
                 found.add(module.rsplit(".", 1)[-1])
                 out_features, in_features = shape
                 sizes += [r * in_features, out_features * r]
             else:
                 sizes.append(numel(shape))
         self._check_found(found)
-        n = sum(sizes)
-        # as in full: fp32 weights and grads, two fp32 moments and a step per tensor
-        return MemoryEstimate(4 * n, grad_bytes(sizes, run), 8 * n + 4 * len(sizes))
+        return adam_bytes(4 * sum(sizes), sizes, run, self.steps)  # as in full

@@ -36,6 +36,7 @@ from harness.methods.base import (
     grad_bytes_of,
     numel,
     register,
+    target_linears,
     tensor_bytes,
 )
 from harness.methods.galore import GaLore, ProjectionConfig, basis_numel, state_bytes
@@ -97,9 +98,7 @@ class QGaLore(GaLore):
 
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         c = self.config
-        targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)
-                   and self.targeted(f"{name}.weight", tuple(m.weight.shape))]
-        for name, linear in targets:
+        for name, linear in target_linears(model, c.target_modules, anywhere=True):
             if c.simulate:
                 parametrize.register_parametrization(linear, "weight", FakeInt8(c.weight_group))
             else:
@@ -125,7 +124,6 @@ class QGaLore(GaLore):
         c = self.config
         if c.simulate:
             return super().optimizer(model, run)
-        self.accumulation = run.train.accumulation
         layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
         return QGaLoreOptimizer(  # Int8Linear keeps no weight parameter: the rest are others
             layers, list(model.parameters()), weight_decay=run.train.weight_decay, rank=c.rank,
@@ -178,8 +176,8 @@ class QGaLore(GaLore):
                     int4_packed_bytes(s, c.proj_group)
                     for s in basis_shapes(shape, side, c.rank).values())
         sizes = [numel(s) for s in shapes.values()]
-        grads = grad_bytes(sizes, run) if c.simulate else grad_bytes_of(
-            sizes, True, run.train.accumulation)
+        grads = grad_bytes(sizes, run, self.steps) if c.simulate else grad_bytes_of(
+            sizes, True, self.steps.accumulation)
         return MemoryEstimate(weights, grads, state, extra)
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
@@ -201,7 +199,7 @@ class QGaLore(GaLore):
         sizes = [p.numel() for p in params] + [m.codes.numel() for m in layers]
         return MemoryEstimate(
             weight_bytes=floats + sum(tensor_bytes(m.codes) for m in layers),
-            grad_bytes=grad_bytes_of(sizes, True, self.accumulation),
+            grad_bytes=grad_bytes_of(sizes, True, self.steps.accumulation),
             optimizer_state_bytes=tensor_bytes([st["moments"] for st in layer_states])
             + tensor_bytes([list(o.state.values()) for o in optimizer.inner.values()]),
             extra_bytes=tensor_bytes([[m.scale, m.zero, optimizer.gaps[m].prev] for m in layers])

@@ -15,8 +15,9 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from harness.methods.base import MemoryEstimate, Shapes, register, tensor_bytes
-from harness.methods.lora import Lora, LoraParams, LoraShapes, adam_bytes, add_adapters, is_target
+from harness.methods.base import MemoryEstimate, Shapes, register, target_linears, tensor_bytes
+from harness.methods.full import adam_bytes
+from harness.methods.lora import Lora, LoraParams, LoraShapes, add_adapters
 
 if TYPE_CHECKING:
     import bitsandbytes as bnb
@@ -49,12 +50,7 @@ class QLora(Lora):
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         from peft import prepare_model_for_kbit_training
 
-        targets = [
-            (name, m)
-            for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and is_target(f"{name}.weight", self.config.target_modules)
-        ]
-        for name, linear in targets:
+        for name, linear in target_linears(model, self.config.target_modules):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, self._nf4(linear))
         model.is_loaded_in_4bit = True  # peft then wraps these with its bnb LoRA layers
@@ -96,9 +92,8 @@ class QLora(Lora):
         s = LoraShapes(shapes, self.config)
         packed = [math.ceil(out * inp / 2) for out, inp in s.target_weights]
         biases = sum(s.frozen) - sum(out * inp for out, inp in s.target_weights)
-        trainable = s.adapters + (s.others if self.config.train_non_targets else [])
         counted = adam_bytes(
-            sum(packed) + 4 * (biases + sum(s.others + s.adapters)), trainable, run
+            sum(packed) + 4 * (biases + sum(s.others + s.adapters)), s.trainable, run, self.steps
         )
         counted.extra_bytes = sum(self._constants_bytes(out * inp) for out, inp in s.target_weights)
         return counted

@@ -27,12 +27,12 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from harness.methods.base import MemoryEstimate, Shapes, register
+from harness.methods.full import adam_bytes
 from harness.methods.lora import (
     ADAPTER,
     Lora,
     LoraParams,
     LoraShapes,
-    adam_bytes,
     adapter_params,
     add_adapters,
     lora_layers,
@@ -153,10 +153,10 @@ class ReLora(Lora):
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         """Peak bytes: with a warm start, the full-rank phase where the targets train too."""
         s = LoraShapes(shapes, self.config)
-        trainable = s.adapters + (s.others if self.config.train_non_targets else [])
+        trainable = s.trainable
         if self.config.warm_start_steps:
-            trainable += [out * inp for out, inp in s.target_weights]
-        return adam_bytes(4 * sum(s.frozen + s.others + s.adapters), trainable, run)
+            trainable = trainable + [out * inp for out, inp in s.target_weights]
+        return adam_bytes(s.float_bytes, trainable, run, self.steps)
 
 
 def merge_and_redraw(layer: LoraLayer, init: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from harness.config import RunConfig, set_dotted, validate
+from harness.config import RunConfig, Strict, set_dotted, validate
 from harness.errors import UserError
 from harness.methods.base import build_method, get_method
 from harness.models import check_model
@@ -22,14 +22,14 @@ MODIFIER_TRIALS: dict[str, dict[str, Any]] = {
 }
 
 
-def resolve_method(spec: dict[str, Any], path: str) -> dict[str, Any]:
-    """Check a method spec against the registry and its typed config; return it with defaults."""
+def resolve_method(spec: dict[str, Any], path: str) -> tuple[str, Strict]:
+    """Check a method spec against the registry: its name and typed settings (with defaults).
+    The one place a method's settings are validated; `build_method` reuses them."""
     spec = dict(spec)
     name = spec.pop("name", None)
     if not isinstance(name, str):
         raise UserError(f"missing key '{path}.name' (a method name; see `harness methods`)")
-    params = validate(get_method(name, f"{path}.name").Config, spec, prefix=f"{path}.")
-    return {"name": name, **params.model_dump()}
+    return name, validate(get_method(name, f"{path}.name").Config, spec, prefix=f"{path}.")
 
 
 def load_run(data: dict[str, Any], overrides: dict[str, Any] | None = None) -> RunConfig:
@@ -37,7 +37,7 @@ def load_run(data: dict[str, Any], overrides: dict[str, Any] | None = None) -> R
     for key, value in (overrides or {}).items():
         set_dotted(data, key, value)
     run = validate(RunConfig, data)
-    run.method = resolve_method(run.method, "method")
+    run.set_method(*resolve_method(run.method, "method"))
     check_model(run)
     check_modifiers(run)
     return run

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
-pip install -q --no-deps --no-build-isolation --target "$site" . >/dev/null
+pip install -q --no-deps --target "$site" . >/dev/null
 cd "$site"  # so that `harness` is the installed copy, not this checkout's folder
 PYTHONPATH="$site" lint-imports --config "$OLDPWD/pyproject.toml"
 PYTHONPATH="$site" python "$OLDPWD/scripts/module_cycles.py"

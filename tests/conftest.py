@@ -1,8 +1,18 @@
-"""Shared fixtures: a micro LLaMA on the embedded sample corpus, small enough for CI."""
+"""Shared fixtures: a micro LLaMA on the embedded sample corpus, small enough for CI.
+
+Helpers (imported as `from conftest import ...`): `micro_run` (a run config), `micro_model` (a
+small LLaMA preset, seeded), `write_c4_shards` (a local C4-layout corpus), `write_yaml`,
+`harness` (the real command line). Fixtures: `micro`, `tiny_model`, `sample_tokenizer`,
+`tiny_corpus`, and `finished_run` (a sweep run once per session through the CLI; read-only,
+`finished_run_copy` for a test that writes into it).
+"""
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +27,7 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["WANDB_SILENT"] = "true"
 
 REPO = Path(__file__).resolve().parents[1]
+SAMPLE_VOCAB = 8192  # the embedded sample tokenizer's vocabulary (tests/data/test_c4.py checks)
 
 
 def micro_run(**train: Any) -> dict[str, Any]:
@@ -60,6 +71,84 @@ def harness(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 @pytest.fixture
 def micro() -> dict[str, Any]:
     return micro_run()
+
+
+def micro_model(seed: int | None = 0, preset: str = "llama_micro", vocab: int = SAMPLE_VOCAB,
+                seq_len: int = 32, pad_id: int | None = None) -> Any:
+    """A freshly initialised LLaMA preset as the trainer builds it (llama_micro: 2 layers,
+    hidden 64, 1.15M parameters on the sample vocabulary); `seed` seeds torch first (None:
+    the global generator as it stands)."""
+    import torch
+
+    from harness.models import build_model
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    return build_model(preset, vocab, seq_len, pad_id)
+
+
+@pytest.fixture
+def tiny_model() -> Any:
+    """llama_micro on the sample vocabulary, seed 0: a new one for each test."""
+    return micro_model()
+
+
+@pytest.fixture(scope="session")
+def sample_tokenizer() -> Any:
+    """The embedded sample tokenizer (read-only: tokenizing does not change it)."""
+    from harness.data.c4 import load_tokenizer
+
+    return load_tokenizer("sample")
+
+
+def write_c4_shards(root: Path, splits: dict[str, list[str]], shards: int = 1) -> Path:
+    """A local corpus in C4's layout: `c4-<split>.<k>-of-<n>.json.gz`, one JSON row a line."""
+    root.mkdir(parents=True, exist_ok=True)
+    for split, texts in splits.items():
+        for k in range(shards):
+            path = root / f"c4-{split}.{k:05d}-of-{shards:05d}.json.gz"
+            with gzip.open(path, "wt") as f:
+                for i, text in enumerate(texts[k::shards]):
+                    row = {"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": f"u{i}"}
+                    f.write(json.dumps(row) + "\n")
+    return root
+
+
+TINY_CORPUS = {"train": [f"train doc {i}" for i in range(6)], "validation": ["valid doc"]}
+
+
+@pytest.fixture
+def tiny_corpus(tmp_path: Path) -> Path:
+    """TINY_CORPUS as local C4 shards: six train documents over 2 shards, one validation."""
+    return write_c4_shards(tmp_path / "corpus", TINY_CORPUS, shards=2)
+
+
+# The finished run: two methods at one LR, 4 steps of llama_micro, evals at steps 2 and 4.
+FINISHED_SWEEP: dict[str, Any] = {
+    "name": "finished",
+    **{k: v for k, v in micro_run(steps=4).items() if k in ("model", "task", "train")},
+    "eval": {"every": 2, "tokens": 256},
+    "methods": {"full": {}, "adam8bit": {}},
+    "search": {"space": {"train.lr": [0.003]}},
+}
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A runs folder as `harness sweep` leaves it (FINISHED_SWEEP, both trials ok), built once
+    per session through the real command. Shared: read it, never write into it (use
+    `finished_run_copy` for that)."""
+    root = tmp_path_factory.mktemp("finished")
+    path = write_yaml(root / "finished.yaml", FINISHED_SWEEP)
+    done = harness("sweep", str(path), "--out", str(root / "runs"), "--jobs", "2")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return root / "runs"
+
+
+@pytest.fixture
+def finished_run_copy(finished_run: Path, tmp_path: Path) -> Path:
+    """A private copy of `finished_run`, for a test that writes a report or changes a trial."""
+    return Path(shutil.copytree(finished_run, tmp_path / "runs"))
 
 
 @pytest.fixture(autouse=True)

@@ -17,10 +17,9 @@ from typing import Any
 
 from tabulate import tabulate
 
-from harness.sweep.launchers import LAUNCH
 from harness.sweep.plan import load_sweep
 from harness.sweep.run import run_sweep
-from harness.trials import read_json, write_yaml
+from harness.trials import RunsDir, write_yaml
 
 KINDS = ("local", "submitit-local")
 
@@ -43,15 +42,17 @@ def _overheads(tmp: Path, kind: str, trials: int) -> list[float]:
         "eval": {"tokens": 32}, "methods": {"full": {}}, "seeds": list(range(trials)),
         "launcher": {"kind": kind, "jobs": 1},
     }  # fmt: skip
-    write_yaml(tmp / "sweep.yaml", sweep)
+    source = tmp / "bench_launch.yaml"
+    write_yaml(source, sweep)
+    runs = RunsDir(tmp / "runs")
     with redirect_stdout(sys.stderr):  # the trials' progress; stdout is for the table or JSON
-        run_sweep(load_sweep(tmp / "sweep.yaml", {}), tmp / "runs")
+        run_sweep(load_sweep(source, {}), runs.path)
     seconds = []
-    for trial in sorted((tmp / "runs" / "trials").iterdir()):
-        launched, summary = read_json(trial / LAUNCH), read_json(trial / "summary.json")
+    for trial in runs.trial_dirs():
+        launched, summary = trial.read_launch(), trial.read_summary()
         if launched and summary and summary.get("first_step_at"):
-            seconds.append(summary["first_step_at"] - launched["submitted_at"]
-                           - summary["build_s"])
+            seconds.append(summary.get("first_step_at") - launched["submitted_at"]
+                           - summary.get("build_s"))
     return seconds
 
 

@@ -3,7 +3,7 @@
 Each method trains a few steps of a preset in this process; its weights, gradients, optimizer
 states and extras (projections, quantization constants) are then counted from the real tensors
 and compared with `Method.estimate` on the preset's shapes. Target: equal (ratio 1). The peak of
-a steady step (harness/tensor_peak.py: allocated bytes on a GPU, live tensor bytes on the CPU)
+a steady step (harness/cost/tensor_peak.py: allocated bytes on a GPU, live tensor bytes on the CPU)
 is compared with the estimator's, which adds the activation model: target within ±5%.
 """
 

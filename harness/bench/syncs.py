@@ -58,7 +58,7 @@ class HostReads(TorchFunctionMode):
 
 def _site() -> str:
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if "/torch/" not in frame.filename and not frame.filename.endswith("bench_syncs.py"):
+        if "/torch/" not in frame.filename and not frame.filename.endswith("bench/syncs.py"):
             return f"{'/'.join(Path(frame.filename).parts[-2:])}:{frame.lineno} {frame.name}"
     return "torch"
 

@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -166,7 +167,7 @@ def _module_kinds(value: Any, words: tuple[str, ...]) -> Any:
 
 
 class MemoryConfig(Strict):
-    """Memory modifiers, orthogonal to the method (harness/memory.py applies them)."""
+    """Memory modifiers, orthogonal to the method (harness/modifiers applies them)."""
 
     recompute: str | list[str] = Field(
         "none", description="none | full (every decoder layer) | a list of attention, mlp, norm"
@@ -258,6 +259,18 @@ class RunConfig(Common):
     seed: int = 0
     method: dict[str, Any] = Field(default_factory=lambda: {"name": "full"})
     provenance: dict[str, Any] | None = Field(None, description="written by the harness")
+    _settings: Any = PrivateAttr(None)  # the method's typed settings, once resolved
+
+    def set_method(self, name: str, settings: BaseModel) -> None:
+        """The method's typed settings, validated once against its registered class
+        (harness.methods.resolve); `method` keeps their dump, for config.yaml and `identity`."""
+        self.method = {"name": name, **settings.model_dump()}
+        self._settings = settings
+
+    @property
+    def method_settings(self) -> Any:
+        """The typed settings `set_method` was given (None until the run is resolved)."""
+        return self._settings
 
     @property
     def method_name(self) -> str:

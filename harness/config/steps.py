@@ -1,10 +1,56 @@
-"""Step arithmetic of a run: the LR schedule (below the methods, which reshape it)."""
+"""Step arithmetic of a run: one optimizer step's micro-batches, sequences and tokens over the
+data-parallel processes (`Steps`), and the LR schedule (below the methods, which reshape both)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from harness.config import TrainConfig
+from harness.errors import UserError
+
+
+@dataclass(frozen=True)
+class Steps:
+    """One optimizer step of a run on `world` data-parallel processes. Built once (`Steps.of`)
+    and handed to the trainer, the method and the estimator, so that a run and its estimate
+    count the same micro-batches: `total_batch_size` is the global batch, and each process
+    accumulates its share of it."""
+
+    world: int  # data-parallel processes
+    micro_batch: int  # sequences per forward on one process (train.batch_size)
+    accumulation: int  # micro-batches per step on one process
+    seq_len: int  # tokens per sequence (GLUE: at most this)
+
+    @classmethod
+    def of(cls, train: TrainConfig, seq_len: int, world: int = 1,
+           world_from: str = "WORLD_SIZE") -> Steps:
+        """The arithmetic of `train` over `world` processes; refuses a global batch that does
+        not split into whole micro-batches on every process (`world_from`: where the error
+        says the process count came from)."""
+        total, micro = train.total_batch_size or train.batch_size, train.batch_size
+        if total % (micro * world):
+            raise UserError(
+                f"train.total_batch_size: {total} sequences per step do not split into whole "
+                f"micro-batches of batch_size {micro} over {world} processes "
+                f"({world_from}); use a multiple of {micro * world}"
+            )
+        return cls(world, micro, total // (micro * world), seq_len)
+
+    @property
+    def global_accumulation(self) -> int:
+        """Micro-batches per step over all processes (`TrainConfig.accumulation`)."""
+        return self.accumulation * self.world
+
+    @property
+    def sequences(self) -> int:
+        """Sequences per optimizer step, over all processes (`total_batch_size`)."""
+        return self.micro_batch * self.global_accumulation
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per optimizer step, over all processes (GLUE: at most this many)."""
+        return self.sequences * self.seq_len
 
 
 def lr_factor(step: int, t: TrainConfig) -> float:

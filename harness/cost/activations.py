@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.config import RunConfig
-from harness.methods.base import TARGETS, MemoryEstimate, Method, Shapes, numel
+from harness.methods.base import TARGETS, MemoryEstimate, Method, Shapes, is_target, numel
 from harness.models import PRESETS
 
 KIND_LINEARS = {"attention": TARGETS[:4], "mlp": TARGETS[4:], "norm": ()}
@@ -67,7 +67,7 @@ def kind_bytes(d: Dims, kind: str, autocast: bool, method: Method) -> int:
     a = 2 if autocast else 4
     if kind == "norm":  # the normalised input is kept for the weight's gradient only
         return 2 * ((8 if trains_norms(method) else 4) * d.hidden + 4)
-    linears = [n for n in KIND_LINEARS[kind] if n in targets(method)]
+    linears = [n for n in KIND_LINEARS[kind] if is_target(n, targets(method))]
     rank = getattr(method.config, "rank", 0) if method.linears in ("adapter", "factored") else 0
     readers = 3 if kind == "attention" else 2  # linears reading the same input
     inputs = readers * 2 * d.hidden if autocast and method.linears != "quantized" else 4 * d.hidden
@@ -95,7 +95,8 @@ def weight_copies(shapes: Shapes, method: Method, kind: str | None) -> int:
     if method.linears in ("quantized", "factored"):
         return 0
     names = KIND_LINEARS[kind]
-    layer = [s for n, s in shapes.items() if ".layers.0." in n and n.split(".")[-2] in names]
+    layer = [s for n, s in shapes.items()
+             if ".layers.0." in n and is_target(n.rpartition(".")[0], names)]
     return 2 * sum(map(numel, layer))
 
 
@@ -106,6 +107,7 @@ class Activations:
     start: int  # the start of backward: everything saved plus the loss's gradients
     top: int  # the last layer's backward, its activations recomputed or fetched back
     bottom: int  # the first layer's backward; gradients of the layers above come on top
+    micro_batches: int  # per step on one process: past one, earlier ones' gradients stay
 
 
 def activations(run: RunConfig, shapes: Shapes, method: Method, device: str) -> Activations:
@@ -137,6 +139,7 @@ def activations(run: RunConfig, shapes: Shapes, method: Method, device: str) -> 
         start=layers + head + 8 * d.vocab * d.predicted + cached,
         top=layers + offloaded + full - layer + grads,
         bottom=full + rope + grads,
+        micro_batches=method.steps.accumulation,
     )
 
 
@@ -152,5 +155,5 @@ def peak_bytes(estimate: MemoryEstimate, acts: Activations, run: RunConfig,
     total = sum(map(numel, shapes.values()))
     embedding = sum(numel(s) for n, s in shapes.items() if "embed" in n)
     above = grads * (total - embedding) // total  # the first layer's own come as it runs
-    earlier = grads if run.train.accumulation > 1 else 0
+    earlier = grads if acts.micro_batches > 1 else 0
     return static + max(earlier + max(acts.start, acts.top), earlier + acts.bottom + above, grads)

@@ -1,6 +1,6 @@
 """`harness estimate`: each trial's memory from shapes alone, and GaLore Table 2 beside it.
 
-A trial's peak adds the activation model (harness/activations.py) to the method's bytes; it is
+A trial's peak adds the activation model (harness/cost/activations.py) to the method's bytes; it is
 a GPU's unless the trial runs on the CPU, where offloaded activations stay in the same memory.
 
 Nothing is allocated and no data is read: shapes come from a model on the meta device, and
@@ -21,6 +21,7 @@ import torch
 from tabulate import tabulate
 
 from harness.config import RunConfig, SweepConfig
+from harness.config.steps import Steps
 from harness.cost.activations import activations, peak_bytes
 from harness.methods.base import build_method, changed_params
 from harness.models import param_shapes
@@ -68,10 +69,12 @@ def _shapes(model: str, vocab: int, seq_len: int) -> dict[str, torch.Size]:
 
 
 
-def estimate_run(run: RunConfig) -> dict[str, Any]:
-    """The method's predicted bytes for one run, by kind and in total, and its peak."""
+def estimate_run(run: RunConfig, world: int = 1) -> dict[str, Any]:
+    """The method's predicted bytes for one run on `world` data-parallel processes (each holds
+    them), by kind and in total, and its peak."""
+    steps = Steps.of(run.train, run.task.seq_len, world, "launcher: nodes x tasks_per_node")
     shapes = _shapes(run.model, vocab_size(run.task.tokenizer), run.task.seq_len)
-    method = build_method(run)
+    method = build_method(run, steps)
     estimate = method.estimate(shapes, run)
     acts = activations(run, shapes, method, "cpu" if run.device == "cpu" else "cuda")
     return {"method_name": run.method_name, "params": run.method_params, **estimate.as_dict(),

@@ -24,7 +24,7 @@ SKIPPED = 2  # steps before the recorded ones
 
 def profiler(steps: int, device: torch.device, memory: bool = False) -> profile:
     """`memory`: also record allocations with their stacks, for the memory timeline
-    (harness/tensor_peak.py)."""
+    (harness/cost/tensor_peak.py)."""
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -52,7 +52,7 @@ def profiled(trainer: Trainer, steps: int, out: Path) -> Iterator[None]:
         yield
         return
     with profiler(steps, trainer.device) as prof:
-        trainer.after_step = prof.step
+        trainer.hooks.on("step", lambda step: prof.step())  # a step's boundary in the trace
         yield
     print(write(prof, out, trainer.device), flush=True)
     print(f"profile of {steps} steps: {out / 'profile'} (trace.json, ops.txt)", flush=True)

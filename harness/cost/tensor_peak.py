@@ -14,6 +14,7 @@ from harness.cost.profile import SKIPPED, profiler
 
 if TYPE_CHECKING:
     from harness.train import Trainer
+    from harness.train.hooks import Step
 
 
 def step_peak(trainer: Trainer) -> tuple[int, dict[str, int]]:
@@ -22,15 +23,15 @@ def step_peak(trainer: Trainer) -> tuple[int, dict[str, int]]:
     if trainer.run.train.steps <= SKIPPED:
         raise ValueError(f"step_peak needs more than {SKIPPED} steps")
     if trainer.device.type == "cuda":
-        def reset() -> None:
-            if trainer.step == SKIPPED:
+        def reset(step: Step) -> None:
+            if step.number == SKIPPED:
                 torch.cuda.reset_peak_memory_stats(trainer.device)
 
-        trainer.after_step = reset
+        trainer.hooks.on("step", reset)
         trainer.fit()
         return torch.cuda.max_memory_allocated(trainer.device), {}
     with profiler(1, trainer.device, memory=True) as prof:
-        trainer.after_step = prof.step
+        trainer.hooks.on("step", lambda step: prof.step())
         trainer.fit()
     return _peak(prof._memory_profile())
 

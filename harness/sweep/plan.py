@@ -20,6 +20,7 @@ from harness.config import (
     validate,
 )
 from harness.config.space import check_space
+from harness.config.steps import Steps
 from harness.cost.estimate import estimate_run
 from harness.errors import UserError, suggest
 from harness.methods.base import changed_params
@@ -38,7 +39,7 @@ class Trial:
     def tokens(self) -> int:
         """The token budget (at most, for fine-tuning: examples are shorter than seq_len)."""
         t = self.run.train
-        return t.steps * (t.total_batch_size or t.batch_size) * self.run.task.seq_len
+        return t.steps * Steps.of(t, self.run.task.seq_len).tokens
 
     @property
     def budget(self) -> str:
@@ -153,8 +154,10 @@ def preflight(sweep: SweepConfig) -> None:
 
 
 def estimate_sweep(sweep: SweepConfig) -> list[dict[str, Any]]:
-    """One record per planned trial: the method's predicted bytes, by kind and in total."""
+    """One record per planned trial: the method's predicted bytes, by kind and in total, on
+    each of the launcher's processes (nodes x tasks_per_node)."""
     if sweep.task.kind != "pretrain":
         raise UserError("estimate: predicts pretraining presets only; a GLUE sweep's model "
                         "(an encoder or a checkpoint) is measured by running it")
-    return [{"trial": t.id, "method": t.label, **estimate_run(t.run)} for t in plan(sweep)]
+    return [{"trial": t.id, "method": t.label, **estimate_run(t.run, sweep.launcher.ranks)}
+            for t in plan(sweep)]

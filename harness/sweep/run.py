@@ -1,4 +1,5 @@
-"""Run a sweep: its unfinished trials, on the launcher it names."""
+"""Run a sweep: its unfinished trials, on the launcher it names. A grid hands its trials to
+the workers as a fixed list, a search asks Optuna; both run through `launch`."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from optuna.trial import TrialState
 
 from harness.config import ModelFrom, SweepConfig
 from harness.errors import UserError
-from harness.sweep.launchers import LocalLauncher, run_jobs, run_local, run_workers
+from harness.sweep.launchers import launch
 from harness.sweep.plan import load_sweep, plan, preflight
-from harness.sweep.status import FAILED, FINISHED, trial_status
+from harness.sweep.search import StudySource
+from harness.sweep.source import GridSource
+from harness.sweep.status import trial_statuses
 from harness.sweep.study import (
     DONE,
     counted,
@@ -24,8 +27,7 @@ from harness.sweep.study import (
     retry_failures,
     storage_target,
 )
-from harness.sweep.worker import Worker, WorkerJob
-from harness.trials import write_yaml
+from harness.trials import FAILED, FINISHED, RunsDir, Status
 
 
 def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> int:
@@ -34,7 +36,7 @@ def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> int:
     if sweep.task.kind == "pretrain":
         preflight(sweep)
     out.mkdir(parents=True, exist_ok=True)
-    write_yaml(out / "sweep.yaml", sweep.model_dump())
+    RunsDir(out).write_sweep(sweep.model_dump())
     if sweep.search.sampler == "grid":
         failed = run_grid(sweep, out, retry_failed)
     else:
@@ -61,25 +63,22 @@ def run_grid(sweep: SweepConfig, out: Path, retry_failed: bool) -> bool:
     trials = plan(sweep)
     skip = set(FINISHED) - (set(FAILED) if retry_failed else set())
     todo, live = [], 0
-    for t in trials:
-        trial_dir = out / "trials" / t.id
-        status = trial_status(trial_dir)
-        live += status in ("queued", "running")
-        if status in skip or status in ("queued", "running"):
+    dirs = [RunsDir(out).trial(t.id) for t in trials]
+    for t, trial, status in zip(trials, dirs, trial_statuses(dirs), strict=True):
+        held = status in (Status.QUEUED, Status.RUNNING)  # by a live job or process
+        live += held
+        if status in skip or held:
             continue
-        write_yaml(trial_dir / "config.yaml", t.run.model_dump(by_alias=True))
-        todo.append((t.id, trial_dir))
+        trial.write_config(t.run)
+        todo.append((t.id, trial.path))
     in_slurm = f"{live} still in Slurm, " if live else ""
     print(
         f"{sweep.name}: {len(trials)} trials, {len(trials) - len(todo) - live} already "
         f"finished, {in_slurm}{len(todo)} to run in {out}",
         flush=True,
     )
-    if sweep.launcher.kind == "local":
-        run_local(todo, sweep.launcher.jobs)
-    else:
-        run_jobs(todo, sweep.launcher, out)
-    return any(trial_status(out / "trials" / t.id) in FAILED for t in trials)
+    launch(GridSource(todo).split(), sweep.launcher, out, total=len(todo))
+    return any(status in FAILED for status in trial_statuses(dirs))
 
 
 def run_search(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> bool:
@@ -98,16 +97,11 @@ def run_search(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> boo
             study.enqueue_trial(point, skip_if_exists=True)
         done = sum(t.state in DONE for t in counted(study.get_trials(deepcopy=False)))
         print(f"{study.study_name}: {done} of {sweep.search.n_trials} trials finished", flush=True)
-    labels = list(sweep.methods)
-    jobs = sweep.launcher.jobs
-    if sweep.launcher.kind == "local":
-        slots, lock = LocalLauncher(jobs), threading.Lock()
-        workers = [Worker(sweep, out, slots.run_one, i) for i in range(jobs)]
-        slots.pool([lambda w=w: w.run(labels, lock) for w in workers])
-    else:
-        run_workers([WorkerJob(sweep, out, i) for i in range(jobs)], sweep.launcher, out)
+    lock = threading.Lock()  # local workers check the budget and ask as one step
+    launch([StudySource(sweep, out, i, lock) for i in range(sweep.launcher.jobs)],
+           sweep.launcher, out)
     failed = False
-    for label in labels:
+    for label in sweep.methods:
         trials = counted(open_study(sweep, label, storage).get_trials(deepcopy=False))
         failed |= any(t.state == TrialState.FAIL for t in trials)
     return failed

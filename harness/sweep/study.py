@@ -3,15 +3,17 @@
 A sampled point becomes a resolved run config exactly as a grid point does, so its folder is
 `trials/<label>-<hash>` either way and `harness status/report` read it unchanged. The Optuna
 trial keeps that id in `user_attrs["trial_id"]`; the trial folder's `optuna.json` points back
-to the study, so the training process reports each evaluation and obeys the pruner.
+to the study, so the training process reports each evaluation and obeys the pruner
+(harness/train/prune.py).
 """
 
 from __future__ import annotations
 
 import math
+import random
+import time
 import warnings
 import zlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,47 +30,48 @@ from optuna.storages import (
     RDBStorage,
     RetryHeartbeatStaleTrialCallback,
 )
-from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from harness.config import SweepConfig
 from harness.config.space import check_distributions
 from harness.errors import UserError
 from harness.sweep.plan import Trial, make_trial, method_entry
-from harness.sweep.status import FAILED, FINISHED, trial_status
-from harness.trials import read_json
+from harness.sweep.status import trial_statuses
+from harness.train.prune import make_pruner, plain_storage
+from harness.trials import FAILED, FINISHED, RunsDir, Status, Summary
 
-LINK = "optuna.json"
 DONE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+RACE_TRIES = 5
 
 
 def storage_target(sweep: SweepConfig, out: Path) -> str:
-    return sweep.storage or str(out / "optuna.journal")
+    return sweep.storage or str(RunsDir(out).journal)
 
 
 def open_storage(target: str, heartbeat_s: int | None = None) -> BaseStorage:
     """A database URL goes to RDBStorage, with heartbeats for the workers when asked (a trial
     silent for 3 beats is failed and queued again); anything else is a journal file."""
-    if "://" in target:
-        if heartbeat_s is None:
-            return RDBStorage(target)
-        warnings.filterwarnings("ignore", category=ExperimentalWarning)  # heartbeat API
-        return RDBStorage(
-            target,
-            heartbeat_interval=heartbeat_s,
-            grace_period=3 * heartbeat_s,
-            failed_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3),
-        )
-    Path(target).parent.mkdir(parents=True, exist_ok=True)
-    return JournalStorage(JournalFileBackend(target))
+    for _ in range(RACE_TRIES - 1):
+        try:
+            return _open_storage(target, heartbeat_s)
+        except (IntegrityError, ProgrammingError):
+            # Sweeps started at once on a fresh database race to create its tables; the
+            # losers try again and find them made.
+            time.sleep(0.5 + random.random())
+    return _open_storage(target, heartbeat_s)
 
 
-def make_pruner(name: str) -> optuna.pruners.BasePruner:
-    if name == "median":
-        return optuna.pruners.MedianPruner()
-    if name == "hyperband":
-        return optuna.pruners.HyperbandPruner()
-    return optuna.pruners.NopPruner()
+def _open_storage(target: str, heartbeat_s: int | None) -> BaseStorage:
+    if "://" not in target or heartbeat_s is None:
+        return plain_storage(target)
+    warnings.filterwarnings("ignore", category=ExperimentalWarning)  # heartbeat API
+    return RDBStorage(
+        target,
+        heartbeat_interval=heartbeat_s,
+        grace_period=3 * heartbeat_s,
+        failed_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3),
+    )
 
 
 def make_sampler(sweep: SweepConfig, worker: str = "") -> optuna.samplers.BaseSampler:
@@ -137,13 +140,15 @@ def open_study(
     )
 
 
-def tell(study: optuna.Study, number: int, summary: dict[str, Any] | None, metric: str) -> None:
+def tell(
+    study: optuna.Study, number: int, summary: Summary | dict[str, Any] | None, metric: str
+) -> None:
     """ok with a finite metric: COMPLETE; pruned: PRUNED; failed, nan, oom or no metric: FAIL."""
     summary = summary or {}
     value = summary.get(metric)
-    if summary.get("status") == "pruned":
+    if summary.get("status") == Status.PRUNED:
         study.tell(number, state=TrialState.PRUNED)
-    elif summary.get("status") == "ok" and value is not None and math.isfinite(value):
+    elif summary.get("status") == Status.OK and value is not None and math.isfinite(value):
         study.tell(number, value)
     else:
         study.tell(number, state=TrialState.FAIL)
@@ -177,12 +182,12 @@ def recover(study: optuna.Study, out: Path, metric: str) -> None:
     """Trials a killed sweep left RUNNING (journal storage has no heartbeats) are told from
     their summary if the run finished, else failed and queued again: their folder keeps the
     checkpoint they resume from."""
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        trial_dir = out / "trials" / str(t.user_attrs.get("trial_id", "-"))
-        status = trial_status(trial_dir)
-        if status in ("running", "queued"):  # a live process still owns it
+    trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    dirs = [RunsDir(out).trial(t.user_attrs.get("trial_id", "-")) for t in trials]
+    for t, trial, status in zip(trials, dirs, trial_statuses(dirs), strict=True):
+        if status in (Status.RUNNING, Status.QUEUED):  # a live process still owns it
             continue
-        summary = read_json(trial_dir / "summary.json") if status in FINISHED else None
+        summary = trial.read_summary() if status in FINISHED else None
         tell(study, t.number, summary, metric)
         if status not in FINISHED:
             retry(study, t)
@@ -190,8 +195,10 @@ def recover(study: optuna.Study, out: Path, metric: str) -> None:
 
 def retry_failures(study: optuna.Study, out: Path) -> None:
     """`--retry-failed`: failed, oom and nan trials are queued again, each once."""
-    for t in counted(study.get_trials(deepcopy=False)):
-        status = trial_status(out / "trials" / str(t.user_attrs.get("trial_id", "")))
+    trials = counted(study.get_trials(deepcopy=False))
+    statuses = trial_statuses([RunsDir(out).trial(t.user_attrs.get("trial_id", ""))
+                               for t in trials])
+    for t, status in zip(trials, statuses, strict=True):
         if t.state == TrialState.FAIL and status in FAILED:
             retry(study, t)
 
@@ -225,27 +232,3 @@ def describe(sweep: SweepConfig) -> str:
         f"of {steps} steps{limit}; seeds {sweep.seeds} cycle over trials"
     )
     return "\n".join(lines)
-
-
-def pruner_for(trial_dir: Path) -> Callable[[int, dict[str, float]], bool] | None:
-    """Only a trial started by an Optuna sweep (its folder holds optuna.json) reports evals."""
-    link = trial_dir / LINK
-    if not link.exists():
-        return None
-    return lambda step, metrics: report(link, step, metrics)
-
-
-def report(link_path: Path, step: int, metrics: dict[str, float]) -> bool:
-    """Called by a trial at each evaluation: report the metric to its study, ask to prune."""
-    link = read_json(link_path) or {}
-    storage = open_storage(link["storage"])
-    study = optuna.load_study(
-        study_name=link["study"], storage=storage, pruner=make_pruner(link["pruner"])
-    )
-    study_id = storage.get_study_id_from_name(link["study"])
-    trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, link["trial"])
-    if storage.get_trial(trial_id).state != TrialState.RUNNING:
-        return False  # a trial re-run by hand after its study moved on
-    trial = optuna.trial.Trial(study, trial_id)
-    trial.report(metrics[link["metric"]], step)
-    return trial.should_prune()

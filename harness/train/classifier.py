@@ -13,11 +13,11 @@ from torch import nn
 from harness import distributed
 from harness.config import ModelFrom, RunConfig, read_yaml
 from harness.data.c4 import load_tokenizer
-from harness.errors import UserError
+from harness.errors import UserError, first_line
 from harness.methods import build_method
 from harness.methods.resolve import load_run
 from harness.models import PRESETS, build_model, llama_config
-from harness.trials import read_json
+from harness.trials import RunsDir, Status, TrialDir
 
 
 def build_classifier(run: RunConfig, num_labels: int) -> tuple[nn.Module, Any]:
@@ -51,7 +51,7 @@ def pretrained(name: str, num_labels: int, dropout: float | None) -> tuple[nn.Mo
         model = AutoModelForSequenceClassification.from_pretrained(
             name, num_labels=num_labels, **extra)
     except (OSError, ValueError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        reason = first_line(e)[:160]
         raise UserError(f"model: cannot load '{name}' ({reason}); give a preset, a local "
                         "model folder, a reachable hub name, or {from: runs/<sweep>}") from None
     return model, tok
@@ -64,29 +64,30 @@ def resolve_trial(path: str) -> Path:
     """A trial folder as given, or a sweep's best finished trial (lowest eval perplexity) among
     those whose weights convert to a plain LLaMA."""
     folder = Path(path).expanduser()
-    if (folder / "config.yaml").is_file():
+    if TrialDir(folder).is_trial():
         return folder
-    if not (folder / "trials").is_dir():
+    runs = RunsDir(folder)
+    if not runs.is_runs_dir():
         raise UserError(f"model.from: {folder} is neither a trial folder (config.yaml) nor a "
                         "runs directory (trials/); pretrain it first")
-    summaries = [read_json(f) or {} for f in sorted((folder / "trials").glob("*/summary.json"))]
-    done = [s for s in summaries if s.get("status") == "ok" and s.get("method_name") in PLAIN
-            and not math.isnan(s.get("eval_ppl") or math.nan)]
+    summaries = [s for t in runs.trial_dirs() if (s := t.read_summary()) is not None]
+    done = [s for s in summaries if s.status == Status.OK and s.method_name in PLAIN
+            and not math.isnan(s.eval_ppl or math.nan)]
     if not done:
         raise UserError(f"model.from: {folder} has no finished trial with an eval perplexity "
                         f"whose method is one of {', '.join(PLAIN)}")
-    best = min(done, key=lambda s: s["eval_ppl"])
-    distributed.say(f"model.from: {folder}'s best trial is {best['trial']} "
-                    f"({best['method']}, eval ppl {best['eval_ppl']:.2f})")
-    return folder / "trials" / str(best["trial"])
+    best = min(done, key=lambda s: s.eval_ppl)
+    distributed.say(f"model.from: {folder}'s best trial is {best.trial} "
+                    f"({best.method}, eval ppl {best.eval_ppl:.2f})")
+    return runs.trial(str(best.trial)).path
 
 
 def from_checkpoint(trial: Path, num_labels: int) -> tuple[nn.Module, Any]:
     """The trial's model as it trained (its method's `prepare`, its checkpoint), merged back to
     a plain LLaMA (LoRA/ReLoRA adapters folded in), then its body under a new head."""
 
-    source = load_run(read_yaml(trial / "config.yaml"))
-    checkpoint = trial / "checkpoint" / "state.pt"
+    source = load_run(read_yaml(TrialDir(trial).config))
+    checkpoint = TrialDir(trial).checkpoint
     if not checkpoint.is_file():
         raise UserError(f"model.from: {trial} has no checkpoint/state.pt (did it finish?)")
     tok = load_tokenizer(source.task.tokenizer)

@@ -12,6 +12,7 @@ from torch import nn
 
 from harness import distributed
 from harness.config import RunConfig
+from harness.config.steps import Steps
 from harness.data.glue import GlueTask, compute_metrics, get_task, load_split
 from harness.errors import UserError
 from harness.modifiers.precision import Precision
@@ -40,8 +41,8 @@ class GlueData:
     holds examples g·b … g·b+b−1 of that stream, and under DDP rank r takes g ≡ r (mod W), so
     the ranks together see what one process would. An epoch is the floor of n / total batch."""
 
-    def __init__(self, run: RunConfig, tok: Any, device: torch.device) -> None:
-        self.run, self.tok, self.device = run, tok, device
+    def __init__(self, run: RunConfig, tok: Any, device: torch.device, steps: Steps) -> None:
+        self.run, self.tok, self.device, self.steps = run, tok, device, steps
         self.task: GlueTask = get_task(run.task.glue_task)
         self.regression = self.task.num_labels == 1
         self.train = self._encode(load_split(self.task, run.task.dataset, "train"))
@@ -49,7 +50,7 @@ class GlueData:
             split: self._encode(load_split(self.task, run.task.dataset, split))
             for split in self.task.validation
         }
-        total = run.train.total_batch_size or run.train.batch_size
+        total = steps.sequences
         self.steps_per_epoch = len(self.train["label"]) // total
         if self.steps_per_epoch == 0:
             raise UserError(f"train.total_batch_size {total} is larger than the "
@@ -84,8 +85,8 @@ class GlueData:
                 (("input_ids", input_ids), ("attention_mask", mask), ("labels", labels))}
 
     def next(self) -> tuple[Batch, int]:
-        b, n = self.run.train.batch_size, len(self.train["label"])
-        g = self.cursor * distributed.world_size() + distributed.rank()
+        b, n = self.steps.micro_batch, len(self.train["label"])
+        g = self.cursor * self.steps.world + distributed.rank()
         self.cursor += 1
         positions = np.arange(g * b, (g + 1) * b)
         epochs = positions // n  # a batch may straddle two epochs

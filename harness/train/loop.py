@@ -1,4 +1,6 @@
-"""The one training loop: accumulation, precision, clipping, schedule, eval, checkpoint, resume."""
+"""The one training loop: a trial's model, optimizer and data, and its optimizer steps
+(accumulation, precision, clipping, schedule); logging, evaluation, pruning, checkpoints and the
+method's own step are callbacks on its events (harness/train/hooks.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from harness import distributed
 from harness.config import RunConfig
+from harness.config.steps import Steps
 from harness.cost import meter
 from harness.distributed import pick_device
 from harness.methods import build_method
@@ -21,39 +24,27 @@ from harness.models import describe
 from harness.modifiers import recompute as memory
 from harness.modifiers.precision import Precision
 from harness.train import finetune, pretrain
-from harness.trials import Records, rng_state, set_rng_state
-
-
-class NonFinite(Exception):
-    """The loss became NaN or Inf: the trial ends with status `nan`."""
-
-
-class Pruned(Exception):
-    """The trial's Optuna study cut it at an evaluation: it ends with status `pruned`."""
-
-
-
-
-
+from harness.train.hooks import Hooks, Interrupted, NonFinite, Pruned, Step
+from harness.trials import Records, Status, rng_state, set_rng_state
 
 Prune = Callable[[int, dict[str, float]], bool]  # (step, eval metrics) -> cut the trial?
 
 
 class Trainer:
     """One trial's model, optimizer, data and loop; with W processes, one data-parallel rank:
-    `total_batch_size / (batch_size·W)` micro-batches, its share of the step (Prefetcher). The
-    loss is divided by the step's target count over all ranks and multiplied by W, which DDP's
-    gradient average cancels: gradients equal one process's. Layer-wise optimizers reduce in
-    their hooks (methods/layerwise.py). Logged and eval losses are summed over ranks; stop and
+    `steps.accumulation` micro-batches, its share of the step (Prefetcher). The loss is divided
+    by the step's target count over all ranks and multiplied by W, which DDP's gradient average
+    cancels: gradients equal one process's. Layer-wise optimizers reduce in their hooks
+    (harness/modifiers/layerwise.py). Logged and eval losses are summed over ranks; stop and
     prune are agreed every step; only rank 0 writes (train() gives the others `main_only`)."""
 
     def __init__(self, run: RunConfig, rec: Records, should_stop: Callable[[int], bool],
                  prune: Prune | None = None):
         self.run, self.rec, self.should_stop, self.prune = run, rec, should_stop, prune
         t = run.train
-        self.accumulation = distributed.local_accumulation(t)  # per process, checked before init
+        # checked before joining the group: a batch that does not split is one line, not a hang
+        self.steps = Steps.of(t, run.task.seq_len, distributed.world_size())
         self.device = distributed.init(pick_device(run.device))
-        self.world = distributed.world_size()
         built = time.perf_counter()
         torch.manual_seed(run.seed)
         random.seed(run.seed)
@@ -61,12 +52,13 @@ class Trainer:
         glue = run.task.kind == "glue"
         model, self.tok = (finetune if glue else pretrain).build(run)
         distributed.say(f"model {run.model}: {describe(model)}")
-        self.data = (finetune.GlueData if glue else pretrain.LMData)(run, self.tok, self.device)
+        self.data = (finetune.GlueData if glue else pretrain.LMData)(
+            run, self.tok, self.device, self.steps)
         if t.epochs:  # the budget in passes over the training set
             steps = t.epochs * self.data.steps_per_epoch
             self.run = run = run.model_copy(update={"train": t.model_copy(update={"steps": steps})})
             t = run.train
-        self.method = build_method(run)
+        self.method = build_method(run, self.steps)
         self.model = self.method.prepare(model.to(self.device), run)
         self.offloader = memory.apply(self.model, run.memory, self.device)
         # forward and loss in one graph; the model itself, its state_dict and hooks unchanged
@@ -90,7 +82,23 @@ class Trainer:
         self.meter = meter.Meter(self.device)
         self.flops_per_token = meter.flops_per_token(self.model, run.task.seq_len)
         self.first_step = self.step
-        self.after_step: Callable[[], Any] | None = None  # profiling (--profile, bench memory)
+        self.running = torch.zeros((), device=self.device)  # losses summed since the last log
+        self.hooks = Hooks()
+        self._register()
+
+    def _register(self) -> None:
+        """The trainer's own jobs, on the events of hooks.py, in the order they run."""
+        on = self.hooks.on
+        if self.offloader is not None:
+            on("update", self._count_offloaded)
+        on("update", self._method_step)
+        on("update", self._count_costs)
+        on("update", self._sum_loss)
+        on("step_end", self._time)
+        on("step_end", self._log)
+        on("step_end", self._eval)
+        on("step_end", self._checkpoint)
+        on("eval", self._prune)
 
     def _resume(self) -> None:
         state = self.rec.load_checkpoint()
@@ -140,9 +148,11 @@ class Trainer:
         )
 
     def train_step(self) -> torch.Tensor:
-        """One optimizer step; returns this rank's share of the step's mean loss."""
-        micro, tokens = zip(*(self.data.next() for _ in range(self.accumulation)), strict=True)
-        self.step_tokens = sum(tokens) * self.world
+        """One optimizer step, then "update"; returns this rank's share of the step's mean loss."""
+        world = self.steps.world
+        micro, tokens = zip(*(self.data.next() for _ in range(self.steps.accumulation)),
+                            strict=True)
+        self.step_tokens = sum(tokens) * world
         targets = sum(self.data.count(batch) for batch in micro)
         targets = distributed.all_sum(targets)  # the whole step's, over every rank
         total = torch.zeros((), device=self.device)
@@ -155,7 +165,7 @@ class Trainer:
             with wait:
                 with self.precision.autocast():
                     loss = self.loss(self.net, batch)
-                self.precision.backward(loss * self.world / targets)  # × W undoes DDP's average
+                self.precision.backward(loss * world / targets)  # × W undoes DDP's average
             total += loss.detach()
         clip = None if self.layerwise else self.run.train.grad_clip  # layer-wise: per parameter
         grads = clip or self.precision.scaler is not None  # fp16 checks their norm
@@ -163,18 +173,29 @@ class Trainer:
         self.lr = self.optimizer.param_groups[0]["lr"]
         self.precision.step(self.optimizer, params, clip, self.step + 1)
         self.scheduler.step()
-        if self.offloader is not None:
-            self.offloaded += self.offloader.take_bytes()
-        events = self.method.on_step(self.step + 1, self.model, self.optimizer)
-        if events:
-            self.rec.log({"kind": "event", "step": self.step + 1, **events})
-            distributed.say(f"step {self.step + 1}: {events}")
-        if not self.costs:  # gradients and states exist now: count them once
-            self.costs = meter.breakdown(self.method, self.model, self.optimizer)
+        loss = total / targets
+        self.hooks.fire("update", Step(self.step + 1, loss, self.step + 1 == self.run.train.steps))
         self.optimizer.zero_grad(set_to_none=True)
         if self.net is not self.model and distributed.trainable(self.model) != self._trainable:
             self._wrap()
-        return total / targets
+        return loss
+
+    def _count_offloaded(self, step: Step) -> None:
+        self.offloaded += self.offloader.take_bytes()  # type: ignore[union-attr]
+
+    def _method_step(self, step: Step) -> None:
+        """The method's own step (ReLoRA's merge and reset, Q-GaLore's SVDs); its events logged."""
+        events = self.method.on_step(step.number, self.model, self.optimizer)
+        if events:
+            self.rec.log({"kind": "event", "step": step.number, **events})
+            distributed.say(f"step {step.number}: {events}")
+
+    def _count_costs(self, step: Step) -> None:
+        if not self.costs:  # gradients and states exist now: count them once
+            self.costs = meter.breakdown(self.method, self.model, self.optimizer)
+
+    def _sum_loss(self, step: Step) -> None:
+        self.running += step.loss  # for the next log line
 
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
@@ -183,43 +204,38 @@ class Trainer:
         finally:
             self.model.train()
 
-    def fit(self) -> str:
-        t, steps = self.run.train, self.run.train.steps
-        running = torch.zeros((), device=self.device)
+    def fit(self) -> Status:
+        """Steps to the budget, each followed by its events: OK, or INTERRUPTED when a stop
+        was asked for before the last step."""
+        budget = self.run.train.steps
         self.model.train()
         self.meter.resume()
-        first = self.first_step = self.step
+        self.first_step = self.step
         self.first_step_at = time.time()  # `harness bench launch`: launch → training
-        while self.step < steps:
-            loss = self.train_step()
-            running += loss
-            self.step += 1
-            self.tokens += self.step_tokens
-            self.meter.add(self.step_tokens)
-            if self.after_step is not None:
-                self.after_step()
-            if self.step == first + 1:  # the first step pays one-off costs: not steady state
-                self.meter.lap(steady=steps == first + 1)
-            if self.step % t.log_every == 0 or self.step == steps:
-                self._log(*distributed.all_sum(torch.stack([loss, running])))  # global losses
-                running.zero_()
-            eval_due = self.eval_every and self.step % self.eval_every == 0
-            if eval_due or self.step == steps:
-                self._eval()
-            stop = distributed.any_rank(self.should_stop(self.step), self.device)
-            if (
-                stop
-                or self.step == steps
-                or (t.checkpoint_every and self.step % t.checkpoint_every == 0)
-            ):
-                self.meter.pause()
-                self.save()
-                self.meter.resume()
-            if stop and self.step < steps:
-                return "interrupted"
-        return "ok"
+        self.running.zero_()
+        try:
+            while self.step < budget:
+                loss = self.train_step()
+                self.step += 1
+                self.tokens += self.step_tokens
+                done = Step(self.step, loss, last=self.step == budget)
+                self.hooks.fire("step", done)
+                self.hooks.fire("step_end", done)
+        except Interrupted:
+            return Status.INTERRUPTED
+        return Status.OK
 
-    def _log(self, loss: torch.Tensor, running: torch.Tensor) -> None:
+    def _time(self, step: Step) -> None:
+        self.meter.add(self.step_tokens)
+        if step.number == self.first_step + 1:  # one-off costs: the first step is not steady
+            self.meter.lap(steady=step.last)
+
+    def _log(self, step: Step) -> None:
+        """Every `log_every` steps and the last: the losses summed over ranks."""
+        if step.number % self.run.train.log_every and not step.last:
+            return
+        loss, running = distributed.all_sum(torch.stack([step.loss, self.running]))
+        self.running.zero_()
         seconds, tps = self.meter.lap()
         self._settle()
         if not torch.isfinite(running):
@@ -243,7 +259,10 @@ class Trainer:
             f"tok/s {tps:,.0f}"
         )
 
-    def _eval(self) -> None:
+    def _eval(self, step: Step) -> None:
+        """Every `eval.every` steps (GLUE: every epoch) and the last; then "eval"."""
+        if not (step.last or (self.eval_every and step.number % self.eval_every == 0)):
+            return
         self.meter.pause()
         self.last_eval = self.evaluate()
         if self.data.steps_per_epoch:
@@ -256,11 +275,25 @@ class Trainer:
         if score is not None and score > self.best.get("best_eval_score", -math.inf):
             self.best = {f"best_{k}": v for k, v in self.last_eval.items()}
         self.meter.resume()
-        if self.step >= self.run.train.steps:
-            return
-        prune = bool(self.prune and distributed.is_main() and self.prune(self.step, self.last_eval))
+        if not step.last:
+            self.hooks.fire("eval", step)
+
+    def _prune(self, step: Step) -> None:
+        prune = bool(self.prune and distributed.is_main() and self.prune(step.number,
+                                                                         self.last_eval))
         if distributed.any_rank(prune, self.device):  # rank 0 asks the study; all obey
-            raise Pruned(f"pruned by the study at step {self.step}")
+            raise Pruned(f"pruned by the study at step {step.number}")
+
+    def _checkpoint(self, step: Step) -> None:
+        """Every `checkpoint_every` steps, the last, and when any rank is asked to stop."""
+        every = self.run.train.checkpoint_every
+        stop = distributed.any_rank(self.should_stop(step.number), self.device)
+        if stop or step.last or (every and step.number % every == 0):
+            self.meter.pause()
+            self.save()
+            self.meter.resume()
+        if stop and not step.last:
+            raise Interrupted(f"stopped at step {step.number}")
 
     def results(self) -> dict[str, Any]:
         tps = self.meter.tokens_per_s
@@ -292,7 +325,3 @@ class Trainer:
 
     def close(self) -> None:
         self.data.close()
-
-
-
-

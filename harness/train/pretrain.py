@@ -13,6 +13,7 @@ from torch import nn
 
 from harness import distributed
 from harness.config import RunConfig
+from harness.config.steps import Steps
 from harness.data.c4 import BlockStream, eval_blocks, load_tokenizer
 from harness.data.loader import IGNORE, Prefetcher, to_batch
 from harness.models import build_model
@@ -43,16 +44,16 @@ class LMData:
 
     steps_per_epoch = None
 
-    def __init__(self, run: RunConfig, tok: Any, device: torch.device) -> None:
-        self.run, self.tok, self.device = run, tok, device
+    def __init__(self, run: RunConfig, tok: Any, device: torch.device, steps: Steps) -> None:
+        self.run, self.tok, self.device, self.steps = run, tok, device, steps
         self.stream = BlockStream(run.task, tok, run.seed)
         self.prefetch: Prefetcher | None = None
         self._eval: list[tuple[np.ndarray, int]] | None = None
 
     def next(self) -> tuple[Batch, int]:
         if self.prefetch is None:
-            self.prefetch = Prefetcher(self.stream, self.run.train.batch_size, self.device,
-                                       rank=distributed.rank(), world=distributed.world_size())
+            self.prefetch = Prefetcher(self.stream, self.steps.micro_batch, self.device,
+                                       rank=distributed.rank(), world=self.steps.world)
         ids, labels = self.prefetch.next()
         return (ids, labels), ids.numel()
 
@@ -70,7 +71,7 @@ class LMData:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, precision: Precision) -> dict[str, float]:
-        run, world = self.run, distributed.world_size()
+        run, world = self.run, self.steps.world
         if self._eval is None:
             self._eval = eval_blocks(run.task, self.tok, run.eval.tokens)
             held = sum(n - 1 for _, n in self._eval)

@@ -17,9 +17,10 @@ import torch
 from harness import distributed
 from harness.config import RunConfig
 from harness.cost.profile import profiled
-from harness.errors import UserError
+from harness.errors import UserError, first_line
 from harness.train.loop import NonFinite, Prune, Pruned, Trainer
-from harness.trials import Records, base_summary
+from harness.train.prune import pruner_for
+from harness.trials import Records, Status, Summary
 
 
 class _StopFlag:
@@ -37,17 +38,18 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
           profile_steps: int = 0, prune: Prune | None = None) -> dict:
     """Run (or resume) one trial in `out`; returns its summary, which is also on disk.
     Under DDP every rank calls this; only rank 0's records write. `profile_steps`: trace that
-    many steps (harness/cost/profile.py); `prune`: asked at each evaluation whether to stop."""
+    many steps (harness/cost/profile.py); `prune`: asked at each evaluation whether to stop
+    (by default, the study of an Optuna sweep's trial)."""
     rec = distributed.main_only(Records(out, run))
     previous = rec.summary()
-    if previous and previous.get("status") == "ok" and rec.ckpt_path.exists():
+    if previous and previous.status == Status.OK and rec.ckpt_path.exists():
         rec.load_checkpoint()  # refuses a folder that holds another config's run
         print(f"{out}: already finished (status ok); nothing to do", flush=True)
-        return previous
+        return previous.to_dict()
     out.mkdir(parents=True, exist_ok=True)
     rec.write_config()
-    summary = base_summary(run, out)
-    summary["requeues"] = (previous or {}).get("requeues", 0)
+    requeues = previous.get("requeues", 0) if previous else 0
+    summary = Summary.start(run, out.name, requeues).to_dict()
     rec.write_summary({**summary, "pid": os.getpid()})
     flag = _StopFlag()
     stops = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
@@ -55,34 +57,36 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
     start, trainer = time.time(), None
     try:
         trainer = Trainer(
-            run, rec, lambda step: flag.set or bool(should_stop and should_stop(step)), prune
+            run, rec, lambda step: flag.set or bool(should_stop and should_stop(step)),
+            prune or pruner_for(out),  # an Optuna sweep's trial finds its study in `out`
         )
         summary["device"] = str(trainer.device)
         rec.start_wandb()
         with profiled(trainer, profile_steps, out):
             summary["status"] = trainer.fit()
     except NonFinite as e:
-        summary.update(status="nan", error=str(e))
+        summary.update(status=Status.NAN, error=str(e))
     except Pruned as e:
         print(e, flush=True)
-        summary["status"] = "pruned"
+        summary["status"] = Status.PRUNED
     except (torch.OutOfMemoryError, MemoryError) as e:
-        summary.update(status="oom", error=(str(e).splitlines() or [type(e).__name__])[0])
+        summary.update(status=Status.OOM, error=first_line(e))
     except UserError as e:
-        summary.update(status="failed", error=str(e))
+        summary.update(status=Status.FAILED, error=str(e))
         raise
     except Exception as e:
         traceback.print_exc(file=sys.stderr)
-        summary.update(status="failed", error=f"{type(e).__name__}: {e}")
+        summary.update(status=Status.FAILED, error=f"{type(e).__name__}: {e}")
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         if trainer is not None:
             summary.update(trainer.results())
             trainer.close()
-        resumed = previous and previous.get("status") in ("interrupted", "running")
+        resumed = previous and previous.status in (Status.INTERRUPTED, Status.RUNNING)
         summary["wall_s"] = time.time() - start + ((resumed and previous.get("wall_s")) or 0)
         rec.write_summary(summary)
         rec.finish_wandb(summary)
-        distributed.teardown(failed=summary["status"] in ("failed", "oom", "running"))
+        distributed.teardown(
+            failed=summary["status"] in (Status.FAILED, Status.OOM, Status.RUNNING))
     return summary

@@ -1,24 +1,24 @@
-"""The run directory: config, metrics, summary and checkpoint, each written atomically."""
+"""What a training run keeps in its trial folder: config with provenance, metrics, summary,
+checkpoint (with the RNG states it resumes) and its wandb run."""
 
 from __future__ import annotations
 
 import json
-import os
 import platform
 import random
-import socket
 import subprocess
-import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
 from harness.config import RunConfig
 from harness.errors import UserError
+from harness.trials.files import append_jsonl, atomic_file, atomic_write, read_jsonl
+from harness.trials.folder import TrialDir
+from harness.trials.summary import Summary
 
 LIBRARIES = ("torch", "transformers", "bitsandbytes", "datasets", "tokenizers", "harness")
 
@@ -40,51 +40,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def atomic_write(path: Path, data: str | bytes) -> None:
-    """Write-then-rename, so a crash never leaves a half-written file behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_json(path: Path, obj: Any) -> None:
-    atomic_write(path, json.dumps(obj, indent=2, default=str) + "\n")
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    """None for a file that is missing, half-written or not a JSON object."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def write_yaml(path: Path, obj: Any) -> None:
-    atomic_write(path, yaml.safe_dump(obj, sort_keys=False))
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every whole record; a line cut short by a crash or a concurrent write is skipped."""
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return []
-    rows = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            rows.append(record)
-    return rows
 
 
 def provenance() -> dict[str, Any]:
@@ -114,30 +69,29 @@ def provenance() -> dict[str, Any]:
 
 
 class Records:
-    """One trial's folder: `config.yaml`, `metrics.jsonl`, `summary.json`, `checkpoint/`."""
+    """The trainer's writer of one trial folder (`TrialDir`): config, metrics, summary,
+    checkpoint. Under DDP only rank 0's writes happen (distributed.main_only)."""
 
     def __init__(self, out: Path, run: RunConfig) -> None:
         self.out = Path(out)
+        self.dir = TrialDir(self.out)
         self.run = run
-        self.metrics_path = self.out / "metrics.jsonl"
-        self.summary_path = self.out / "summary.json"
-        self.ckpt_path = self.out / "checkpoint" / "state.pt"
+        self.metrics_path = self.dir.metrics
+        self.summary_path = self.dir.summary
+        self.ckpt_path = self.dir.checkpoint
         self.wandb: Any = None
 
     def write_config(self) -> None:
-        data = self.run.model_dump(by_alias=True)
-        data["provenance"] = provenance()
-        write_yaml(self.out / "config.yaml", data)
+        self.dir.write_config(self.run, provenance())
 
-    def summary(self) -> dict[str, Any] | None:
-        return read_json(self.summary_path)
+    def summary(self) -> Summary | None:
+        return self.dir.read_summary()
 
-    def write_summary(self, summary: dict[str, Any]) -> None:
-        write_json(self.summary_path, summary)
+    def write_summary(self, summary: Summary | dict[str, Any]) -> None:
+        self.dir.write_summary(summary)
 
     def log(self, row: dict[str, Any]) -> None:
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_jsonl(self.metrics_path, row)
         if self.wandb is not None:
             self.wandb.log(
                 {k: v for k, v in row.items() if k not in ("kind", "step")}, step=row["step"]
@@ -149,10 +103,9 @@ class Records:
         atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
-        self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.ckpt_path.with_name(".state.pt.tmp")
-        torch.save({**state, "identity": self.run.identity()}, tmp)
-        os.replace(tmp, self.ckpt_path)
+        """Atomic and fsynced like every other file: a kill mid-save keeps the last one."""
+        with atomic_file(self.ckpt_path) as f:
+            torch.save({**state, "identity": self.run.identity()}, f)
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         if not self.ckpt_path.exists():
@@ -191,34 +144,3 @@ class Records:
             self.wandb.finish()
             self.wandb = None
 
-
-def base_summary(run: RunConfig, out: Path) -> dict[str, Any]:
-    """A trial's summary.json as it starts: every field the tables read, filled in at the end."""
-    return {
-        "trial": out.name,
-        "status": "running",
-        "method": run.label or run.method_name,
-        "method_name": run.method_name,
-        "params": run.method_params,
-        "lr": run.train.lr,
-        "seed": run.seed,
-        "model": run.model,
-        "steps": run.train.steps,
-        "step": 0,
-        "tokens": 0,
-        "eval_loss": None,
-        "eval_ppl": None,
-        "tokens_per_s": None,
-        "mfu": None,
-        "peak_memory_bytes": None,
-        "param_bytes": None,
-        "grad_bytes": None,
-        "optimizer_state_bytes": None,
-        "trainable_params": None,
-        "wall_s": None,
-        "device": None,
-        "error": None,
-        "requeues": 0,
-        "host": socket.gethostname(),
-        "started_at": time.time(),
-    }

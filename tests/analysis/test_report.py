@@ -303,3 +303,20 @@ def test_missing_runs_dir_raises_with_path(tmp_path: Path) -> None:
         load_runs(missing)
     with pytest.raises(FileNotFoundError, match="no trials/ folder"):
         load_steps(tmp_path)
+
+
+def test_write_report_on_a_sweep_the_trainer_wrote(finished_run_copy: Path) -> None:
+    """The shared finished sweep (two methods, one LR, evals at steps 2 and 4): every file the
+    report promises, from real summaries and metrics."""
+    text = write_report(finished_run_copy)
+    out = finished_run_copy / "report"
+    assert {"report.md", "report.html", "trials.csv", "pretrain.csv", "loss.png",
+            "eval.png", "memory.png"} <= {p.name for p in out.iterdir()}
+    summary = (out / "report.md").read_text()
+    assert summary.startswith("# Sweep report: finished\n")
+    assert "Best LR per method: full 0.003, adam8bit 0.003" in summary
+    assert "![Eval perplexity vs tokens seen](loss.png)" in summary
+    assert summary.index("| full ") < summary.index("| adam8bit ")  # the sweep's order
+    trials = pd.read_csv(out / "trials.csv")
+    assert len(trials) == 2 and set(trials["status"]) == {"ok"}
+    assert "| full " in text and "| adam8bit " in text

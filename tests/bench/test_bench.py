@@ -108,7 +108,7 @@ def test_training_step_reads_no_device_value():
         assert sum(sites.values()) == 2 * len(expected) and cuda == 0
         records.append({"name": label, "value": sum(sites.values()) / 2, "target": len(expected),
                         "sites": dict(sites), "cuda_syncs_per_step": 0.0})
-    assert "harness/precision.py" in syncs_table(records)
+    assert "modifiers/precision.py" in syncs_table(records)
 
 
 def test_train_profile_writes_trace_and_operator_table(tmp_path, capsys):

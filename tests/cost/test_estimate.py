@@ -8,11 +8,12 @@ import time
 
 import pytest
 import yaml
+from conftest import SAMPLE_VOCAB, micro_model
 
 from harness.config import SweepConfig
 from harness.cost import estimate as est
 from harness.data.c4 import load_tokenizer
-from harness.models import PRESETS, build_model
+from harness.models import PRESETS
 from harness.sweep.plan import estimate_sweep, load_sweep, plan
 
 KEYS = {"trial", "method", "method_name", "params", "weight_bytes", "grad_bytes",
@@ -64,16 +65,17 @@ def test_one_record_per_trial_with_every_key_and_totals_that_add_up(path, monkey
     assert "GB" in est.format_table(records) or "MB" in est.format_table(records)
 
 
-def test_shapes_are_the_trainers_model_and_the_sample_vocab_is_its_tokenizers(tmp_path):
-    assert est.KNOWN_VOCAB["sample"] == len(load_tokenizer("sample"))
+def test_shapes_are_the_trainers_model_and_the_sample_vocab_is_its_tokenizers(
+        tmp_path, sample_tokenizer):
+    assert est.KNOWN_VOCAB["sample"] == len(sample_tokenizer) == SAMPLE_VOCAB
     sweep = sweep_file(tmp_path, model="llama_tiny", task={"seq_len": 128}, methods={"full": {}})
-    model = build_model("llama_tiny", len(load_tokenizer("sample")), 128, 0)
+    model = micro_model(None, "llama_tiny", len(sample_tokenizer), 128, pad_id=0)
     (record,) = estimate_sweep(sweep)
     assert record["weight_bytes"] == 4 * sum(p.numel() for p in model.parameters())
 
 
-def test_a_tokenizer_of_unknown_size_is_loaded_once(tmp_path, monkeypatch):
-    folder = str(load_tokenizer("sample").name_or_path)
+def test_a_tokenizer_of_unknown_size_is_loaded_once(tmp_path, monkeypatch, sample_tokenizer):
+    folder = str(sample_tokenizer.name_or_path)
     calls = []
     monkeypatch.setattr(
         "harness.data.c4.load_tokenizer", lambda name: calls.append(name) or load_tokenizer(name)
@@ -86,7 +88,7 @@ def test_a_tokenizer_of_unknown_size_is_loaded_once(tmp_path, monkeypatch):
     )
     records = estimate_sweep(sweep)
     assert calls == [folder] and len(records) == 2
-    assert records[0]["weight_bytes"] == 4 * llama_params("llama_micro", 8192)
+    assert records[0]["weight_bytes"] == 4 * llama_params("llama_micro", SAMPLE_VOCAB)
 
 
 def test_shapes_are_built_once_per_model_vocab_and_length(monkeypatch):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import SAMPLE_VOCAB, write_c4_shards
 
 from harness.config import TaskConfig
 from harness.data.c4 import BlockStream, Packer, eval_blocks, load_tokenizer, open_documents
@@ -45,8 +44,8 @@ def take(stream: BlockStream, n: int) -> list[list[int]]:
     return [stream.next_block()[0].tolist() for _ in range(n)]
 
 
-def test_order_is_deterministic_from_the_seed_and_resumes_exactly():
-    tok = load_tokenizer("sample")
+def test_order_is_deterministic_from_the_seed_and_resumes_exactly(sample_tokenizer):
+    tok = sample_tokenizer
     task = TaskConfig(seq_len=64, shuffle_buffer=16)
     a = BlockStream(task, tok, seed=0)
     head = take(a, 30)
@@ -59,33 +58,19 @@ def test_order_is_deterministic_from_the_seed_and_resumes_exactly():
     assert take(resumed, 30) == tail
 
 
-def test_small_corpus_wraps_into_a_new_epoch(tmp_path):
-    tok = load_tokenizer("sample")
-    write_shards(tmp_path, {"train": ["one two three four five"] * 3, "validation": ["six"]})
+def test_small_corpus_wraps_into_a_new_epoch(tmp_path, sample_tokenizer):
+    tok = sample_tokenizer
+    write_c4_shards(tmp_path, {"train": ["one two three four five"] * 3, "validation": ["six"]})
     stream = BlockStream(TaskConfig(dataset=str(tmp_path), seq_len=8, shuffle_buffer=2), tok, 0)
     take(stream, 10)
     assert stream.epoch >= 1
 
 
-def write_shards(root, splits: dict[str, list[str]], shards: int = 1) -> None:
-    for split, texts in splits.items():
-        for k in range(shards):
-            path = root / f"c4-{split}.{k:05d}-of-{shards:05d}.json.gz"
-            with gzip.open(path, "wt") as f:
-                for i, text in enumerate(texts[k::shards]):
-                    row = {"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": f"u{i}"}
-                    f.write(json.dumps(row) + "\n")
-
-
-def test_local_c4_shards_by_folder_and_by_glob(tmp_path):
-    write_shards(
-        tmp_path,
-        {"train": [f"train doc {i}" for i in range(6)], "validation": ["valid doc"]},
-        shards=2,
-    )
-    by_dir = [r["text"] for r in open_documents(TaskConfig(dataset=str(tmp_path)), "train")]
+def test_local_c4_shards_by_folder_and_by_glob(tiny_corpus):
+    assert len(list(tiny_corpus.glob("c4-train.*-of-00002.json.gz"))) == 2
+    by_dir = [r["text"] for r in open_documents(TaskConfig(dataset=str(tiny_corpus)), "train")]
     assert sorted(by_dir) == sorted(f"train doc {i}" for i in range(6))
-    glob_task = TaskConfig(dataset=str(tmp_path / "c4-train.*.json.gz"))
+    glob_task = TaskConfig(dataset=str(tiny_corpus / "c4-train.*.json.gz"))
     assert len(list(open_documents(glob_task, "train"))) == 6
     assert [r["text"] for r in open_documents(glob_task, "validation")] == ["valid doc"]
 
@@ -103,10 +88,17 @@ def test_missing_data_and_tokenizer_are_user_errors(tmp_path):
     assert time.time() - start < 60
 
 
-def test_eval_takes_a_fixed_number_of_tokens_in_file_order():
-    tok = load_tokenizer("sample")
+def test_eval_takes_a_fixed_number_of_tokens_in_file_order(sample_tokenizer):
+    tok = sample_tokenizer
     task = TaskConfig(seq_len=64)
     blocks = eval_blocks(task, tok, 1000)
     assert sum(n - 1 for _, n in blocks) >= 1000 > sum(n - 1 for _, n in blocks[:-1])
     again = eval_blocks(task, tok, 1000)
     assert all((a == b).all() for (a, _), (b, _) in zip(blocks, again, strict=True))
+
+
+def test_sample_tokenizer_fixture_is_the_loaded_sample(sample_tokenizer):
+    """The shared fixture and SAMPLE_VOCAB (which tests size models by) are the real thing."""
+    assert len(sample_tokenizer) == SAMPLE_VOCAB
+    assert sample_tokenizer.name_or_path == load_tokenizer("sample").name_or_path
+    assert sample_tokenizer.eos_token_id is not None

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import micro_run
+from conftest import SAMPLE_VOCAB, micro_model, micro_run
 
 from harness.methods import build_method
 from harness.methods.galore_optim import GaLoreOptimizer
 from harness.methods.resolve import load_run
-from harness.models import build_model, param_shapes
+from harness.models import param_shapes
 from harness.train import train
 from harness.trials import read_jsonl
 
-VOCAB = 8192  # the sample tokenizer's
+VOCAB = SAMPLE_VOCAB  # the sample tokenizer's
 TARGETS = 2 * 7  # llama_micro: 2 blocks × 7 linears
 
 
@@ -239,8 +239,7 @@ def test_resume_gives_the_same_losses_step_for_step(tmp_path):
 
 
 def test_estimate_equals_measure_on_llama_60m():
-    torch.manual_seed(0)
-    model = build_model("llama_60m", VOCAB, 8, None)
+    model = micro_model(0, "llama_60m", seq_len=8)
     ids = torch.randint(0, VOCAB, (1, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     shapes = {n: p.shape for n, p in model.named_parameters()}

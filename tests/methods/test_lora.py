@@ -7,17 +7,17 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_estimate_matches, micro_run
+from conftest import SAMPLE_VOCAB, assert_estimate_matches, micro_model, micro_run
 
 from harness.methods import MemoryEstimate, build_method
 from harness.methods.lora import adapter_params, lora_layers
 from harness.methods.resolve import load_run
-from harness.models import PRESETS, build_model, param_shapes
+from harness.models import PRESETS, param_shapes
 from harness.train import train
 from harness.train.pretrain import loss_sum
 from harness.trials import read_jsonl
 
-VOCAB = 8192  # the sample tokenizer's
+VOCAB = SAMPLE_VOCAB  # the sample tokenizer's
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -76,8 +76,7 @@ def estimate_and_measure(
     """One real step on a tiny batch (one sequence of 8 tokens), as the trainer runs it."""
     run = load_run({**micro_run(), "model": preset, "method": method})
     m = build_method(run)
-    torch.manual_seed(0)
-    model = m.prepare(build_model(preset, vocab, run.task.seq_len, None), run)
+    model = m.prepare(micro_model(0, preset, vocab, run.task.seq_len), run)
     optimizer = m.optimizer(model, run)
     ids = torch.randint(vocab, (1, 8))
     loss_sum(model, ids, ids).backward()
@@ -128,8 +127,7 @@ def test_lora_estimate_equals_the_real_tensors_on_60m(non_targets):
 
 def test_lora_starts_as_the_base_model_and_freezes_fp32_base_linears():
     run = load_run(fast_run({"name": "lora", "train_non_targets": False}))
-    torch.manual_seed(0)
-    base = build_model("llama_micro", VOCAB, 32, None)
+    base = micro_model(seed=0)
     ids = torch.randint(VOCAB, (2, 16))
     with torch.no_grad():
         before = base(input_ids=ids).logits

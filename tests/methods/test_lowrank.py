@@ -7,18 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_estimate_matches, micro_run
+from conftest import SAMPLE_VOCAB, assert_estimate_matches, micro_model, micro_run
 from torch import nn
 
 from harness.errors import UserError
 from harness.methods import build_method
 from harness.methods.lowrank import TARGETS, LowRankLinear
 from harness.methods.resolve import load_run
-from harness.models import PRESETS, build_model, param_shapes
+from harness.models import PRESETS, param_shapes
 from harness.train import train
 from harness.trials import read_jsonl
-
-SAMPLE_VOCAB = 8192
 
 
 def lowrank_run(rank: int = 8, **train_args) -> dict:
@@ -39,7 +37,7 @@ def expected_params(preset: str, vocab: int, rank: int) -> int:
 
 def test_targets_become_rank_r_factors_and_nothing_full_rank_is_left():
     run = load_run(lowrank_run(rank=8))
-    model = build_method(run).prepare(build_model("llama_micro", SAMPLE_VOCAB, 32, 0), run)
+    model = build_method(run).prepare(micro_model(None, pad_id=0), run)
     factored = [n for n, m in model.named_modules() if isinstance(m, LowRankLinear)]
     assert len(factored) == 7 * PRESETS["llama_micro"].layers
     assert {n.rsplit(".", 1)[-1] for n in factored} == set(TARGETS)
@@ -85,8 +83,7 @@ def test_estimate_equals_the_real_tensors_for_llama_60m_at_the_default_rank():
     run = load_run({"model": "llama_60m", "task": {"seq_len": 8}, "method": {"name": "lowrank"}})
     method = build_method(run)
     assert method.config.rank == 128
-    torch.manual_seed(0)
-    model = method.prepare(build_model("llama_60m", SAMPLE_VOCAB, 8, 0), run)
+    model = method.prepare(micro_model(0, "llama_60m", seq_len=8, pad_id=0), run)
     optimizer = method.optimizer(model, run)
     ids = torch.randint(0, SAMPLE_VOCAB, (1, 8))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -113,4 +110,4 @@ def test_an_unknown_target_is_refused_by_name():
     with pytest.raises(UserError, match="no linear named qproj"):
         method.estimate(param_shapes("llama_micro", SAMPLE_VOCAB, 32), run)
     with pytest.raises(UserError, match="no linear named qproj"):
-        method.prepare(build_model("llama_micro", SAMPLE_VOCAB, 32, 0), run)
+        method.prepare(micro_model(None, pad_id=0), run)

@@ -8,18 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import micro_run
+from conftest import SAMPLE_VOCAB, micro_model, micro_run
 from torch import nn
 
 from harness.methods import build_method
 from harness.methods.qgalore_optim import QGaLoreOptimizer
 from harness.methods.quant import Int8Linear, dequantize_int8, quantize_int8
 from harness.methods.resolve import load_run
-from harness.models import build_model, param_shapes
+from harness.models import param_shapes
 from harness.train import Trainer, train
 from harness.trials import Records, read_jsonl
 
-VOCAB = 8192  # the sample tokenizer's
+VOCAB = SAMPLE_VOCAB  # the sample tokenizer's
 TARGETS = 2 * 7  # llama_micro: 2 blocks × 7 linears
 
 
@@ -242,8 +242,7 @@ def test_simulate_trains_float_weights_fake_quantized_in_forward(tmp_path):
 
 
 def test_estimate_equals_measure_on_llama_60m():
-    torch.manual_seed(0)
-    base = build_model("llama_60m", VOCAB, 8, None)
+    base = micro_model(0, "llama_60m", seq_len=8)
     shapes = {n: p.shape for n, p in base.named_parameters()}
     data = {**micro_run(batch_size=1, total_batch_size=1), "model": "llama_60m"}
     run = load_run({**data, "method": {"name": "qgalore"}})  # rank 128, 8-bit inner

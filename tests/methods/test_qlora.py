@@ -6,7 +6,7 @@ import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
 import pytest
 import torch
-from conftest import assert_estimate_matches
+from conftest import assert_estimate_matches, micro_model
 from test_lora import (
     VOCAB,
     adapter_count,
@@ -21,7 +21,7 @@ from test_lora import (
 from harness.methods import build_method
 from harness.methods.lora import TARGETS, adapter_params, lora_layers
 from harness.methods.resolve import load_run
-from harness.models import build_model, param_shapes
+from harness.models import param_shapes
 from harness.train import train
 from harness.train.pretrain import loss_sum
 
@@ -30,8 +30,7 @@ def prepared(seed: int = 0, **params):
     """The micro model (and a float copy of its target weights) under QLoRA."""
     run = load_run(fast_run({"name": "qlora", **params}))
     method = build_method(run)
-    torch.manual_seed(seed)
-    base = build_model("llama_micro", VOCAB, 32, None)
+    base = micro_model(seed)
     floats = {n: p.detach().clone() for n, p in base.named_parameters() if "proj" in n}
     model = method.prepare(base, run)
     return method, model, floats

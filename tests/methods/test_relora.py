@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_estimate_matches, micro_run
+from conftest import assert_estimate_matches, micro_model, micro_run
 from test_lora import (
     VOCAB,
     adapter_count,
@@ -23,7 +23,7 @@ from harness.methods import build_method
 from harness.methods.lora import adapter_params, lora_layers
 from harness.methods.relora import reset_moments
 from harness.methods.resolve import load_run
-from harness.models import build_model, param_shapes
+from harness.models import param_shapes
 from harness.train import train
 from harness.train.pretrain import loss_sum
 from harness.trials import read_jsonl
@@ -41,8 +41,7 @@ def prepared(**params: Any):
     """A ReLoRA-wrapped micro model, its optimizer and method, plus a fixed batch."""
     run = load_run(fast_run({"name": "relora", **params}))
     method = build_method(run)
-    torch.manual_seed(0)
-    model = method.prepare(build_model("llama_micro", VOCAB, 32, None), run)
+    model = method.prepare(micro_model(seed=0), run)
     ids = torch.randint(VOCAB, (2, 16))
     return method, model, method.optimizer(model, run), ids
 
@@ -117,8 +116,7 @@ def test_schedule_drops_at_each_merge_and_ramps_back_to_the_global_cosine():
 
 
 def test_both_factors_get_gradients_at_step_1_and_the_model_starts_unchanged():
-    torch.manual_seed(0)
-    base = build_model("llama_micro", VOCAB, 32, None)
+    base = micro_model(seed=0)
     _, model, _, ids = prepared()
     with torch.no_grad():
         assert torch.allclose(model(input_ids=ids).logits, base(input_ids=ids).logits, atol=1e-5)

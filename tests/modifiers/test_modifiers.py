@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_estimate_matches, micro_run, train_losses
+from conftest import SAMPLE_VOCAB, assert_estimate_matches, micro_model, micro_run, train_losses
 
 from harness.errors import UserError
 from harness.methods import build_method
@@ -17,7 +17,7 @@ from harness.models import param_shapes
 from harness.train import train
 from harness.trials import read_jsonl
 
-VOCAB = 8192
+VOCAB = SAMPLE_VOCAB
 METHODS: dict[str, dict[str, Any]] = {
     "full": {"name": "full"},
     "adam8bit": {"name": "adam8bit", "min_8bit_size": 256},
@@ -152,13 +152,11 @@ def test_offload_moves_all_but_the_last_layer_and_prefetches_one_layer(tmp_path)
     tensors under the threshold stay, and backward holds at most two layers' fetched tensors
     (the one computing and the next) at any time; the gradients equal the plain ones."""
     from harness.config import MemoryConfig
-    from harness.models import build_model
     from harness.modifiers.recompute import apply
     from harness.modifiers.recompute import decoder_layers as layers_of
 
     def grads(memory: MemoryConfig) -> tuple[list[torch.Tensor], Any]:
-        torch.manual_seed(0)
-        model = build_model("llama_tiny", 512, 16, None)
+        model = micro_model(0, "llama_tiny", vocab=512, seq_len=16)
         offloader = apply(model, memory, torch.device("cpu"))
         ids = torch.randint(0, 512, (2, 16))
         if offloader is not None:  # count the layers whose fetched tensors wait to be used
@@ -229,10 +227,9 @@ def test_galore_refuses_paged_states():
 def saved_bytes(memory: dict[str, Any]) -> int:
     """Bytes autograd keeps for backward after one forward of llama_tiny with `memory`."""
     from harness.config import MemoryConfig
-    from harness.models import build_model
     from harness.modifiers.recompute import apply
 
-    model = build_model("llama_tiny", 512, 64, None)
+    model = micro_model(None, "llama_tiny", vocab=512, seq_len=64)
     apply(model, MemoryConfig(**memory), torch.device("cpu"))
     total = 0
 

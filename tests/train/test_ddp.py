@@ -21,6 +21,7 @@ import torch
 from conftest import micro_run, write_yaml
 
 from harness.cli import main
+from harness.cost.estimate import estimate_run
 from harness.methods.resolve import load_run
 from harness.train import train
 from harness.trials import read_json, read_jsonl
@@ -93,6 +94,29 @@ def test_two_processes_train_as_one(tmp_path, method, layerwise):
     reference = torch.load(tmp_path / "one" / "checkpoint" / "state.pt", weights_only=False)
     assert model.keys() == reference["model"].keys()
     assert output.count("step 6/6") == 1  # progress lines come from rank 0 only
+
+
+@pytest.mark.parametrize(("method", "layerwise"),
+                         [(GALORE, True), ({"name": "qgalore", "rank": 8}, False)],
+                         ids=["galore_layerwise", "qgalore"])
+def test_the_estimate_for_two_processes_is_what_each_of_two_processes_holds(
+    tmp_path, method, layerwise
+):
+    """4 sequences of 2 per step over 2 processes: one micro-batch each, so the layer-wise
+    update frees every gradient in its own backward. The estimate for the launcher's 2
+    processes counts that (the largest gradient); one process would accumulate two (all)."""
+    data = {**micro_run(steps=1, total_batch_size=4), "method": method,
+            "memory": {"layerwise": layerwise}}
+    proc = torchrun(write_yaml(tmp_path / "run.yaml", data), tmp_path / "two")
+    output = finish(proc)
+    assert proc.returncode == 0, output
+    two = read_json(tmp_path / "two" / "summary.json")
+    run = load_run(data)
+    estimate = estimate_run(run, world=2)
+    assert two["grad_bytes"] == estimate["grad_bytes"] < estimate_run(run)["grad_bytes"]
+    assert two["param_bytes"] == estimate["weight_bytes"]
+    assert two["optimizer_state_bytes"] == estimate["optimizer_state_bytes"]
+    assert two["extra_bytes"] == estimate["extra_bytes"]
 
 
 def test_interrupted_two_processes_resume_where_they_stopped(tmp_path):

@@ -1,0 +1,191 @@
+"""The Optuna source: ask a method's study for a point, hand it out as a harness trial, tell
+its result; method after method, until each study's budget is spent.
+
+Any number of sources (one per worker loop: threads of the sweep, or submitit jobs) share a
+study through its storage: each asked trial is a new number, so none is run twice. With a
+database the running trials send heartbeats, so that the trial of a dead worker is failed and
+queued again for another.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.distributions import BaseDistribution
+from optuna.storages import BaseStorage, RDBStorage, fail_stale_trials
+from optuna.trial import FrozenTrial, TrialState
+
+from harness.config import SweepConfig
+from harness.sweep.source import Assigned, Pick
+from harness.sweep.status import trial_status
+from harness.sweep.study import (
+    counted,
+    harness_trial,
+    method_space,
+    open_storage,
+    open_study,
+    retry_of,
+    storage_target,
+    tell,
+)
+from harness.trials import FAILED, FINISHED, RunsDir, Status, TrialDir
+
+
+@contextmanager
+def heartbeat(storage: BaseStorage, trial_id: int) -> Iterator[None]:
+    """Beat while the trial runs, so that a dead worker's trial is seen stale and retried."""
+    interval = storage.get_heartbeat_interval() if isinstance(storage, RDBStorage) else None
+    if not interval:
+        yield
+        return
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            storage.record_heartbeat(trial_id)
+            if stop.wait(interval):
+                return
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+class StudySource:
+    """One worker's view of the sweep's studies. `index` tells the workers apart (each samples
+    its own stream); `lock` is shared by the sweep's local workers, so that the budget check
+    and the ask are one step; `resume` (label, number) is the trial a requeued job finishes
+    first."""
+
+    def __init__(
+        self,
+        sweep: SweepConfig,
+        out: Path,
+        index: int,
+        lock: threading.Lock | None = None,
+        resume: tuple[str, int] | None = None,
+    ) -> None:
+        self.sweep, self.out, self.index, self.resume = sweep, Path(out), index, resume
+        self.lock = lock or threading.Lock()
+        self.target = storage_target(sweep, out)
+        self.storage = open_storage(self.target, sweep.search.heartbeat_s)
+        # A database study may have workers in other sweep processes too: tell them apart.
+        shared = isinstance(self.storage, RDBStorage)
+        self.name = f"{socket.gethostname()}/{os.getpid()}/{index}" if shared else str(index or "")
+        self.labels = list(sweep.methods)
+        self.study: optuna.Study | None = None
+        self.space: dict[str, BaseDistribution] = {}
+        self.deadline: float | None = None
+
+    @property
+    def assigned(self) -> Assigned:
+        return []  # every trial is asked inside the worker
+
+    def next(self) -> Pick | None:
+        while self.labels:
+            label = self.labels[0]
+            if self.study is None:
+                self.study = open_study(self.sweep, label, self.storage, self.name)
+                self.space = method_space(self.sweep, label)
+                self.deadline = None
+                if self.resume is not None and self.resume[0] == label:
+                    pick = self._pick(label, optuna.Trial(self.study, self._id(self.resume[1])))
+                    if pick is not None:
+                        return pick
+            ot = self._ask()
+            if ot is None:  # this method's budget is spent (or its time is up)
+                self.labels.pop(0)
+                self.study = None
+                continue
+            pick = self._pick(label, ot)
+            if pick is not None:
+                return pick
+        return None
+
+    def _ask(self) -> optuna.Trial | None:
+        """A new (or queued) trial, or None once the budget is spent and no other worker's
+        trial may still go stale and be queued again."""
+        s, study = self.sweep.search, self.study
+        assert study is not None
+        if self.deadline is None:
+            self.deadline = time.time() + s.timeout_min * 60 if s.timeout_min else math.inf
+        while time.time() < self.deadline:
+            with self.lock:
+                fail_stale_trials(study)
+                trials = study.get_trials(deepcopy=False)
+                waiting = any(t.state == TrialState.WAITING for t in trials)
+                if waiting or len(counted(trials)) < s.n_trials:
+                    return study.ask(self.space)
+                if not self._others_running(trials):
+                    return None
+            time.sleep(s.heartbeat_s)
+        return None
+
+    def _others_running(self, trials: list[FrozenTrial]) -> bool:
+        running = any(t.state == TrialState.RUNNING for t in trials)
+        return running and isinstance(self.storage, RDBStorage)
+
+    def _id(self, number: int) -> int:
+        assert self.study is not None
+        study_id = self.storage.get_study_id_from_name(self.study.study_name)
+        return self.storage.get_trial_id_from_study_id_trial_number(study_id, number)
+
+    def _pick(self, label: str, ot: optuna.Trial) -> Pick | None:
+        """The asked trial as a harness trial, to run unless its folder already holds a
+        result; None when it is no longer RUNNING (resumed after a requeue, but the study has
+        moved on)."""
+        s, study = self.sweep.search, self.study
+        assert study is not None
+        frozen = self.storage.get_trial(ot._trial_id)
+        if frozen.state != TrialState.RUNNING:
+            return None
+        trial = harness_trial(self.sweep, label, ot)
+        trial_dir = RunsDir(self.out).trial(trial.id).path
+        again = retry_of(frozen) is not None
+        status = trial_status(trial_dir)
+        while status == Status.RUNNING and not again:  # the same point, asked by another worker
+            time.sleep(2)
+            status = trial_status(trial_dir)
+        if status in FINISHED and not (again and status in FAILED):
+            return Pick(trial.id, trial_dir, label, ot.number, run=False)
+        link = {"storage": self.target, "study": study.study_name, "trial": ot.number,
+                "metric": s.metric, "pruner": s.pruner}
+        return Pick(trial.id, trial_dir, label, ot.number, trial.run, link)
+
+    def running(self, pick: Pick) -> AbstractContextManager[None]:
+        assert pick.number is not None
+        return heartbeat(self.storage, self._id(pick.number))
+
+    def finish(self, pick: Pick) -> bool:
+        """Tell the study the trial's result. A trial that stopped unfinished (Ctrl-C) stays
+        RUNNING and this worker stops: the next sweep (or, with a database, the heartbeat
+        check) queues it again and it resumes."""
+        assert self.study is not None and pick.number is not None
+        summary = TrialDir(pick.dir).read_summary()
+        if summary is None or summary.status not in FINISHED:
+            return False
+        tell(self.study, pick.number, summary, self.sweep.search.metric)
+        return True
+
+    def resumed(self, pick: Pick | None) -> StudySource:
+        resume = (pick.label, pick.number) if pick and pick.number is not None else self.resume
+        return StudySource(self.sweep, self.out, self.index, resume=resume)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"sweep": self.sweep, "out": self.out, "index": self.index, "resume": self.resume}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)

@@ -1,0 +1,104 @@
+"""Where a worker loop gets its trials: a grid's fixed list, or an Optuna study (search.py).
+
+A sweep has one way to run trials, the `Worker` loop; a source is all that differs between a
+grid and a search. It hands out a `Pick` (a trial folder, what to write there first, whether
+it still has to run), records its end (`finish`: Optuna is told), and after a requeue gives a
+source that resumes the trial the job was running.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from harness.config import RunConfig
+
+Assigned = list[tuple[str, Path]]
+
+
+@dataclass
+class Pick:
+    """One trial handed to a worker loop."""
+
+    id: str
+    dir: Path
+    label: str = ""
+    number: int | None = None  # its Optuna trial
+    config: RunConfig | None = None  # written before it runs; None: the folder has it
+    link: dict[str, Any] | None = None  # the study it reports to (optuna.json)
+    run: bool = True  # False: its folder already holds a result, only `finish` it
+
+
+class Source(Protocol):
+    """What a `Worker` asks; each method is called from the worker's own thread."""
+
+    @property
+    def assigned(self) -> Assigned:
+        """The trials fixed when the source was made (a grid's): a job running it records
+        their launch at submission, so that `harness status` sees them queued."""
+        ...
+
+    def next(self) -> Pick | None:
+        """The next trial to run or record; None when the source has none left."""
+        ...
+
+    def running(self, pick: Pick) -> AbstractContextManager[None]:
+        """Held while the trial runs (Optuna beats its heartbeat)."""
+        ...
+
+    def finish(self, pick: Pick) -> bool:
+        """Record the trial's end; False stops the worker (a trial left unfinished)."""
+        ...
+
+    def resumed(self, pick: Pick | None) -> Source:
+        """The source a requeued job works on: `pick` (its trial when stopped) first."""
+        ...
+
+
+class GridSource:
+    """A fixed list of trials whose configs are written, handed out one at a time to any
+    number of worker loops; each trial records its own end (or its launcher records a crash)."""
+
+    def __init__(self, trials: Assigned) -> None:
+        self.trials = [(trial_id, Path(trial_dir)) for trial_id, trial_dir in trials]
+        self.left = deque(self.trials)
+        self.lock = threading.Lock()
+
+    @property
+    def assigned(self) -> Assigned:
+        return self.trials
+
+    def __len__(self) -> int:
+        return len(self.left)
+
+    def next(self) -> Pick | None:
+        with self.lock:
+            if not self.left:
+                return None
+            trial_id, trial_dir = self.left.popleft()
+        return Pick(trial_id, trial_dir)
+
+    def running(self, pick: Pick) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def finish(self, pick: Pick) -> bool:
+        return True  # a failed grid trial is recorded; the next one still runs
+
+    def resumed(self, pick: Pick | None) -> GridSource:
+        with self.lock:
+            left = list(self.left)
+        return GridSource(([(pick.id, pick.dir)] if pick else []) + left)
+
+    def split(self) -> list[GridSource]:
+        """One source per trial: a job each (on Slurm one array), or a thread slot each."""
+        return [GridSource([trial]) for trial in self.left]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"trials": list(self.left)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["trials"])

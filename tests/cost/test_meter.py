@@ -1,0 +1,120 @@
+"""harness/cost/meter.py: weight counts (packed 4-bit and INT8 weights as weights), the FLOP
+count behind MFU, the memory readings on CPU, and the training clock's laps."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from conftest import SAMPLE_VOCAB, micro_run
+from torch import nn
+
+from harness.cost import meter
+from harness.cost.meter import (
+    Meter,
+    breakdown,
+    current_memory,
+    flops_per_token,
+    logical_numel,
+    peak_flops,
+    peak_memory,
+    weight_counts,
+)
+from harness.methods import build_method
+from harness.methods.quant import Int8Linear
+from harness.methods.resolve import load_run
+
+CPU = torch.device("cpu")
+
+
+def test_no_peak_flops_on_a_cpu_so_no_mfu():
+    assert peak_flops(CPU, "bf16") is None and peak_flops(CPU, "fp32") is None
+    assert meter.PEAK_FLOPS["H100"]["bf16"] == 989e12
+
+
+def test_flops_per_token_is_palms_count(tiny_model):
+    n = sum(p.numel() for p in tiny_model.parameters()) - SAMPLE_VOCAB * 64  # no input embedding
+    assert flops_per_token(tiny_model, 32) == 6 * n + 12 * 2 * 64 * 32
+    assert flops_per_token(tiny_model, 64) - flops_per_token(tiny_model, 32) == 12 * 2 * 64 * 32
+
+
+def test_weight_counts_split_trained_and_all(tiny_model):
+    n = sum(p.numel() for p in tiny_model.parameters())
+    assert weight_counts(tiny_model) == (n, n)
+    tiny_model.lm_head.weight.requires_grad_(False)
+    assert weight_counts(tiny_model) == (n - SAMPLE_VOCAB * 64, n)
+
+
+def test_int8_weights_are_trained_weights_though_buffers():
+    model = nn.ModuleDict({"q": Int8Linear.from_linear(nn.Linear(64, 32, bias=True)),
+                           "norm": nn.LayerNorm(32)})
+    assert [n for n, _ in model.named_parameters()] == ["q.bias", "norm.weight", "norm.bias"]
+    assert weight_counts(model) == (32 * 64 + 32 + 64, 32 * 64 + 32 + 64)
+
+
+def test_a_packed_4bit_tensor_counts_its_weights_not_its_bytes():
+    import bitsandbytes as bnb
+
+    linear = bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4")
+    linear.weight = bnb.nn.Params4bit(torch.randn(64, 64), requires_grad=False, quant_type="nf4")
+    linear = linear.to("cpu")  # quantizes: two weights a byte
+    assert linear.weight.numel() == 64 * 64 // 2
+    assert logical_numel(linear.weight) == 64 * 64
+    assert logical_numel(torch.zeros(3, 5)) == 15
+    assert weight_counts(linear) == (0, 64 * 64)
+
+
+def test_cpu_memory_is_the_process_rss_and_its_peak():
+    now = current_memory(CPU)
+    peak = peak_memory(CPU)
+    assert set(peak) == {"peak_memory_bytes"}
+    assert now > 10e6  # a Python process with torch: more than 10 MB
+    assert peak["peak_memory_bytes"] >= 0.9 * now  # the kernel updates its high-water lazily
+
+
+def test_breakdown_counts_full_adamw_after_a_step(tiny_model):
+    run = load_run(micro_run())
+    method = build_method(run)
+    optimizer = method.optimizer(tiny_model, run)
+    ids = torch.randint(0, SAMPLE_VOCAB, (1, 8))
+    tiny_model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    n = sum(p.numel() for p in tiny_model.parameters())
+    tensors = len(list(tiny_model.parameters()))
+    assert breakdown(method, tiny_model, optimizer) == {
+        "param_bytes": 4 * n, "grad_bytes": 4 * n,
+        "optimizer_state_bytes": 8 * n + 4 * tensors,  # two fp32 moments and a step each
+        "extra_bytes": 0, "trainable_params": n, "total_params": n}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_meter_counts_only_steady_training_time(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(meter, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    m = Meter(CPU)
+    assert m.tokens_per_s is None
+    m.add(100)
+    clock.now += 2
+    assert m.lap() == (2.0, 50.0)
+    m.add(30)
+    clock.now += 1
+    m.pause()  # an eval: 7 s that are not training
+    clock.now += 7
+    m.resume()
+    m.add(30)
+    clock.now += 2
+    assert m.lap(steady=False) == (3.0, 20.0)  # a first step's lap, not counted toward tok/s
+    assert (m.train_s, m.tokens) == (2.0, 100)
+    assert m.lap() == (3.0, 20.0)  # nothing added since: the last lap again, nothing counted
+    m.add(400)
+    clock.now += 4
+    assert m.lap() == (4.0, 100.0)
+    assert m.tokens_per_s == pytest.approx(500 / 6)

@@ -1,0 +1,106 @@
+"""harness/models.py: the presets become the LLaMA the papers train, shapes come without
+memory, and the causal attention the trainer registers computes what eager attention does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SAMPLE_VOCAB, micro_model
+
+from harness.config import ModelFrom, RunConfig, TaskConfig
+from harness.errors import UserError
+from harness.models import (
+    CAUSAL_SDPA,
+    PRESETS,
+    build_model,
+    check_model,
+    check_preset,
+    describe,
+    llama_config,
+    param_shapes,
+)
+
+
+def test_tiny_model_fixture_is_llama_micro_on_the_sample_vocab(tiny_model):
+    p = PRESETS["llama_micro"]
+    config = tiny_model.config
+    assert (config.hidden_size, config.intermediate_size) == (p.hidden, p.intermediate)
+    assert (config.num_hidden_layers, config.num_attention_heads) == (p.layers, p.heads)
+    assert config.vocab_size == SAMPLE_VOCAB
+    assert config._attn_implementation == CAUSAL_SDPA
+    per_layer = 4 * p.hidden**2 + 3 * p.hidden * p.intermediate + 2 * p.hidden
+    n = 2 * SAMPLE_VOCAB * p.hidden + p.layers * per_layer + p.hidden  # untied head, final norm
+    assert sum(t.numel() for t in tiny_model.parameters()) == n == 1_149_248
+
+
+def test_llama_config_follows_galore():
+    config = llama_config("llama_60m", 32000, 256, pad_id=0)
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (
+        512, 1376, 8)
+    assert config.num_key_value_heads == config.num_attention_heads == 8
+    assert config.rms_norm_eps == 1e-6 and config.hidden_act == "silu"
+    assert config.initializer_range == 0.02 and config.tie_word_embeddings is False
+    assert config.pad_token_id == 0 and config.use_cache is False
+    assert config.max_position_embeddings == 1024  # the preset's, longer than seq_len
+    assert llama_config("llama_micro", 100, 4096, None).max_position_embeddings == 4096
+    assert llama_config("llama_7b", 100, 256, None).max_position_embeddings == 2048
+
+
+def test_param_shapes_match_the_built_model_without_allocating():
+    shapes = param_shapes("llama_micro", SAMPLE_VOCAB, 32)
+    built = {n: p.shape for n, p in micro_model().named_parameters()}
+    assert shapes == built
+    assert shapes["model.layers.1.mlp.down_proj.weight"] == (64, 176)
+    assert shapes["lm_head.weight"] == (SAMPLE_VOCAB, 64)
+    big = param_shapes("llama_7b", 32000, 256)  # meta device: 6.7B parameters in no memory
+    assert sum(s.numel() for s in big.values()) > 6.7e9
+
+
+def test_seeded_builds_are_identical_and_seeds_differ():
+    a, b, c = micro_model(seed=3), micro_model(seed=3), micro_model(seed=4)
+    for (name, x), y, z in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+        assert torch.equal(x, y), name
+        if x.dim() == 2:
+            assert not torch.equal(x, z), name
+
+
+def test_causal_sdpa_equals_eager_causal_attention(tiny_model):
+    """No mask is built for the registered attention: causality must come from is_causal."""
+    from transformers import LlamaForCausalLM
+
+    eager = LlamaForCausalLM(llama_config("llama_micro", SAMPLE_VOCAB, 32, None, "eager"))
+    eager.load_state_dict(tiny_model.state_dict())
+    ids = torch.randint(0, SAMPLE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = tiny_model(input_ids=ids).logits, eager(input_ids=ids).logits
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+        # causal: changing the last token leaves every earlier position's logits unchanged
+        changed = ids.clone()
+        changed[:, -1] = (changed[:, -1] + 1) % SAMPLE_VOCAB
+        later = tiny_model(input_ids=changed).logits
+    torch.testing.assert_close(later[:, :-1], ours[:, :-1])
+    assert not torch.allclose(later[:, -1], ours[:, -1])
+
+
+def test_describe_counts_parameters_with_and_without_embeddings(tiny_model):
+    assert describe(tiny_model) == "1.15M parameters (0.62M without input embeddings)"
+
+
+def test_unknown_preset_is_a_user_error_with_a_suggestion():
+    assert check_preset("llama_tiny", "model") is PRESETS["llama_tiny"]
+    with pytest.raises(UserError, match=r"^model: unknown model preset 'llama_1B' \(did you "
+                                        r"mean 'llama_1b'\? allowed: llama_micro, "):
+        check_preset("llama_1B", "model")
+    with pytest.raises(UserError, match="unknown model preset 'gpt2'"):
+        build_model("gpt2", 100, 8, None)
+
+
+def test_check_model_pretraining_needs_a_preset_and_glue_takes_a_checkpoint():
+    check_model(RunConfig(model="llama_micro"))
+    with pytest.raises(UserError, match="unknown model preset 'roberta-base'"):
+        check_model(RunConfig(model="roberta-base"))
+    source = ModelFrom(**{"from": "runs/pretrain"})
+    with pytest.raises(UserError, match=r"model: \{from: \.\.\.\} fine-tunes a checkpoint"):
+        check_model(RunConfig(model=source))
+    check_model(RunConfig(model=source, task=TaskConfig(kind="glue")))  # resolved later
+    check_model(RunConfig(model="roberta-base", task=TaskConfig(kind="glue")))
