@@ -81,13 +81,20 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         if args.jobs:
             sweep.launcher.jobs = args.jobs
-        return run_sweep(sweep, out, args.retry_failed)
+        return run_sweep(sweep, out, args.retry_failed, show=_show_table)
     except KeyboardInterrupt:
         print(
             "\ninterrupted: running trials saved checkpoints; run the same command to resume",
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
+
+
+def _show_table(out: Path) -> None:
+    """The status table a finished sweep prints, as its summaries say."""
+    from harness.analysis import load_runs, status_table
+
+    print(status_table(load_runs(out)), flush=True)
 
 
 def _load(runs_dir: str):

@@ -4,6 +4,7 @@ the workers as a fixed list, a search asks Optuna; both run through `launch`."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from optuna.storages import RDBStorage
@@ -29,10 +30,14 @@ from harness.sweep.study import (
 )
 from harness.trials import FAILED, FINISHED, RunsDir, Status
 
+Show = Callable[[Path], None]  # prints a finished sweep's table (the CLI's, from analysis)
 
-def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> int:
-    """Run every unfinished trial; 0 if all are ok, 1 if any failed (all are still recorded)."""
-    pretrain_first(sweep)
+
+def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False,
+              show: Show | None = None) -> int:
+    """Run every unfinished trial; 0 if all are ok, 1 if any failed (all are still recorded).
+    `show` is called on the runs directory at the end (the sweep room sits below analysis)."""
+    pretrain_first(sweep, show)
     if sweep.task.kind == "pretrain":
         preflight(sweep)
     out.mkdir(parents=True, exist_ok=True)
@@ -41,10 +46,12 @@ def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> int:
         failed = run_grid(sweep, out, retry_failed)
     else:
         failed = run_search(sweep, out, retry_failed)
+    if show is not None:
+        show(out)
     return 1 if failed else 0
 
 
-def pretrain_first(sweep: SweepConfig) -> None:
+def pretrain_first(sweep: SweepConfig, show: Show | None = None) -> None:
     """Fine-tuning from a sweep's best checkpoint: run that pretraining sweep when its runs
     directory does not exist yet, so pretrain → fine-tune is one command."""
     source = sweep.model
@@ -52,7 +59,7 @@ def pretrain_first(sweep: SweepConfig) -> None:
         return
     print(f"model.from: {source.from_} does not exist yet; running {source.sweep} first",
           flush=True)
-    if run_sweep(load_sweep(source.sweep, {}), Path(source.from_)) != 0:
+    if run_sweep(load_sweep(source.sweep, {}), Path(source.from_), show=show) != 0:
         raise UserError(f"model.from: the pretraining sweep {source.sweep} had failed trials "
                         f"(see {source.from_}); fix or re-run it, then this sweep")
 

@@ -87,7 +87,10 @@ def test_local_slots_refill_as_trials_end(tmp_path):
     assert starts[2] - t0 < 1.0  # it took the slot task 1 freed, not waiting for task 0
 
 
-def test_submitit_local_trial_preempted_resumes_with_the_same_losses(tmp_path):
+def test_submitit_local_trial_preempted_resumes_with_the_same_losses(tmp_path, monkeypatch):
+    # The job's trial inherits one thread, as the in-process reference runs (conftest): with a
+    # different thread count, some CPUs' matmul kernels split sums differently.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     run = micro_run(steps=30, log_every=1)
     run["eval"] = {"every": 0, "tokens": 128}
     reference = train(load_run(run), tmp_path / "reference")
