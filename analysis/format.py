@@ -9,7 +9,7 @@ import pandas as pd
 
 # What tells two configurations of one method apart in every table and figure, with the value
 # a trial from before the column existed (or with it unset) gets.
-VARIANT_DEFAULTS = {"method": "unknown", "memory": "none", "precision": "fp32"}
+VARIANT_DEFAULTS = {"method": "unknown", "memory": "none", "precision": "32-true"}
 
 
 
@@ -36,7 +36,7 @@ def fill_variants(trials: pd.DataFrame) -> pd.DataFrame:
 
 
 def variant_label(method: str, memory: str, precision: str) -> str:
-    """"galore", or "galore (offload mlp, bf16)" when it departs from the defaults."""
+    """"galore", or "galore (offload mlp, bf16-mixed)" when it departs from the defaults."""
     extra = [value for value, key in ((memory, "memory"), (precision, "precision"))
              if value != VARIANT_DEFAULTS[key]]
     return f"{method} ({', '.join(extra)})" if extra else method

@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.config import memory_label
+from harness.config import PRECISION_ALIASES, memory_label
 from harness.trials import RunsDir, Status, Summary, TrialDir, read_jsonl, read_jsonl_tail
 
 PathArg = str | os.PathLike
@@ -106,8 +106,11 @@ def _trial_row(run_dir: Path, trial_dir: TrialDir) -> dict[str, Any]:
     summary = trial_dir.read_summary()
     row: dict[str, Any] = {"run_dir": str(run_dir), **dict.fromkeys(SUMMARY_FIELDS), **config}
     row["memory"] = memory_label(raw.get("memory") or {})
-    row["precision"] = (raw.get("train") or {}).get("precision", "fp32")
+    row["precision"] = (raw.get("train") or {}).get("precision", "32-true")
     row.update(flatten(summary.to_dict() if summary is not None else {}))
+    for key in ("precision", "train.precision"):  # earlier runs wrote fp32, bf16, fp16
+        if isinstance(row.get(key), str):
+            row[key] = PRECISION_ALIASES.get(row[key], row[key])
     # The folder name is what a user types to find the trial's files, so it is the id.
     row["trial"] = trial_dir.name
     if summary is None:

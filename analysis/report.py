@@ -41,7 +41,7 @@ from .tables import write_tables
 
 SUMMARY_COLUMNS = (
     "method", "memory", "precision", "best lr", "eval ppl", "tok/s", "peak memory",
-    "optimizer state", "trials",
+    "peak RSS", "optimizer state", "trials",
 )  # fmt: skip
 VARIANT = list(VARIANT_DEFAULTS)  # what a row of the summary compares
 MEMORY_NOTE = "Memory columns use decimal units: 1 MB = 10^6 bytes, 1 GB = 10^9 bytes."
@@ -75,6 +75,7 @@ def status_table(trials: pd.DataFrame) -> str:
             "eval ppl": trials["eval_ppl"].map(lambda v: cell(v, ".2f")),
             "tok/s": trials["tokens_per_s"].map(lambda v: cell(v, ",.0f")),
             "peak memory": trials["peak_memory_bytes"].map(human_bytes),
+            "peak RSS": trials["peak_rss_bytes"].map(human_bytes),
             "requeues": trials["requeues"].map(lambda v: _int(v, "0")),
         }
     )
@@ -164,7 +165,8 @@ def _method_row(variant: dict[str, str], group: pd.DataFrame) -> dict[str, str]:
     row = dict.fromkeys(SUMMARY_COLUMNS, "")
     row.update(variant, trials=_status_counts(group["status"]))
     best = at_best_lr(group, "eval_ppl", rate=("tokens_per_s", "mean"),
-                      peak=("peak_memory_bytes", "max"), state=("optimizer_state_bytes", "max"))
+                      peak=("peak_memory_bytes", "max"), rss=("peak_rss_bytes", "max"),
+                      state=("optimizer_state_bytes", "max"))
     if best is None:
         return row
     row.update(
@@ -173,6 +175,7 @@ def _method_row(variant: dict[str, str], group: pd.DataFrame) -> dict[str, str]:
             "eval ppl": cell(best["mean"], ".2f"),
             "tok/s": cell(best["rate"], ",.0f"),
             "peak memory": human_bytes(best["peak"]),
+            "peak RSS": human_bytes(best["rss"]),
             "optimizer state": human_bytes(best["state"]),
         }
     )

@@ -163,6 +163,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from harness.cost.plan import format_plan, parse_memory, plan, to_json
+
+    result = plan(args.model, parse_memory(args.memory), args.seq_len, args.token_batch,
+                  args.tokenizer)
+    print(to_json(result) if args.json else format_plan(result, args.model, args.top))
+    return EXIT_OK
+
+
 def type_name(annotation: object) -> str:
     if typing.get_args(annotation):
         return str(annotation).replace("typing.", "")
@@ -299,7 +308,8 @@ def build_parser() -> Parser:
     b.add_argument("--steps", type=positive_int, default=20, help="steps per run (default 20)")
     b.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
     b.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
-    b.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    b.add_argument("--precision", choices=["32-true", "bf16-mixed", "fp32", "bf16"],
+                   default="32-true", help="loop: 32-true or bf16-mixed (old names: fp32, bf16)")
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     b.add_argument("--rounds", type=positive_int, default=3,
                    help="alternating rounds (loop); trials per launcher (launch)")
@@ -321,6 +331,21 @@ def build_parser() -> Parser:
     e.add_argument("sweep", help="sweep YAML, e.g. sweeps/c4_1b.yaml")
     e.add_argument("--set", **sets)
     e.add_argument("--json", action="store_true", help="print JSON records instead of a table")
+
+    pl = command(sub, "plan", cmd_plan, "what fits in a memory budget", "Every method x "
+                 "memory modifier x precision x micro-batch whose estimated peak (as `harness "
+                 "estimate` predicts it) fits the budget, fastest first by a relative compute "
+                 "cost; if nothing fits, the closest.")
+    pl.add_argument("model", help="model preset, e.g. llama_7b")
+    pl.add_argument("--memory", required=True, help="the device's memory: 24GB, 24 GB, 24GiB, "
+                    "16000MB (GB = 1e9 bytes, GiB = 2^30)")
+    pl.add_argument("--seq-len", type=positive_int, default=256, help="tokens a sequence")
+    pl.add_argument("--token-batch", type=positive_int, default=256,
+                    help="tokens an optimizer step (default 256: the GaLore paper's 7B setting)")
+    pl.add_argument("--tokenizer", default="t5-base", help="its vocabulary sizes the embedding "
+                    "(default t5-base, the papers')")
+    pl.add_argument("--top", type=int, default=20, help="rows printed (0: all; default 20)")
+    pl.add_argument("--json", action="store_true", help="print JSON records instead of a table")
 
     command(sub, "methods", cmd_methods, "list the registered methods", "Each method, its "
             "hyperparameters with types and defaults, and what it is.")

@@ -10,6 +10,7 @@ from pydantic import Field
 
 from harness.methods.base import Groups, MemoryEstimate, Method, Shapes, grad_bytes, numel, register
 from harness.methods.full import AdamConfig
+from harness.methods.widths import widths
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
@@ -47,7 +48,22 @@ class Adam8bit(Method):
             min_8bit_size=self.config.min_8bit_size,
         )
 
+    def refusal(self, run: RunConfig) -> str | None:
+        t = run.train
+        if t.precision != "bf16-true":
+            return None
+        if t.update_compensation != "none":
+            return ("bitsandbytes' AdamW8bit adds its update to a bf16 weight inside its kernel, "
+                    "rounded to nearest (torchao's AdamW8bit(bf16_stochastic_round=True) runs on "
+                    "CPU but compiles per parameter shape, ~9 s each, and has no Kahan form): "
+                    "use train.update_compensation: none")
+        if t.state_dtype != "float32":
+            return ("bitsandbytes keeps the 32-bit states (tensors under min_8bit_size) in "
+                    "float32: use train.state_dtype: float32")
+        return None
+
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        sizes = [numel(s) for s in shapes.values()]
+        sizes, w = [numel(s) for s in shapes.values()], widths(run)
         states = sum(adam8bit_state_bytes(n, self.config.min_8bit_size) for n in sizes)
-        return MemoryEstimate(4 * sum(sizes), grad_bytes(sizes, run, self.steps), states)
+        states += w.compensation * sum(sizes)
+        return MemoryEstimate(w.weight * sum(sizes), grad_bytes(sizes, run, self.steps), states)

@@ -12,6 +12,7 @@ from torch import nn
 from harness.config import Strict
 from harness.config.steps import Steps, lr_factor
 from harness.errors import suggest
+from harness.methods.widths import widths
 from harness.modifiers.optimizer import make_optimizer
 
 if TYPE_CHECKING:
@@ -103,23 +104,25 @@ class Method:
     def held_grad_bytes(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> int:
         """Layer-wise updates freed each gradient inside backward: count what existed."""
         if getattr(optimizer, "layerwise", False):
-            sizes = [p.numel() for p in params if p.requires_grad]
-            return grad_bytes_of(sizes, True, self.steps.accumulation)
+            trained = [p for p in params if p.requires_grad]
+            return grad_bytes_of([p.numel() for p in trained], True, self.steps.accumulation,
+                                 max(p.element_size() for p in trained))
         return sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
 
 
-def grad_bytes_of(sizes: list[int], layerwise: bool, accumulation: int) -> int:
-    """fp32 gradients of the trained tensors. Layer-wise without accumulation (`accumulation`:
-    micro-batches per step on one process) holds one at a time: the largest is the peak. With
-    accumulation every one lives until the last micro-batch's backward."""
+def grad_bytes_of(sizes: list[int], layerwise: bool, accumulation: int, width: int = 4) -> int:
+    """Gradients of the trained tensors, `width` bytes an element (fp32: 4; bf16-true: 2).
+    Layer-wise without accumulation (`accumulation`: micro-batches per step on one process)
+    holds one at a time: the largest is the peak. With accumulation every one lives until the
+    last micro-batch's backward."""
     if layerwise and accumulation == 1:
-        return 4 * max(sizes)
-    return 4 * sum(sizes)
+        return width * max(sizes)
+    return width * sum(sizes)
 
 
 def grad_bytes(sizes: list[int], run: RunConfig, steps: Steps) -> int:
     """The estimate's gradient bytes for the trained tensors of `sizes` under `run`."""
-    return grad_bytes_of(sizes, run.memory.layerwise, steps.accumulation)
+    return grad_bytes_of(sizes, run.memory.layerwise, steps.accumulation, widths(run).grad)
 
 
 def register(name: str):

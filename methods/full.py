@@ -9,6 +9,8 @@ from pydantic import Field
 
 from harness.config import Strict
 from harness.methods.base import Groups, MemoryEstimate, Method, Shapes, grad_bytes, numel, register
+from harness.methods.widths import widths
+from harness.modifiers.compensation import pure_adamw
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
@@ -20,17 +22,23 @@ class AdamConfig(Strict):
     eps: float = Field(1e-8, gt=0, description="added to the second moment's root")
 
 
-def adam_bytes(weight_bytes: int, trainable: list[int], run: RunConfig,
-               steps: Steps) -> MemoryEstimate:
-    """AdamW's bytes: fp32 gradients, two fp32 moments and a float32 step per trained tensor."""
-    n = sum(trainable)
-    grads = grad_bytes(trainable, run, steps)
-    return MemoryEstimate(weight_bytes, grads, 8 * n + 4 * len(trainable))
+def adam_bytes(float_numel: int, trainable: list[int], run: RunConfig, steps: Steps,
+               other_bytes: int = 0) -> MemoryEstimate:
+    """AdamW's bytes: `float_numel` float weights (and `other_bytes` of codes) at the run's
+    width, its gradients, two moments in the state dtype, a float32 step per trained tensor
+    and, with Kahan summation, a bf16 compensation per trained element (methods/widths.py)."""
+    w, n = widths(run), sum(trainable)
+    states = (2 * w.state + w.compensation) * n + 4 * len(trainable)
+    return MemoryEstimate(w.weight * float_numel + other_bytes,
+                          grad_bytes(trainable, run, steps), states)
 
 
 def adamw(groups: Groups, run: RunConfig, config: AdamConfig) -> torch.optim.Optimizer:
     """torch's fused AdamW (CPU and CUDA): the fastest baseline; bitsandbytes' paged AdamW
-    (32-bit states) when the run asks for paged optimizer states."""
+    (32-bit states) when the run asks for paged optimizer states; under bf16-true, the AdamW
+    that honours train.state_dtype and train.update_compensation (modifiers/compensation.py)."""
+    if run.train.precision == "bf16-true":
+        return pure_adamw(groups, run.train, config.betas, config.eps)
     common = {"lr": run.train.lr, "betas": config.betas, "eps": config.eps}
     if run.memory.optimizer_offload == "paged":
         import bitsandbytes as bnb
@@ -49,5 +57,4 @@ class Full(Method):
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         sizes = [numel(s) for s in shapes.values()]
-        # fp32 master weights (bf16 is autocast)
-        return adam_bytes(4 * sum(sizes), sizes, run, self.steps)
+        return adam_bytes(sum(sizes), sizes, run, self.steps)

@@ -29,6 +29,7 @@ from harness.methods.base import (
 )
 from harness.methods.full import AdamConfig
 from harness.methods.galore_optim import BASIS_KEYS, GaLoreOptimizer, lowrank_shape, side_of
+from harness.methods.widths import widths
 from harness.modifiers.optimizer import unwrap
 
 if TYPE_CHECKING:
@@ -95,6 +96,13 @@ class GaLore(Method):
         if run.memory.optimizer_offload == "paged":
             return ("its low-rank moments are its own tensors, not a bitsandbytes optimizer's, "
                     "so they cannot be paged; use memory.optimizer_offload: host")
+        t = run.train
+        if t.precision == "bf16-true" and (t.state_dtype, t.update_compensation) != (
+                "bfloat16", "none"):
+            return ("under bf16-true its moments follow the weights' dtype and its update is "
+                    "added inside the projection's matmul, rounded to nearest, as in the "
+                    "reference code: set train.state_dtype: bfloat16 and "
+                    "train.update_compensation: none")
         return None
 
     def on_step(self, step: int, model: nn.Module,
@@ -109,17 +117,18 @@ class GaLore(Method):
                 "svd_failures": sum(o.svd_failures for o in opts)}
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        c = self.config
+        c, w = self.config, widths(run)
         sizes = [numel(s) for s in shapes.values()]
-        state = extra = 0
+        state, extra = w.compensation * sum(sizes), 0
         for name, full in shapes.items():
             shape = tuple(full)
-            if self.targeted(name, shape):
+            if self.targeted(name, shape):  # the basis is kept in the weights' dtype
                 side = side_of(shape, c.proj_type, c.rank)
-                extra += 4 * basis_numel(shape, side, c.rank)
+                extra += w.weight * basis_numel(shape, side, c.rank)
                 shape = lowrank_shape(shape, side, c.rank)
-            state += state_bytes(shape, c.optimizer, c.min_8bit_size, c.adafactor_beta1)
-        return MemoryEstimate(4 * sum(sizes), grad_bytes(sizes, run, self.steps), state, extra)
+            state += state_bytes(shape, c.optimizer, c.min_8bit_size, c.adafactor_beta1, w.state)
+        return MemoryEstimate(w.weight * sum(sizes), grad_bytes(sizes, run, self.steps), state,
+                              extra)
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
         params = list(model.parameters())
@@ -139,12 +148,13 @@ def basis_numel(shape: tuple[int, ...], side: str, rank: int) -> int:
 
 
 def state_bytes(shape: tuple[int, ...], inner: str, min_8bit_size: int,
-                beta1: float | None) -> int:
-    """Bytes of the moments the inner optimizer keeps for a gradient (or projection) of `shape`."""
+                beta1: float | None, width: int = 4) -> int:
+    """Bytes of the moments the inner optimizer keeps for a gradient (or projection) of `shape`,
+    32-bit ones at `width` bytes an element (8-bit ones stay 8-bit)."""
     n = math.prod(shape)
     if inner == "adafactor":
-        sq = 4 * (n // shape[-1] + n // shape[-2]) if len(shape) >= 2 else 4 * n
-        return sq + (4 * n if beta1 is not None else 0)
+        sq = width * (n // shape[-1] + n // shape[-2]) if len(shape) >= 2 else width * n
+        return sq + (width * n if beta1 is not None else 0)
     if inner == "adam8bit":
         return adam8bit_state_bytes(n, min_8bit_size)
-    return 8 * n
+    return 2 * width * n

@@ -10,6 +10,8 @@ into the weight, with no full-size temporaries. Fixes over the reference code: a
 fails or returns non-finite values is retried in float64 and otherwise the previous basis kept
 (GaLore#7, #26, #58); moments can be reset or rotated into the new basis (GaLore#54); the
 8-bit inner optimizer runs on CPU; state_dict carries bases and counters for exact resume.
+Layer-wise under gradient accumulation, `fold` keeps ΣR instead of ΣG between micro-batches
+(projection is linear), except on the steps that refresh the basis (docs/methods.md#galore).
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as fused_adamw
 
+from harness.methods.adafactor import adafactor
 from harness.methods.adam8bit import BLOCK
 
 BASIS_KEYS = ("left", "right")  # projection matrices: extra bytes, not optimizer state
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col",
                "state1", "state2", "absmax1", "absmax2")
 OVERSAMPLE, POWER_ITERS = 8, 2  # randomized SVD (Halko et al., 2011)
-ADAFACTOR = {"eps": 1e-30, "clip": 1.0, "decay_rate": -0.8}  # transformers' defaults
 
 
 def side_of(shape: tuple[int, ...], proj_type: str, rank: int) -> str:
@@ -206,7 +208,8 @@ class GaLoreOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [p for p in group["params"]
+                      if p.grad is not None or "folded" in self.state.get(p, ())]
             if params and group["rank"]:
                 self._galore_step(group, params)
             elif params:
@@ -217,13 +220,34 @@ class GaLoreOptimizer(torch.optim.Optimizer):
         n, self.svd_attempts = self.svd_attempts, 0
         return n
 
+    @torch.no_grad()
+    def fold(self, p: Tensor, last: bool) -> Tensor | None:
+        """Layer-wise accumulation (harness/modifiers/layerwise.py): this micro-batch's R = PᵀG
+        joins p's low-rank sum and p.grad is freed. A sum opens before the last micro-batch only,
+        and only for a projected p whose basis this step keeps; a refresh needs the whole G for
+        its SVD, so p.grad then accumulates in full. Returns the sum (None: p.grad is kept)."""
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        side = side_of(p.shape, group["proj_type"], group["rank"]) if group["rank"] else "none"
+        st = self.state.get(p, {})  # a sum opens only where a basis (so a state) exists
+        if "folded" not in st and (last or side == "none" or _due(st, group["update_proj_gap"])):
+            return None
+        r = project(p.grad, st, side)
+        st["folded"] = st["folded"].add_(r) if "folded" in st else r
+        p.grad = None
+        return st["folded"]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for st in self.state.values():
+            st.pop("folded", None)
+
     # -- full-rank parameters -------------------------------------------------------------
     def _plain_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         lr, wd = group["lr"], group["weight_decay"]
         states = [self.state[p] for p in params]
         grads = [p.grad for p in params]
         if self.inner == "adafactor":
-            updates = self._adafactor(group, states, grads)
+            updates = adafactor(group["lr"], self.beta1, states, grads)
             if wd:
                 torch._foreach_mul_(params, 1 - lr * wd)
             torch._foreach_sub_(params, updates)
@@ -238,17 +262,17 @@ class GaLoreOptimizer(torch.optim.Optimizer):
         for st in states:
             st.setdefault("proj_step", 0)
         due = [i for i, (st, side) in enumerate(zip(states, sides, strict=True))
-               if side != "none" and (st["proj_step"] % gap == 0 or not _has_basis(st))]
+               if side != "none" and _due(st, gap)]
         if due:
             self._refresh(group, [params[i] for i in due], [states[i] for i in due],
                           [sides[i] for i in due])
         live = [i for i, st in enumerate(states) if sides[i] == "none" or _has_basis(st)]
         params = [params[i] for i in live]  # a weight whose first SVD failed waits a step
         states, sides = [states[i] for i in live], [sides[i] for i in live]
-        grads = [project(p.grad, st, s) for p, st, s in zip(params, states, sides, strict=True)]
+        grads = [_low_rank(p, st, s) for p, st, s in zip(params, states, sides, strict=True)]
         lr, wd, scale = group["lr"], group["weight_decay"], group["scale"]
         if self.inner == "adafactor":
-            updates, alpha = self._adafactor(group, states, grads), -scale
+            updates, alpha = adafactor(group["lr"], self.beta1, states, grads), -scale
         else:  # Adam leaves -N in a zeroed scratch tensor: lr 1, no decay there
             updates, alpha = [torch.zeros_like(g) for g in grads], lr * scale
             self.adam(group, updates, grads, states, 1.0, 0.0)
@@ -321,42 +345,6 @@ class GaLoreOptimizer(torch.optim.Optimizer):
                 st[f"state{i}"].copy_(q)
                 absmax.copy_(qs.absmax)
 
-    # -- inner optimizers ------------------------------------------------------------------
-    def _adafactor(self, group: dict[str, Any], states: list[dict[str, Any]],
-                   grads: list[Tensor]) -> list[Tensor]:
-        """transformers' Adafactor with relative_step=False and scale_parameter=False (as the
-        GaLore scripts): the lr-scaled update, RMS-clipped, through the first moment if any."""
-        out = []
-        for st, g in zip(states, grads, strict=True):
-            factored = g.dim() >= 2
-            if "step" not in st:
-                st["step"] = 0
-                if factored:
-                    st["exp_avg_sq_row"] = g.new_zeros(g.shape[:-1])
-                    st["exp_avg_sq_col"] = g.new_zeros(g.shape[:-2] + g.shape[-1:])
-                else:
-                    st["exp_avg_sq"] = torch.zeros_like(g)
-                if self.beta1 is not None:
-                    st["exp_avg"] = torch.zeros_like(g)
-            st["step"] += 1
-            beta2t = 1.0 - st["step"] ** ADAFACTOR["decay_rate"]
-            sq = g.square().add_(ADAFACTOR["eps"])
-            if factored:
-                row, col = st["exp_avg_sq_row"], st["exp_avg_sq_col"]
-                row.lerp_(sq.mean(dim=-1), 1.0 - beta2t)
-                col.lerp_(sq.mean(dim=-2), 1.0 - beta2t)
-                r = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
-                update = r.mul(col.unsqueeze(-2).rsqrt()).mul_(g)
-            else:
-                st["exp_avg_sq"].lerp_(sq, 1.0 - beta2t)
-                update = st["exp_avg_sq"].rsqrt().mul_(g)
-            rms = update.norm() / update.numel() ** 0.5
-            update.div_((rms / ADAFACTOR["clip"]).clamp_(min=1.0)).mul_(group["lr"])
-            if self.beta1 is not None:
-                update = st["exp_avg"].lerp_(update, 1 - self.beta1)
-            out.append(update)
-        return out
-
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
@@ -381,3 +369,17 @@ class GaLoreOptimizer(torch.optim.Optimizer):
 
 def _has_basis(st: dict[str, Any]) -> bool:
     return any(k in st for k in BASIS_KEYS)
+
+
+def _due(st: dict[str, Any], gap: int) -> bool:
+    """Whether a projected weight's basis is (re)computed at this step."""
+    return st.get("proj_step", 0) % gap == 0 or not _has_basis(st)
+
+
+def _low_rank(p: Tensor, st: dict[str, Any], side: str) -> Tensor:
+    """What the inner optimizer sees: R = PᵀG, plus the sum `fold` kept of earlier micro-batches."""
+    acc = st.pop("folded", None)
+    if p.grad is None:
+        return acc
+    r = project(p.grad, st, side)
+    return r if acc is None else acc.add_(r)

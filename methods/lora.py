@@ -98,7 +98,7 @@ class LoraShapes:
         r = config.rank
         self.adapters = [n for out, inp in self.target_weights for n in (r * inp, out * r)]
         self.trainable = self.adapters + (self.others if config.train_non_targets else [])
-        self.float_bytes = 4 * sum(self.frozen + self.others + self.adapters)
+        self.float_numel = sum(self.frozen + self.others + self.adapters)
 
 
 @register("lora")
@@ -115,4 +115,4 @@ class Lora(Method):
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         s = LoraShapes(shapes, self.config)
-        return adam_bytes(s.float_bytes, s.trainable, run, self.steps)
+        return adam_bytes(s.float_numel, s.trainable, run, self.steps)

@@ -103,4 +103,4 @@ class LowRank(Full):
             else:
                 sizes.append(numel(shape))
         self._check_found(found)
-        return adam_bytes(4 * sum(sizes), sizes, run, self.steps)  # as in full
+        return adam_bytes(sum(sizes), sizes, run, self.steps)  # as in full

@@ -53,6 +53,7 @@ from harness.methods.quant import (
     int8_bytes,
     quantize_int8,
 )
+from harness.methods.widths import widths
 from harness.modifiers.optimizer import unwrap
 
 if TYPE_CHECKING:
@@ -135,9 +136,10 @@ class QGaLore(GaLore):
         if fused and m.optimizer_offload != "none":
             return ("its INT8 weights are updated inside backward on the training device, so "
                     "the optimizer cannot move to the host (simulate: true can)")
-        if fused and run.train.precision == "fp16":
+        if fused and run.train.precision == "16-mixed":
             return ("its INT8 updates run inside backward, before an overflow in a later "
-                    "gradient could skip the step; use bf16 (or simulate: true with fp16)")
+                    "gradient could skip the step; use bf16-mixed (or simulate: true with "
+                    "16-mixed)")
         if not fused and m.layerwise:
             return ("the layer-wise form of Q-GaLore is simulate: false, whose INT8 layers "
                     "already update inside backward")
@@ -155,21 +157,23 @@ class QGaLore(GaLore):
         return {"qgalore_svd": attempts, **optimizer.svd_stats()}  # type: ignore[attr-defined]
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        c = self.config
+        c, w = self.config, widths(run)
         weights = state = extra = 0
         for name, full in shapes.items():
             shape, n = tuple(full), numel(full)
             if not self.targeted(name, shape):
-                weights += 4 * n
-                state += state_bytes(shape, c.optimizer, c.min_8bit_size, None)
+                weights += w.weight * n
+                state += state_bytes(shape, c.optimizer, c.min_8bit_size, None, w.state)
+                state += w.compensation * n
                 continue
             side = side_of(shape, c.proj_type, c.rank)
             state += state_bytes(lowrank_shape(shape, side, c.rank), c.optimizer,
-                                 c.min_8bit_size, None)
+                                 c.min_8bit_size, None, w.state)
             prev = 4 * {"left": shape[0], "full": shape[0], "right": shape[1]}.get(side, 0)
             if c.simulate:
-                weights += 4 * n
-                extra += 4 * basis_numel(shape, side, c.rank) + prev
+                weights += w.weight * n
+                state += w.compensation * n
+                extra += w.weight * basis_numel(shape, side, c.rank) + prev
             else:
                 weights += n
                 extra += int8_bytes(shape, c.weight_group) - n + prev + sum(
@@ -177,7 +181,7 @@ class QGaLore(GaLore):
                     for s in basis_shapes(shape, side, c.rank).values())
         sizes = [numel(s) for s in shapes.values()]
         grads = grad_bytes(sizes, run, self.steps) if c.simulate else grad_bytes_of(
-            sizes, True, self.steps.accumulation)
+            sizes, True, self.steps.accumulation, w.grad)
         return MemoryEstimate(weights, grads, state, extra)
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
@@ -199,7 +203,8 @@ class QGaLore(GaLore):
         sizes = [p.numel() for p in params] + [m.codes.numel() for m in layers]
         return MemoryEstimate(
             weight_bytes=floats + sum(tensor_bytes(m.codes) for m in layers),
-            grad_bytes=grad_bytes_of(sizes, True, self.steps.accumulation),
+            grad_bytes=grad_bytes_of(sizes, True, self.steps.accumulation,
+                                     max(p.element_size() for p in params)),
             optimizer_state_bytes=tensor_bytes([st["moments"] for st in layer_states])
             + tensor_bytes([list(o.state.values()) for o in optimizer.inner.values()]),
             extra_bytes=tensor_bytes([[m.scale, m.zero, optimizer.gaps[m].prev] for m in layers])

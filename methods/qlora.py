@@ -92,9 +92,8 @@ class QLora(Lora):
         s = LoraShapes(shapes, self.config)
         packed = [math.ceil(out * inp / 2) for out, inp in s.target_weights]
         biases = sum(s.frozen) - sum(out * inp for out, inp in s.target_weights)
-        counted = adam_bytes(
-            sum(packed) + 4 * (biases + sum(s.others + s.adapters)), s.trainable, run, self.steps
-        )
+        counted = adam_bytes(biases + sum(s.others + s.adapters), s.trainable, run, self.steps,
+                             sum(packed))
         counted.extra_bytes = sum(self._constants_bytes(out * inp) for out, inp in s.target_weights)
         return counted
 

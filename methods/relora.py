@@ -156,7 +156,7 @@ class ReLora(Lora):
         trainable = s.trainable
         if self.config.warm_start_steps:
             trainable = trainable + [out * inp for out, inp in s.target_weights]
-        return adam_bytes(s.float_bytes, trainable, run, self.steps)
+        return adam_bytes(s.float_numel, trainable, run, self.steps)
 
 
 def merge_and_redraw(layer: LoraLayer, init: str) -> None:

@@ -18,7 +18,9 @@ MODIFIER_TRIALS: dict[str, dict[str, Any]] = {
     "layerwise": {"memory": {"layerwise": True}},
     "optimizer_offload host": {"memory": {"optimizer_offload": "host"}},
     "optimizer_offload paged": {"memory": {"optimizer_offload": "paged"}},
-    "fp16": {"train": {"precision": "fp16"}},
+    "16-mixed": {"train": {"precision": "16-mixed"}},
+    "bf16-true": {"train": {"precision": "bf16-true"}},
+    "bf16-true kahan": {"train": {"precision": "bf16-true", "update_compensation": "kahan"}},
 }
 
 
@@ -45,6 +47,10 @@ def load_run(data: dict[str, Any], overrides: dict[str, Any] | None = None) -> R
 
 def check_modifiers(run: RunConfig) -> None:
     """Refuse, with the method's reason, memory modifiers or a precision it cannot honour."""
+    if run.train.precision == "bf16-true" and run.memory.optimizer_offload == "paged":
+        raise UserError("memory.optimizer_offload paged with train.precision bf16-true: "
+                        "bitsandbytes' paged optimizers neither honour train.state_dtype nor "
+                        "compensate updates; use optimizer_offload: host")
     reason = build_method(run).refusal(run)
     if reason:
         raise UserError(f"method {run.method_name}: {reason}")

@@ -86,7 +86,7 @@ def bare_tokens_per_s(run: RunConfig) -> float:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t))
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16)
-        if t.precision == "bf16"
+        if t.precision == "bf16-mixed"
         else nullcontext()
     )
     start = 0.0

@@ -5,7 +5,7 @@ for every kernel queued before it, so the host cannot queue the next step's work
 device idles between steps. A TorchFunctionMode sees every Python-level tensor call, so the
 reads are found and located on a CPU too; on CUDA, torch's sync debug mode also counts the
 synchronizations made inside C++ kernels. Steps that log, evaluate or save are left out: those
-read values by design, every `log_every` steps. Target: none; fp16 with an optimizer that has
+read values by design, every `log_every` steps. Target: none; 16-mixed with an optimizer that has
 no fused kernel: one, GradScaler's own overflow check before it calls the optimizer.
 """
 
@@ -31,15 +31,15 @@ READS = {Tensor.item, Tensor.__bool__, Tensor.__float__, Tensor.__int__, Tensor.
          Tensor.tolist, Tensor.numpy, Tensor.nonzero, torch.nonzero, Tensor.unique, torch.unique,
          torch.masked_select, Tensor.masked_select}
 VARIANTS = {  # modifiers and precisions: label -> (METHODS entry, dotted overrides)
-    "full+fp16": ("full", {"train.precision": "fp16"}),
-    "galore+fp16": ("galore", {"train.precision": "fp16"}),
-    "full+bf16": ("full", {"train.precision": "bf16"}),
+    "full+16-mixed": ("full", {"train.precision": "16-mixed"}),
+    "galore+16-mixed": ("galore", {"train.precision": "16-mixed"}),
+    "full+bf16-mixed": ("full", {"train.precision": "bf16-mixed"}),
     "full+recompute": ("full", {"memory.recompute": "full"}),
     "full+offload": ("full", {"memory.offload": ["mlp"], "memory.offload_min_bytes": 0}),
     "galore+optimizer_offload": ("galore", {"memory.optimizer_offload": "host"}),
     "full+accumulation": ("full", {"train.total_batch_size": 4}),
 }  # fmt: skip
-EXPECTED = {"galore+fp16": 1}  # GradScaler's own overflow check (fused optimizers have none)
+EXPECTED = {"galore+16-mixed": 1}  # GradScaler's own overflow check (fused optimizers have none)
 WARMUP = 2  # the first steps create states and count costs once
 
 

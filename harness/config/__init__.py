@@ -1,8 +1,10 @@
 """Typed configs loaded from YAML: a run, a sweep, their search spaces and step arithmetic."""
 
+from harness.config.load import parse_overrides, read_yaml, set_dotted, validate
 from harness.config.run import (
     GLUE_TASKS,
     MODULE_KINDS,
+    PRECISION_ALIASES,
     Common,
     EvalConfig,
     LossScaleConfig,
@@ -14,16 +16,13 @@ from harness.config.run import (
     TrainConfig,
     WandbConfig,
     memory_label,
-    parse_overrides,
-    read_yaml,
-    set_dotted,
-    validate,
 )
 from harness.config.sweep import LauncherConfig, SearchConfig, SweepConfig
 
 __all__ = [
-    "GLUE_TASKS", "MODULE_KINDS", "Common", "EvalConfig", "LauncherConfig", "LossScaleConfig",
-    "MemoryConfig", "ModelFrom", "RunConfig", "SearchConfig", "Strict", "SweepConfig",
+    "GLUE_TASKS", "MODULE_KINDS", "PRECISION_ALIASES", "Common", "EvalConfig", "LauncherConfig",
+    "LossScaleConfig", "MemoryConfig", "ModelFrom", "RunConfig", "SearchConfig", "Strict",
+    "SweepConfig",
     "TaskConfig", "TrainConfig", "WandbConfig", "memory_label", "parse_overrides", "read_yaml",
     "set_dotted", "validate",
 ]

@@ -6,24 +6,18 @@ what is allowed, so the CLI can print it without a traceback.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     field_validator,
     model_validator,
 )
-
-from harness.errors import UserError
 
 
 class Strict(BaseModel):
@@ -82,6 +76,11 @@ class LossScaleConfig(Strict):
     growth_interval: int = Field(2000, ge=1, description="clean steps before the scale grows")
 
 
+# Today's names, as Lightning/Fabric users know them; the earlier names stay accepted.
+PRECISION_ALIASES = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+PURE_BF16_KEYS = {"state_dtype": "float32", "update_compensation": "none"}  # key -> default
+
+
 class TrainConfig(Strict):
     lr: float = Field(1e-3, gt=0)
     steps: int | None = Field(None, ge=1, description="optimizer steps (default 100)")
@@ -94,8 +93,17 @@ class TrainConfig(Strict):
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="bf16/fp16: autocast over fp32 weights; fp16 scales the loss"
+    precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"] = Field(
+        "32-true", description="bf16-mixed/16-mixed: autocast over fp32 weights (16-mixed "
+        "scales the loss); bf16-true: weights, gradients and activations in bfloat16 (aliases: "
+        "fp32, bf16, fp16)"
+    )
+    state_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="bf16-true: dtype of the 32-bit optimizer states"
+    )
+    update_compensation: Literal["none", "stochastic_rounding", "kahan"] = Field(
+        "none", description="bf16-true: how an update is added to a bf16 weight (none: "
+        "round to nearest, as the GaLore reference code does)"
     )
     loss_scale: LossScaleConfig = LossScaleConfig()
     grad_clip: float | None = Field(1.0, gt=0)
@@ -114,6 +122,20 @@ class TrainConfig(Strict):
             raise ValueError(
                 f"total_batch_size {total} is not a multiple of batch_size {self.batch_size}"
             )
+        return self
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _alias(cls, value: Any) -> Any:
+        return PRECISION_ALIASES.get(value, value)
+
+    @model_validator(mode="after")
+    def _pure_bf16_only(self) -> TrainConfig:
+        if self.precision != "bf16-true":
+            for key, default in PURE_BF16_KEYS.items():
+                if getattr(self, key) != default:
+                    raise ValueError(f"{key} applies to precision bf16-true only (this run is "
+                                     f"{self.precision}); remove it or use bf16-true")
         return self
 
     @model_validator(mode="before")
@@ -244,11 +266,12 @@ class Common(Strict):
 
     @model_validator(mode="after")
     def _precision_fits(self) -> Common:
-        if self.train.precision == "fp16" and self.memory.layerwise:
+        if self.train.precision == "16-mixed" and self.memory.layerwise:
             raise ValueError(
-                "memory.layerwise with train.precision fp16: loss scaling skips a whole step "
-                "when any gradient overflows, but layer-wise updates have already applied the "
-                "layers whose gradients came first; use bf16, or turn layerwise off"
+                "memory.layerwise with train.precision fp16 (16-mixed): loss scaling skips a "
+                "whole step when any gradient overflows, but layer-wise updates have already "
+                "applied the layers whose gradients came first; use bf16-mixed, or turn "
+                "layerwise off"
             )
         return self
 
@@ -284,93 +307,26 @@ class RunConfig(Common):
         """Stable hash of everything that changes results (not the name, logging or provenance)."""
         data = self.model_dump(exclude={"name", "label", "provenance", "wandb"})
         data["train"].pop("log_every")
+        # Hash what earlier versions wrote, so that their finished trials stay finished.
+        legacy = {new: old for old, new in PRECISION_ALIASES.items()}
+        data["train"]["precision"] = legacy.get(self.train.precision, self.train.precision)
+        for key, default in PURE_BF16_KEYS.items():
+            if data["train"][key] == default:
+                del data["train"][key]
         blob = json.dumps(data, sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()[:8]
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise UserError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping of keys at the top level")
-    return data
 
 
-def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    node = data
-    parts = key.split(".")
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise UserError(f"{key}: '{part}' is not a mapping, cannot set a key inside it")
-        node = child
-    node[parts[-1]] = value
 
 
-def parse_overrides(sets: list[str]) -> dict[str, Any]:
-    """`--set a.b=1` pairs; values are YAML, so 1e-3, true and [1, 2] mean what they look like."""
-    out: dict[str, Any] = {}
-    for item in sets:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"--set expects KEY=VALUE (e.g. train.steps=20), got '{item}'")
-        try:
-            out[key.strip()] = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            raise UserError(f"--set {key}: value '{raw}' is not valid YAML") from None
-    return out
 
 
-def validate(model: type[BaseModel], data: Any, prefix: str = "") -> Any:
-    """Validate and turn pydantic's report into one line naming the key path and what is allowed."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise UserError(_explain(model, e.errors()[0], prefix, len(e.errors()))) from None
 
 
-def _explain(model: type[BaseModel], err: dict[str, Any], prefix: str, count: int) -> str:
-    loc = [str(p) for p in err["loc"]]
-    path = (prefix + ".".join(loc)).rstrip(".")
-    more = f" (and {count - 1} more problem{'s' * (count > 2)})" if count > 1 else ""
-    value = err.get("input")
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        allowed = _fields_at(model, loc[:-1])
-        close = difflib.get_close_matches(loc[-1], allowed, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        return f"unknown key '{path}' ({hint}allowed: {', '.join(allowed)}){more}"
-    if kind == "missing":
-        return f"missing key '{path}'{more}"
-    if kind == "literal_error":
-        expected = err.get("ctx", {}).get("expected", "")
-        return f"{path}: {value!r} is not allowed (allowed: {expected}){more}"
-    msg = err["msg"].removeprefix("Value error, ")
-    if kind == "value_error":
-        return f"{path or 'config'}: {msg}{more}"
-    return f"{path}: {value!r} is invalid ({msg}){more}"
 
 
-def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:
-    """Field names of the nested model at `loc`, for 'allowed:' lists and suggestions."""
-    current: Any = model
-    for part in loc:
-        field = current.model_fields.get(part) if hasattr(current, "model_fields") else None
-        if field is None or not (
-            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-        ):
-            return []
-        current = field.annotation
-    return list(current.model_fields)
 
 
 def memory_label(memory: dict[str, Any]) -> str:

@@ -12,7 +12,11 @@ layer, d hidden, i intermediate, h heads, a the activation's bytes (4 fp32, 2 un
 - the head keeps the final norm's three, the lm_head input and log-softmax's fp32 output (4V a
   predicted token); at the start of backward two more V-wide fp32 gradients live beside them.
 That is 40d + 16i + 4h + 8 bytes a token and layer in fp32 and 34d + 8i + 4h + 8 under
-autocast. Forward peaks while the loss is computed: all of it, the weight copies autocast
+autocast. Under bf16-true (the whole model bf16, methods/widths.py) there are no autocast
+copies, each norm keeps a fp32 copy of its bf16 input, the inverse root and its bf16 output,
+everything else a layer keeps is 2 bytes but the log-sum-exp: 24d + 8i + 4h + 8; the residual
+stream, its gradients and RoPE's cos/sin are 2 bytes too, the head's log-softmax stays fp32.
+Forward peaks while the loss is computed: all of it, the weight copies autocast
 caches but nothing saved, and logits, their shifted copy, its fp32 cast and log-softmax's
 output (12V a token). A method changes the linears (`Method.linears`); recompute keeps only a
 recomputed module's input and adds one layer's activations back while that layer's backward
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 
 from harness.config import RunConfig
 from harness.methods.base import TARGETS, MemoryEstimate, Method, Shapes, is_target, numel
+from harness.methods.widths import Widths, widths
 from harness.models import PRESETS
 
 KIND_LINEARS = {"attention": TARGETS[:4], "mlp": TARGETS[4:], "norm": ()}
@@ -62,15 +67,23 @@ def dims(run: RunConfig, shapes: Shapes) -> Dims:
                 run.train.batch_size)  # fmt: skip
 
 
-def kind_bytes(d: Dims, kind: str, autocast: bool, method: Method) -> int:
+def norm_bytes(d: Dims, w: Widths, method: Method) -> int:
+    """One RMSNorm, a token: its fp32 input (under bf16-true a fp32 copy of the bf16 one), the
+    4-byte inverse root, and the normalised input in the model's dtype, kept for the weight's
+    gradient only."""
+    return 4 * d.hidden + 4 + (w.weight * d.hidden if trains_norms(method) else 0)
+
+
+def kind_bytes(d: Dims, kind: str, w: Widths, method: Method) -> int:
     """Bytes a token that one layer's `kind` module(s) save for backward."""
-    a = 2 if autocast else 4
-    if kind == "norm":  # the normalised input is kept for the weight's gradient only
-        return 2 * ((8 if trains_norms(method) else 4) * d.hidden + 4)
+    a, autocast = w.activation, w.autocast
+    if kind == "norm":
+        return 2 * norm_bytes(d, w, method)
     linears = [n for n in KIND_LINEARS[kind] if is_target(n, targets(method))]
     rank = getattr(method.config, "rank", 0) if method.linears in ("adapter", "factored") else 0
     readers = 3 if kind == "attention" else 2  # linears reading the same input
-    inputs = readers * 2 * d.hidden if autocast and method.linears != "quantized" else 4 * d.hidden
+    shared = w.weight * d.hidden  # the norm's output, in the model's dtype
+    inputs = readers * 2 * d.hidden if autocast and method.linears != "quantized" else shared
     if autocast and method.linears == "adapter" and "o_proj" in linears:
         inputs += 2 * d.hidden  # the adapter's copy of o_proj's input (attention's output)
     saved = inputs + rank * a * len(linears)
@@ -113,28 +126,28 @@ class Activations:
 def activations(run: RunConfig, shapes: Shapes, method: Method, device: str) -> Activations:
     """`device` "cpu" keeps offloaded tensors in the same memory (nothing is saved there)."""
     d, m = dims(run, shapes), run.memory
-    autocast = run.train.precision != "fp32"
-    a, t = (2 if autocast else 4), d.tokens
+    w = widths(run)
+    autocast, a, r, t = w.autocast, w.activation, w.weight, d.tokens  # r: the residual stream's
     kinds = ("norm", "attention", "mlp")
-    saves = {k: kind_bytes(d, k, autocast, method) * t for k in kinds}
+    saves = {k: kind_bytes(d, k, w, method) * t for k in kinds}
     copies = {k: weight_copies(shapes, method, k) if autocast else 0 for k in kinds}
     recomputed = kinds if m.recompute == "full" else tuple(m.recomputed)
-    inputs = {"norm": 2, "attention": 1, "mlp": 1}  # fp32 inputs a recomputed module keeps
+    inputs = {"norm": 2, "attention": 1, "mlp": 1}  # inputs a recomputed module keeps
     if m.recompute == "full":
-        kept = {"input": 4 * d.hidden * t}  # the layer's
+        kept = {"input": r * d.hidden * t}  # the layer's
     else:
-        kept = {k: inputs[k] * 4 * d.hidden * t if k in recomputed else saves[k] + copies[k]
+        kept = {k: inputs[k] * r * d.hidden * t if k in recomputed else saves[k] + copies[k]
                 for k in kinds}  # fmt: skip
     layer = sum(kept.values())
     full = sum(saves.values()) + sum(copies.values())  # a layer while its backward runs
     offloaded = sum(kept[k] for k in m.offloaded) if device != "cpu" else 0
-    rope = 2 * d.seq_len * d.hidden // d.heads * 4
+    rope = 2 * d.seq_len * d.hidden // d.heads * r  # cos and sin, in the model's dtype
     layers = d.layers * layer - (d.layers - 1) * offloaded + rope
-    head = ((8 if trains_norms(method) else 4) * d.hidden + 4 + a * d.hidden) * t
+    head = (norm_bytes(d, w, method) + a * d.hidden) * t
     head += 4 * d.vocab * d.predicted + (weight_copies(shapes, method, None) if autocast else 0)
     # the autocast cache holds trained float weights' copies through forward, saved or not
     cached = sum(copies[k] for k in recomputed) * d.layers if method.linears == "float" else 0
-    grads = 8 * d.hidden * t  # the hidden state's gradient, and its residual branch's
+    grads = 2 * r * d.hidden * t  # the hidden state's gradient, and its residual branch's
     return Activations(
         start=layers + head + 8 * d.vocab * d.predicted + cached,
         top=layers + offloaded + full - layer + grads,

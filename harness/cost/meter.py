@@ -22,22 +22,33 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 }
 
 
+# The matmul dtype of each train.precision (16-mixed's fp16 peak equals bf16's on these parts).
+MATMUL_DTYPE = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "bf16", "bf16-true": "bf16"}
+
+
 def peak_flops(device: torch.device, precision: str) -> float | None:
-    """None where the peak is unknown (every CPU): MFU is then not reported rather than guessed."""
+    """None where the peak is unknown (every CPU): MFU is then not reported rather than guessed.
+    `precision`: a train.precision (or a PEAK_FLOPS key)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     for family, peaks in PEAK_FLOPS.items():
         if family in name:
-            return peaks.get(precision)
+            return peaks.get(MATMUL_DTYPE.get(precision, precision))
     return None
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """PaLM's count: 6 per non-embedding parameter plus attention's 12 * layers * hidden * seq."""
+    """PaLM's count, split by what backward computes: 6 per trained non-embedding weight
+    (forward 2, input gradient 2, weight gradient 2), 4 per frozen one (no weight gradient:
+    LoRA's and QLoRA's base), plus attention's 12 * layers * hidden * seq."""
     cfg = model.config
-    params = weight_counts(model)[1] - model.get_input_embeddings().weight.numel()
-    return 6 * params + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+    trained, total = weight_counts(model)
+    embedding = model.get_input_embeddings().weight  # a lookup: no FLOPs
+    total -= logical_numel(embedding)
+    trained -= logical_numel(embedding) if embedding.requires_grad else 0
+    attention = 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+    return 6 * trained + 4 * (total - trained) + attention
 
 
 def logical_numel(p: torch.Tensor) -> int:
@@ -61,13 +72,16 @@ def current_memory(device: torch.device) -> int:
 
 
 def peak_memory(device: torch.device) -> dict[str, int]:
-    """CUDA: max allocated and reserved; CPU: the process's peak RSS (one process per trial)."""
+    """The process's peak RSS (one process per trial); CUDA also max allocated and reserved.
+    A CPU's peak of live tensors is measured apart (harness/cost/tensor_peak.py `tracked`)."""
+    rss = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if device.type == "cuda":
         return {
             "peak_memory_bytes": torch.cuda.max_memory_allocated(device),
             "peak_memory_reserved_bytes": torch.cuda.max_memory_reserved(device),
+            **rss,
         }
-    return {"peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return rss
 
 
 

@@ -8,7 +8,8 @@ chrome://tracing) and `profile/ops.txt`, the operators by self time (device time
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,15 +23,21 @@ if TYPE_CHECKING:
 SKIPPED = 2  # steps before the recorded ones
 
 
-def profiler(steps: int, device: torch.device, memory: bool = False) -> profile:
+def profiler(steps: int, device: torch.device, memory: bool = False,
+             on_trace_ready: Callable[[profile], None] | None = None,
+             skipped: int = SKIPPED) -> profile:
     """`memory`: also record allocations with their stacks, for the memory timeline
-    (harness/cost/tensor_peak.py)."""
+    (harness/cost/tensor_peak.py); `on_trace_ready` runs as soon as the recorded steps end;
+    `skipped`: steps before them (the last one a warm-up)."""
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
+    with warnings.catch_warnings():  # no step to warm up on (a 1-step run): torch says so
+        warnings.simplefilter("ignore")
+        steps_of = schedule(wait=max(skipped - 1, 0), warmup=min(skipped, 1), active=steps,
+                            repeat=1)
     return profile(activities=activities, record_shapes=True, profile_memory=memory,
-                   with_stack=memory,
-                   schedule=schedule(wait=SKIPPED - 1, warmup=1, active=steps, repeat=1))
+                   with_stack=memory, on_trace_ready=on_trace_ready, schedule=steps_of)
 
 
 def write(prof: profile, out: Path, device: torch.device, rows: int = 30) -> str:

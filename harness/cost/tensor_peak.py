@@ -1,16 +1,21 @@
 """The peak of live tensor bytes in a steady training step: `torch.cuda.max_memory_allocated`
 on a GPU, and on the CPU, which keeps no allocator statistics, the profiler's memory timeline
-of one step. `harness bench memory` checks the activation model against it."""
+of one step. `harness bench memory` checks the activation model against it, and `tracked`
+records it as a CPU trial's `peak_memory_bytes`."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler._memory_profiler import Action
 
 from harness.cost.profile import SKIPPED, profiler
+
+PEAK = "peak_memory_bytes"
 
 if TYPE_CHECKING:
     from harness.train import Trainer
@@ -34,6 +39,29 @@ def step_peak(trainer: Trainer) -> tuple[int, dict[str, int]]:
         trainer.hooks.on("step", lambda step: prof.step())
         trainer.fit()
     return _peak(prof._memory_profile())
+
+
+@contextmanager
+def tracked(trainer: Trainer, enabled: bool = True) -> Iterator[None]:
+    """On a CPU, around `trainer.fit()`: the peak of live tensor bytes in the process's step
+    SKIPPED + 1 (a steady one; the profiler records that step only; a shorter run, its last),
+    put in `trainer.costs` as `peak_memory_bytes` as soon as the step ends, so the next
+    checkpoint keeps it. Nothing on a GPU (max_memory_allocated is exact and free), nor in a
+    resumed trial that has it already."""
+    left = trainer.run.train.steps - trainer.step
+    if not enabled or trainer.device.type == "cuda" or PEAK in trainer.costs or left <= 0:
+        yield
+        return
+
+    def ready(prof: object) -> None:
+        trainer.meter.pause()  # reading the timeline is not training
+        trainer.costs[PEAK] = _peak(prof._memory_profile())[0]  # type: ignore[attr-defined]
+        trainer.meter.resume()
+
+    with profiler(1, trainer.device, memory=True, on_trace_ready=ready,
+                  skipped=min(SKIPPED, left - 1)) as prof:
+        trainer.hooks.on("step", lambda step: prof.step())
+        yield
 
 
 def _peak(memory: object) -> tuple[int, dict[str, int]]:

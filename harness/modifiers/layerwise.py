@@ -8,6 +8,12 @@ scheduler drives this wrapper's `param_groups`, which are the inner optimizers' 
 (GaLore#62). A global gradient norm cannot be known before the first update runs, so clipping
 is per parameter: each gradient's norm is clipped to `clip` on its own.
 
+An inner optimizer with a `fold(param, last)` method (GaLore's) may keep a smaller sum instead
+of the full gradient while micro-batches accumulate: called on every micro-batch, it frees
+`param.grad` and returns that sum, or returns None and the full gradient accumulates as usual.
+On the last micro-batch the sum is what is averaged over ranks and clipped (torch's rule, on
+the sum's norm), and the inner `step()` reads it. Without accumulation it always returns None.
+
 Data parallel (harness/distributed.py): DDP's wrapper would reduce gradients in buckets after
 they were complete, which either fails here (the hook has already freed them) or needs every
 gradient kept until the bucket is reduced, doubling gradient memory. So the trainer does not
@@ -45,12 +51,17 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._hooks = [p.register_post_accumulate_grad_hook(self._update) for p in params]
 
     def _update(self, param: torch.Tensor) -> None:
+        fold = getattr(self.inner[param], "fold", None)  # GaLore: accumulate in low rank
+        low = fold(param, self.sync) if fold is not None else None
         if not self.sync:  # a middle micro-batch: let the gradient accumulate
             return
+        grad = param.grad if low is None else low
         if distributed.active():  # the average over ranks, before anything reads the gradient
-            distributed.all_sum(param.grad).div_(distributed.world_size())
-        if self.clip:
+            distributed.all_sum(grad).div_(distributed.world_size())
+        if self.clip and low is None:
             torch.nn.utils.clip_grad_norm_([param], self.clip)
+        elif self.clip:  # torch's rule, on the low-rank sum that the inner optimizer reads
+            low.mul_((self.clip / (low.norm() + 1e-6)).clamp(max=1.0))
         self.inner[param].step()
         param.grad = None
 

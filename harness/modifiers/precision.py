@@ -1,4 +1,5 @@
-"""Mixed precision: autocast over fp32 weights, and fp16's dynamic loss scaling."""
+"""train.precision: 32-true; bf16-mixed and 16-mixed (autocast over fp32 weights, 16-mixed with
+dynamic loss scaling); bf16-true (the model itself in bfloat16: see `pure_bf16`)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,20 @@ from torch import nn
 
 from harness.config import TrainConfig
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def pure_bf16(model: nn.Module, train: TrainConfig) -> nn.Module:
+    """bf16-true: every floating parameter and buffer in bfloat16, norms and embeddings too (as
+    the GaLore and Q-GaLore reference scripts do), so gradients and activations are bfloat16
+    and no float32 copy exists; integer tensors (INT8 and NF4 codes) stay as they are. The
+    trainer calls it before the method prepares the model and again after (adapters, factors).
+    Other precisions: the model unchanged."""
+    return model.to(torch.bfloat16) if train.precision == "bf16-true" else model
 
 
 class Precision:
-    """fp16 multiplies the loss by a scale before backward so small gradients survive; a step
+    """16-mixed multiplies the loss by a scale before backward so small gradients survive; a step
     whose gradients overflow is skipped and the scale backs off (torch.amp.GradScaler). Clipping
     sees unscaled gradients. `skipped` counts the skipped steps over the whole trial. The
     schedule advances on skipped steps too, as in torch's AMP recipe: knowing at once that a
@@ -24,7 +34,7 @@ class Precision:
         self.device = device
         self.dtype = DTYPES.get(train.precision)
         self.scaler = None
-        if train.precision == "fp16":
+        if train.precision == "16-mixed":
             s = train.loss_scale
             self.scaler = torch.amp.GradScaler(
                 device.type,
@@ -46,7 +56,7 @@ class Precision:
 
     def step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
              clip: float | None, step: int) -> None:
-        """Unscale, clip (if `clip`) and step. Whether fp16 overflowed (GradScaler then skips
+        """Unscale, clip (if `clip`) and step. Whether 16-mixed overflowed (GradScaler then skips
         the update) stays on the device until `settle`: a non-finite gradient norm, which is
         what GradScaler checks, so the loop reads no value per step."""
         if self.scaler is not None:

@@ -82,11 +82,12 @@ def read_profile(name: str, sweep_path: Path) -> dict[str, Any]:
 
 def method_entry(sweep: SweepConfig, label: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """A method's registered name, its fixed parameters (checked) and its own search space;
-    its `memory:` modifiers are read by `make_trial`."""
+    its `memory:` and `train:` settings are read by `make_trial`."""
     entry = dict(sweep.methods[label] or {})
     name = entry.pop("method", label)
     space = entry.pop("space", {})
     entry.pop("memory", None)
+    entry.pop("train", None)
     resolve_method({"name": name, **entry}, f"methods.{label}")
     return name, entry, space
 
@@ -101,10 +102,12 @@ def make_trial(sweep: SweepConfig, label: str, point: dict[str, Any], seed: int)
         "seed": seed,
         "method": {"name": name, **entry},
     }
-    own = (sweep.methods[label] or {}).get("memory") or {}
-    if not isinstance(own, dict):
-        raise UserError(f"methods.{label}.memory: expected a mapping of memory keys, got {own!r}")
-    data["memory"] = {**data.get("memory", {}), **own}  # the method's own win
+    for section in ("memory", "train"):  # the method's own settings win over the sweep's
+        own = (sweep.methods[label] or {}).get(section) or {}
+        if not isinstance(own, dict):
+            raise UserError(f"methods.{label}.{section}: expected a mapping of {section} keys, "
+                            f"got {own!r}")
+        data[section] = {**data.get(section, {}), **own}
     for key, value in point.items():
         set_dotted(data, key, value)
     try:

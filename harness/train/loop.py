@@ -20,9 +20,10 @@ from harness.config.steps import Steps
 from harness.cost import meter
 from harness.distributed import pick_device
 from harness.methods import build_method
+from harness.methods.rank import rank_warning
 from harness.models import describe
 from harness.modifiers import recompute as memory
-from harness.modifiers.precision import Precision
+from harness.modifiers.precision import Precision, pure_bf16
 from harness.train import finetune, pretrain
 from harness.train.hooks import Hooks, Interrupted, NonFinite, Pruned, Step
 from harness.trials import Records, Status, rng_state, set_rng_state
@@ -59,7 +60,12 @@ class Trainer:
             self.run = run = run.model_copy(update={"train": t.model_copy(update={"steps": steps})})
             t = run.train
         self.method = build_method(run, self.steps)
-        self.model = self.method.prepare(model.to(self.device), run)
+        warning = rank_warning(self.method, {n: p.shape for n, p in model.named_parameters()})
+        self.warnings = [warning] if warning else []  # kept in the summary
+        for line in self.warnings:
+            distributed.say(f"warning: {line}")
+        model = pure_bf16(model.to(self.device), t)  # bf16-true: before and after `prepare`
+        self.model = pure_bf16(self.method.prepare(model, run), t)
         self.offloader = memory.apply(self.model, run.memory, self.device)
         # forward and loss in one graph; the model itself, its state_dict and hooks unchanged
         self.loss = torch.compile(self.data.loss) if t.compile else self.data.loss
@@ -314,6 +320,7 @@ class Trainer:
             **self._offloaded(),
             **self.costs,
             **meter.peak_memory(self.device),
+            **({"warnings": self.warnings} if self.warnings else {}),
         }
 
     def _offloaded(self) -> dict[str, float]:

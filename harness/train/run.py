@@ -17,6 +17,7 @@ import torch
 from harness import distributed
 from harness.config import RunConfig
 from harness.cost.profile import profiled
+from harness.cost.tensor_peak import tracked
 from harness.errors import UserError, first_line
 from harness.train.loop import NonFinite, Prune, Pruned, Trainer
 from harness.train.prune import pruner_for
@@ -62,7 +63,8 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
         )
         summary["device"] = str(trainer.device)
         rec.start_wandb()
-        with profiled(trainer, profile_steps, out):
+        # CPU: live tensors' peak in a steady step (one profiler at a time: not with --profile)
+        with profiled(trainer, profile_steps, out), tracked(trainer, not profile_steps):
             summary["status"] = trainer.fit()
     except NonFinite as e:
         summary.update(status=Status.NAN, error=str(e))

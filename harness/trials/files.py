@@ -92,12 +92,14 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def read_jsonl_tail(path: Path, nbytes: int = 16384) -> list[dict[str, Any]]:
-    """The whole records in the last `nbytes` of the file (its first, likely cut, line
-    dropped): the latest progress of a long log without reading all of it; [] if unreadable."""
+    """The whole records in the last `nbytes` of the file (its first, likely cut, line dropped
+    when the read starts mid-file): the latest progress of a long log without reading all of
+    it; [] if unreadable."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - nbytes))
-            tail = f.read().decode("utf-8", "replace").splitlines()[1:]
+            start = max(0, f.seek(0, os.SEEK_END) - nbytes)
+            f.seek(start)
+            tail = f.read().decode("utf-8", "replace").splitlines()[1 if start else 0:]
     except OSError:
         return []
     return [r for r in (json_line(line) for line in tail) if isinstance(r, dict)]

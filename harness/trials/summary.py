@@ -47,7 +47,8 @@ class Summary(BaseModel):
     eval_ppl: Number = _num()
     tokens_per_s: Number = _num()
     mfu: Number = _num()
-    peak_memory_bytes: Number = _num()
+    peak_memory_bytes: Number = _num()  # live tensors: CUDA max allocated, CPU a steady step's
+    peak_rss_bytes: Number = _num()  # the trial process's peak resident set, allocator slack too
     param_bytes: Number = _num()
     grad_bytes: Number = _num()
     optimizer_state_bytes: Number = _num()
@@ -60,6 +61,7 @@ class Summary(BaseModel):
     host: str | None = Field(None, json_schema_extra=_KEPT)
     started_at: float | None = Field(None, json_schema_extra=_KEPT)
     pid: int | None = Field(None, json_schema_extra=_KEPT)  # while running, for trial_status
+    warnings: list[str] | None = Field(None, json_schema_extra=_KEPT)  # load-time, one line each
     # Filled by the analysis from metrics.jsonl and config.yaml, not by the trainer.
     last_loss: Number = _num()
     memory: str | None = None
@@ -79,7 +81,7 @@ class Summary(BaseModel):
             method_name=run.method_name, params=run.method_params, lr=run.train.lr,
             seed=run.seed, model=model, steps=run.train.steps, step=0, tokens=0,
             eval_loss=None, eval_ppl=None, tokens_per_s=None, mfu=None, peak_memory_bytes=None,
-            param_bytes=None, grad_bytes=None, optimizer_state_bytes=None,
+            peak_rss_bytes=None, param_bytes=None, grad_bytes=None, optimizer_state_bytes=None,
             trainable_params=None, wall_s=None, device=None, error=None, requeues=requeues,
             host=socket.gethostname(), started_at=time.time(),
         )  # fmt: skip

@@ -42,12 +42,13 @@ def test_cell_formats_numbers_and_blanks_missing_ones():
 
 def test_variants_are_filled_with_defaults_and_named_only_where_they_differ():
     trials = pd.DataFrame({"method": ["full", None], "memory": [None, "recompute full"],
-                           "precision": ["bf16", None], "lr": [1.0, 2.0]})
+                           "precision": ["bf16-mixed", None], "lr": [1.0, 2.0]})
     filled = fill_variants(trials)
     assert filled[list(VARIANT_DEFAULTS)].values.tolist() == [
-        ["full", "none", "bf16"], ["unknown", "recompute full", "fp32"]]
+        ["full", "none", "bf16-mixed"], ["unknown", "recompute full", "32-true"]]
     assert filled["lr"].tolist() == [1.0, 2.0] and trials["method"].isna().any()  # a copy
-    assert variant_label("galore", "none", "fp32") == "galore"
-    assert variant_label("galore", "offload mlp", "fp32") == "galore (offload mlp)"
-    assert variant_label("galore", "offload mlp", "bf16") == "galore (offload mlp, bf16)"
-    assert variant_label("full", "none", "fp16") == "full (fp16)"
+    assert variant_label("galore", "none", "32-true") == "galore"
+    assert variant_label("galore", "offload mlp", "32-true") == "galore (offload mlp)"
+    label = variant_label("galore", "offload mlp", "bf16-mixed")
+    assert label == "galore (offload mlp, bf16-mixed)"
+    assert variant_label("full", "none", "16-mixed") == "full (16-mixed)"

@@ -29,7 +29,7 @@ def test_one_row_per_trial_with_summary_and_config_columns(finished_run: Path):
         assert row["steps"] == row["step"] == row["train.steps"] == 4
         assert row["tokens"] == sequences * FINISHED_SWEEP["task"]["seq_len"]  # 16 x 32
         assert row["task.seq_len"] == 32 and row["memory"] == "none"
-        assert row["precision"] == "fp32"
+        assert row["precision"] == "32-true"
         assert row["eval_ppl"] == pytest.approx(math.exp(row["eval_loss"]), rel=1e-6)
         assert row["trainable_params"] == row["total_params"] == n
         assert row["param_bytes"] == row["grad_bytes"] == 4 * n

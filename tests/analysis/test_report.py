@@ -195,7 +195,7 @@ def test_status_table_shows_progress(runs: Path) -> None:
     lines = status_table(load_runs(runs)).splitlines()
     assert [cell.strip() for cell in lines[0].split("|")[1:-1]] == [
         "id", "method", "memory", "status", "step", "loss", "eval ppl", "tok/s", "peak memory",
-        "requeues",
+        "peak RSS", "requeues",
     ]  # fmt: skip
     t4 = next(line for line in lines if "| t4 " in line)
     assert "failed" in t4 and "20/40" in t4 and "| 3.0000 |" in t4
@@ -267,12 +267,14 @@ def test_memory_modifiers_are_columns_and_variants_rows(runs: Path) -> None:
     trials = load_runs(runs).set_index("trial")
     assert trials.loc["t0", "memory"] == "recompute full"
     assert trials.loc["t3", "memory"] == "offload mlp+norm, layerwise"
-    assert trials.loc["t1", "memory"] == "none" and trials.loc["t3", "precision"] == "fp16"
+    assert trials.loc["t1", "memory"] == "none"
+    assert trials.loc["t3", "precision"] == "16-mixed"  # the old name, read as today's
     table = summary_table(load_runs(runs), order=["full", "galore_r4", "adam8bit"])
     rows = table[["method", "memory", "precision", "best lr"]].values.tolist()
-    assert rows == [["full", "recompute full", "fp32", "0.001"], ["full", "none", "fp32", "0.003"],
-                    ["galore_r4", "offload mlp+norm, layerwise", "fp16", "0.01"],
-                    ["galore_r4", "none", "fp32", ""], ["adam8bit", "none", "fp32", ""]]
+    assert rows == [["full", "recompute full", "32-true", "0.001"],
+                    ["full", "none", "32-true", "0.003"],
+                    ["galore_r4", "offload mlp+norm, layerwise", "16-mixed", "0.01"],
+                    ["galore_r4", "none", "32-true", ""], ["adam8bit", "none", "32-true", ""]]
     write_report(runs)
     summary = (runs / "report" / "report.md").read_text()
     assert "full (recompute full) 0.001, full 0.003, galore_r4 (offload mlp+norm, " in summary

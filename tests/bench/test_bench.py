@@ -29,7 +29,7 @@ def test_bench_loop_json_record(capsys):
     out = capsys.readouterr().out
     records = json.loads(out[out.index("[\n") :])
     (record,) = records
-    assert record["name"] == "loop/llama_micro/fp32/cpu" and record["target"] == 0.98
+    assert record["name"] == "loop/llama_micro/32-true/cpu" and record["target"] == 0.98
     assert len(record["rounds"]) == 2
     for r in record["rounds"]:
         assert r["harness_tok_s"] > 0 and r["bare_tok_s"] > 0

@@ -25,7 +25,8 @@ def user_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
     [
         ({"train": {"stpes": 5}}, "unknown key 'train.stpes' (did you mean 'steps'?"),
         ({"train": {"lr": "fast"}}, "train.lr: 'fast' is invalid"),
-        ({"train": {"precision": "fp8"}}, "train.precision: 'fp8' is not allowed (allowed: 'fp32'"),
+        ({"train": {"precision": "fp8"}},
+         "train.precision: 'fp8' is not allowed (allowed: '32-true'"),
         ({"method": {"name": "ful"}}, "method.name: unknown method 'ful' (did you mean 'full'?"),
         (
             {"method": {"name": "full", "beta": 1}},

@@ -16,6 +16,8 @@ from harness.models import param_shapes
 from harness.train import Trainer
 from harness.trials import Records
 
+# bf16-true: the whole model bfloat16, as the GaLore reference scripts cast it
+BF16_TRUE = {"train.precision": "bf16-true", "train.state_dtype": "bfloat16"}
 CASES = {  # label -> (METHODS entry, --set overrides)
     "full fp32": ("full", {}),
     "full bf16": ("full", {"train.precision": "bf16"}),
@@ -24,6 +26,12 @@ CASES = {  # label -> (METHODS entry, --set overrides)
     "galore recompute full": ("galore", {"memory.recompute": "full"}),
     "full bf16 recompute mlp": ("full", {"train.precision": "bf16", "memory.recompute": ["mlp"]}),
     "full accumulation 2": ("full", {"train.total_batch_size": 8}),
+    "full bf16-true": ("full", BF16_TRUE),
+    "full bf16-true kahan": ("full", {"train.precision": "bf16-true",
+                                      "train.update_compensation": "kahan"}),
+    "lora bf16-true recompute mlp": ("lora", {**BF16_TRUE, "memory.recompute": ["mlp"]}),
+    "galore bf16-true": ("galore", BF16_TRUE),
+    "qgalore bf16-true": ("qgalore", BF16_TRUE),
 }
 
 
@@ -46,6 +54,15 @@ def test_estimated_peak_is_within_5_percent_of_a_measured_step(case):
             trainer.close()
     assert categories["parameter"] > 0 and categories.get("activation", 0) > 0
     assert abs(measured / predicted(run, "cpu") - 1) <= PEAK_TOLERANCE
+
+
+def test_bf16_true_keeps_about_half_of_fp32s_activation_bytes_and_no_autocast_copies():
+    """Everything is 2 bytes but each norm's fp32 input and the head's fp32 log-softmax."""
+    shapes = param_shapes("llama_60m", 8192, 256)
+    runs = [method_run("full", "llama_60m", 3, 256, 16, o)
+            for o in ({}, {"train.precision": "bf16"}, BF16_TRUE)]  # fmt: skip
+    a32, a16, pure = (activations(r, shapes, build_method(r), "cuda").start for r in runs)
+    assert pure < a16 and 0.5 < pure / a32 < 0.65
 
 
 def test_recompute_and_offload_lower_the_estimated_peak_and_offload_only_on_a_gpu():

@@ -29,14 +29,30 @@ CPU = torch.device("cpu")
 
 
 def test_no_peak_flops_on_a_cpu_so_no_mfu():
-    assert peak_flops(CPU, "bf16") is None and peak_flops(CPU, "fp32") is None
+    assert peak_flops(CPU, "bf16-mixed") is None and peak_flops(CPU, "32-true") is None
     assert meter.PEAK_FLOPS["H100"]["bf16"] == 989e12
 
 
 def test_flops_per_token_is_palms_count(tiny_model):
+    """Every weight trained: 6 FLOPs a token each."""
     n = sum(p.numel() for p in tiny_model.parameters()) - SAMPLE_VOCAB * 64  # no input embedding
     assert flops_per_token(tiny_model, 32) == 6 * n + 12 * 2 * 64 * 32
     assert flops_per_token(tiny_model, 64) - flops_per_token(tiny_model, 32) == 12 * 2 * 64 * 32
+
+
+@pytest.mark.parametrize("name", ["lora", "qlora"])
+def test_frozen_weights_count_4_flops_a_token_trained_ones_6(name):
+    """A frozen weight's backward computes its input's gradient only: 4 FLOPs, not 6."""
+    from conftest import micro_model
+
+    run = load_run({**micro_run(), "method": {"name": name, "rank": 4}})
+    model = build_method(run).prepare(micro_model(), run)
+    embedding = model.get_input_embeddings().weight  # a lookup: no FLOPs, trained or not
+    params = [p for p in model.parameters() if p is not embedding]
+    trained = sum(logical_numel(p) for p in params if p.requires_grad)
+    frozen = sum(logical_numel(p) for p in params if not p.requires_grad)
+    assert frozen > 0 and trained > 0
+    assert flops_per_token(model, 32) == 6 * trained + 4 * frozen + 12 * 2 * 64 * 32
 
 
 def test_weight_counts_split_trained_and_all(tiny_model):
@@ -65,12 +81,12 @@ def test_a_packed_4bit_tensor_counts_its_weights_not_its_bytes():
     assert weight_counts(linear) == (0, 64 * 64)
 
 
-def test_cpu_memory_is_the_process_rss_and_its_peak():
+def test_cpu_memory_is_the_process_rss_and_its_peak_kept_apart_from_the_tensor_peak():
     now = current_memory(CPU)
     peak = peak_memory(CPU)
-    assert set(peak) == {"peak_memory_bytes"}
+    assert set(peak) == {"peak_rss_bytes"}  # peak_memory_bytes: live tensors (tensor_peak.py)
     assert now > 10e6  # a Python process with torch: more than 10 MB
-    assert peak["peak_memory_bytes"] >= 0.9 * now  # the kernel updates its high-water lazily
+    assert peak["peak_rss_bytes"] >= 0.9 * now  # the kernel updates its high-water lazily
 
 
 def test_breakdown_counts_full_adamw_after_a_step(tiny_model):

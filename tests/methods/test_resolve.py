@@ -58,10 +58,10 @@ def test_modifier_support_tries_each_modifier_on_the_defaults():
     assert list(full) == list(MODIFIER_TRIALS) and not any(full.values())
     relora = modifier_support("relora")
     assert relora["layerwise"].startswith("ReLoRA's warm start")
-    assert relora["recompute"] is None and relora["fp16"] is None
+    assert relora["recompute"] is None and relora["16-mixed"] is None
     galore = modifier_support("galore")
     assert galore["optimizer_offload paged"].startswith("its low-rank moments")
     qgalore = modifier_support("qgalore")
-    assert qgalore["fp16"].startswith("its INT8 updates run inside backward")
+    assert qgalore["16-mixed"].startswith("its INT8 updates run inside backward")
     with pytest.raises(UserError, match=r"^method relora: ReLoRA's warm start"):
         load_run({**micro_run(), "method": {"name": "relora"}, "memory": {"layerwise": True}})

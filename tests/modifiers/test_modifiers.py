@@ -34,7 +34,7 @@ MODIFIERS: dict[str, dict[str, Any]] = {
     "offload_mlp": {"memory": {"offload": ["mlp"], "offload_min_bytes": 0}},
     "layerwise": {"memory": {"layerwise": True}},
     "optimizer_offload": {"memory": {"optimizer_offload": "host"}},
-    "fp16": {"train": {"precision": "fp16"}},
+    "16-mixed": {"train": {"precision": "16-mixed"}},
 }
 EXACT = ("recompute_full", "recompute_attention", "offload_mlp")  # the same arithmetic, on CPU
 _baselines: dict[str, dict[int, float]] = {}
@@ -74,7 +74,7 @@ def test_every_method_with_every_modifier(tmp_path, tmp_path_factory, method, mo
     reason = refusal(method, modifier)
     if reason is not None:  # refused at load time, with the method's reason
         refused = {("relora", "layerwise"), ("relora", "optimizer_offload"),
-                   ("qgalore", "optimizer_offload"), ("qgalore", "fp16")}
+                   ("qgalore", "optimizer_offload"), ("qgalore", "16-mixed")}
         assert (method, modifier) in refused, reason
         assert reason.startswith(f"method {method}: ") and len(reason) > 60
         return
@@ -85,7 +85,7 @@ def test_every_method_with_every_modifier(tmp_path, tmp_path_factory, method, mo
     assert losses.keys() == plain.keys() == {1, 2, 3, 4}
     if modifier in EXACT:
         assert losses == plain  # exactly: recompute and offload change no numbers
-    elif modifier == "fp16":
+    elif modifier == "16-mixed":
         assert all(math.isfinite(v) for v in losses.values())
         assert [losses[s] for s in plain] == pytest.approx(list(plain.values()), rel=0.02)
         lines = [r for r in read_jsonl(tmp_path / "t" / "metrics.jsonl") if r["kind"] == "train"]
@@ -111,7 +111,7 @@ def test_layerwise_holds_one_gradient_at_a_time(tmp_path):
 def test_fp16_overflow_skips_the_step_and_backs_off(tmp_path):
     """A scale of 2^40 overflows fp16 at once: those steps are skipped (logged as events, read
     without a per-step sync) and the scale backs off by 2^-12 each time, until updates run."""
-    data = run_config("full", "fp16")
+    data = run_config("full", "16-mixed")
     data["train"].update(steps=6, loss_scale={"init": 2.0**40, "backoff_factor": 2.0**-12,
                                               "growth_interval": 100})
     summary = train(load_run(data), tmp_path / "t")
@@ -125,7 +125,7 @@ def test_fp16_overflow_skips_the_step_and_backs_off(tmp_path):
     assert train_rows[-1]["loss"] < train_rows[0]["loss"]  # the unskipped steps trained
 
 
-@pytest.mark.parametrize("modifier", ["fp16", "optimizer_offload"])
+@pytest.mark.parametrize("modifier", ["16-mixed", "optimizer_offload"])
 def test_resume_keeps_loss_scale_and_host_states(tmp_path, modifier):
     """Stopped after step 2 and resumed: the same losses as a run never stopped."""
     data = run_config("galore" if modifier == "optimizer_offload" else "full", modifier)
@@ -283,6 +283,6 @@ def test_methods_command_lists_modifiers(capsys):
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
     assert "  modifiers: recompute, offload, layerwise, optimizer_offload host, " \
-           "optimizer_offload paged, fp16" in out
+           "optimizer_offload paged, 16-mixed, bf16-true, bf16-true kahan" in out
     assert "  refuses layerwise: ReLoRA's warm start" in out
-    assert "  refuses fp16: its INT8 updates run inside backward" in out
+    assert "  refuses 16-mixed: its INT8 updates run inside backward" in out

@@ -30,8 +30,8 @@ from harness.trials import files as files_module
 START_KEYS = [
     "trial", "status", "method", "method_name", "params", "lr", "seed", "model", "steps",
     "step", "tokens", "eval_loss", "eval_ppl", "tokens_per_s", "mfu", "peak_memory_bytes",
-    "param_bytes", "grad_bytes", "optimizer_state_bytes", "trainable_params", "wall_s",
-    "device", "error", "requeues", "host", "started_at",
+    "peak_rss_bytes", "param_bytes", "grad_bytes", "optimizer_state_bytes", "trainable_params",
+    "wall_s", "device", "error", "requeues", "host", "started_at",
 ]  # fmt: skip
 
 
@@ -75,7 +75,8 @@ def test_reads_take_a_half_written_file_as_absent(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1}\n{"step": 2}\n{"ste')
     assert read_jsonl(metrics) == [{"step": 1}, {"step": 2}]
-    assert read_jsonl_tail(metrics) == [{"step": 2}]  # the first line of a tail may be cut
+    assert read_jsonl_tail(metrics) == [{"step": 1}, {"step": 2}]  # read whole: none cut
+    assert read_jsonl_tail(metrics, nbytes=20) == [{"step": 2}]  # began mid-line: dropped
     assert read_jsonl_tail(tmp_path / "missing.jsonl") == []
     trial = TrialDir(tmp_path)
     trial.config.write_text("a: [1,")

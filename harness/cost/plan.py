@@ -1,0 +1,354 @@
+"""`harness plan`: every method x memory modifier x precision x micro-batch that fits a memory
+budget, by `harness estimate`'s peak, ranked by a relative compute cost.
+
+Candidates are loaded through `load_run`, so a combination a method (or the config) refuses is
+skipped with its reason. Peaks are `estimate_run`'s, with one difference: under
+`optimizer_offload: host` the optimizer states live in host memory, so the device's peak is
+the estimate's minus them (the estimate counts every byte the process holds).
+
+The cost model (docs/estimate.md, `harness plan`), in seconds a step on an assumed GPU
+(`DEVICE`), divided by the same for full-rank AdamW, bf16-mixed, no modifier, one micro-batch:
+- compute: per token, forward FLOPs (2 per weight a linear multiplies, 2·seq·d for causal
+  attention) and backward twice that for trained weights, once for frozen ones (LoRA's and
+  QLoRA's base, QLoRA's head); factored linears multiply two rank-r factors. Recompute adds
+  the recomputed modules' forward again. fp32 matmuls run at `fp32_flops` (the harness does
+  not turn TF32 on), bf16 ones at `bf16_flops`;
+- transfers over the host link: activation offload sends the offloaded activations to the host
+  and back; optimizer offload sends the gradients down and the weights back up, every step;
+- accumulation: each micro-batch adds a fixed launch overhead (`launch_s` per layer).
+GaLore's SVDs, quantization kernels and 8-bit optimizers' own speed are not modelled.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import Any
+
+from tabulate import tabulate
+
+from harness.config.steps import Steps
+from harness.cost.activations import KIND_LINEARS, activations, targets, trains_norms
+from harness.cost.estimate import _shapes, estimate_run, human_bytes, vocab_size
+from harness.errors import UserError
+from harness.methods import method_names
+from harness.methods.base import Method, build_method, get_method, is_target, numel
+from harness.methods.resolve import load_run
+from harness.models import PRESETS, check_preset
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the cost model assumes of the GPU: an H100 at realistic utilisation."""
+
+    bf16_flops: float = 400e12  # ~40% of H100 SXM's 989 TFLOP/s dense bf16
+    fp32_flops: float = 50e12  # ~75% of its 67 TFLOP/s fp32 (no TF32)
+    host_bytes_s: float = 25e9  # PCIe 4.0 x16, effective
+    launch_s: float = 100e-6  # a layer's kernels, forward and backward, per micro-batch
+
+
+DEVICE = Device()
+
+# The papers' rank for each preset (sweeps/c4_*.yaml: GaLore Tables 2 and 3); others get the
+# method's default rank, at most a quarter of the hidden size.
+PAPER_RANKS = {"llama_60m": 128, "llama_130m": 256, "llama_350m": 256, "llama_1b": 512,
+               "llama_7b": 1024}  # fmt: skip
+# Method entries beyond each registered method at its defaults: label -> (method, settings).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"galore_8bit": ("galore",
+                                                                   {"optimizer": "adam8bit"})}
+PRECISIONS = ("bf16-true", "bf16-mixed", "32-true")
+ACTIVATION_MODIFIERS: dict[str, dict[str, Any]] = {
+    "": {},
+    "recompute full": {"recompute": "full"},
+    "recompute attention": {"recompute": ["attention"]},
+    "recompute mlp": {"recompute": ["mlp"]},
+    "offload attention+mlp": {"offload": ["attention", "mlp"]},
+    "recompute attention, offload mlp": {"recompute": ["attention"], "offload": ["mlp"]},
+}
+OPTIMIZER_MODIFIERS: dict[str, dict[str, Any]] = {
+    "": {},
+    "layerwise": {"layerwise": True},
+    "optimizer host": {"optimizer_offload": "host"},
+    "layerwise, optimizer host": {"layerwise": True, "optimizer_offload": "host"},
+}
+UNITS = {"": None, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
+         "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+BREAKDOWN = ("weight_bytes", "grad_bytes", "optimizer_state_bytes", "extra_bytes", "peak_bytes")
+TABLE11_CSV = "paper/galore_table11.csv"  # GaLore Table 11: LLaMA-1B tok/s, token batch 256
+TABLE11_METHODS = {"full": "AdamW", "adam8bit": "Adam8bit", "galore_8bit": "8-bit GaLore"}
+
+
+def parse_memory(text: str) -> int:
+    """'24GB', '24 GB', '24GiB', '16000MB' -> bytes (GB = 1e9, GiB = 2**30)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = UNITS.get(match.group(2).lower()) if match else None
+    if match is None or unit is None or float(match.group(1)) <= 0:
+        raise UserError(f"--memory: '{text}' is not a memory size (e.g. 24GB, 24 GB, 24GiB, "
+                        "16000MB; GB = 1e9 bytes, GiB = 2^30)")
+    return int(float(match.group(1)) * unit)
+
+
+@dataclass
+class Candidate:
+    label: str  # the method entry: a registered method, or a variant such as galore_8bit
+    method: str
+    settings: dict[str, Any]
+    modifiers: str
+    memory: dict[str, Any]  # the run's memory section
+    precision: str
+    micro_batch: int
+    accumulation: int
+    peak_bytes: int = 0
+    cost: float = 0.0
+    recompute_forwards: float = 0.0  # extra forward passes, as a fraction of one
+    transfer_bytes: int = 0  # over the host link per step
+    tok_s: float | None = None  # measured, where a source has this configuration
+    tok_s_source: str = ""
+    fits: bool = False
+    breakdown: dict[str, int] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Plan:
+    budget: int
+    fits: list[Candidate]  # sorted by cost, then peak: the first is the fastest that fits
+    closest: list[Candidate]  # when nothing fits: the smallest peaks
+    refused: dict[str, str]  # combination -> why it was skipped
+
+
+def method_entries(model: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Every registered method at its defaults (the paper's rank for the preset), plus
+    VARIANTS."""
+    entries = {name: (name, {}) for name in method_names()} | VARIANTS
+    hidden = PRESETS[model].hidden
+    out = {}
+    for label, (name, settings) in entries.items():
+        fields = get_method(name).Config.model_fields
+        if "rank" in fields:
+            rank = PAPER_RANKS.get(model, min(fields["rank"].default, hidden // 4))
+            settings = {"rank": rank, **settings}
+        out[label] = (name, settings)
+    return out
+
+
+def candidates(model: str, seq_len: int, token_batch: int) -> list[Candidate]:
+    sequences, rest = divmod(token_batch, seq_len)
+    if rest or not sequences:
+        raise UserError(f"--token-batch {token_batch} is not a whole number of sequences of "
+                        f"--seq-len {seq_len}")
+    micro = [m for m in range(sequences, 0, -1) if sequences % m == 0]
+    return [Candidate(label, name, settings, " + ".join(filter(None, (act, opt))),
+                      {**ACTIVATION_MODIFIERS[act], **OPTIMIZER_MODIFIERS[opt]}, precision,
+                      m, sequences // m)
+            for label, (name, settings) in method_entries(model).items()
+            for act in ACTIVATION_MODIFIERS for opt in OPTIMIZER_MODIFIERS
+            for precision in PRECISIONS for m in micro]  # fmt: skip
+
+
+def run_of(c: Candidate, model: str, seq_len: int, tokenizer: str):
+    return load_run({
+        "model": model, "device": "cuda",
+        "task": {"seq_len": seq_len, "tokenizer": tokenizer},
+        "train": {"precision": c.precision, "batch_size": c.micro_batch,
+                  "total_batch_size": c.micro_batch * c.accumulation},
+        "memory": c.memory, "method": {"name": c.method, **c.settings},
+    })  # fmt: skip
+
+
+def plan(model: str, budget: int, seq_len: int = 256, token_batch: int = 256,
+         tokenizer: str = "t5-base", closest: int = 5) -> Plan:
+    preset = check_preset(model, "model")
+    if seq_len > preset.max_seq_len:
+        raise UserError(f"--seq-len {seq_len}: {model} takes at most {preset.max_seq_len}")
+    base = None
+    evaluated, refused = [], {}
+    for c in candidates(model, seq_len, token_batch):
+        try:
+            run = run_of(c, model, seq_len, tokenizer)
+        except UserError as e:
+            refused.setdefault(f"{c.label} [{c.modifiers or 'none'}] {c.precision}", str(e))
+            continue
+        if base is None:  # full AdamW, bf16-mixed, no modifier, one micro-batch
+            whole = Candidate("full", "full", {}, "", {}, "bf16-mixed", token_batch // seq_len, 1)
+            base = step_work(run_of(whole, model, seq_len, tokenizer))[2]
+        record = estimate_run(run)
+        host = run.memory.optimizer_offload == "host"  # its states are in host memory
+        c.peak_bytes = record["peak_bytes"] - (record["optimizer_state_bytes"] if host else 0)
+        c.breakdown = {k: record[k] for k in BREAKDOWN}
+        c.recompute_forwards, c.transfer_bytes, seconds = step_work(run)
+        c.cost = seconds / base
+        c.fits = c.peak_bytes <= budget
+        evaluated.append(c)
+    if not evaluated:  # a setting every candidate shares is wrong (e.g. --seq-len 1)
+        raise UserError(next(iter(refused.values())))
+    fits = _fastest_micro_batch([c for c in evaluated if c.fits])
+    fits.sort(key=lambda c: (round(c.cost, 4), c.peak_bytes, c.label, len(c.modifiers)))
+    fits = _distinct(fits)
+    near = [] if fits else sorted(evaluated, key=lambda c: c.peak_bytes)[:closest]
+    _measured(fits + near, model, seq_len, token_batch)
+    return Plan(budget, fits, near, refused)
+
+
+def step_work(run: Any) -> tuple[float, int, float]:
+    """A step's extra forward passes (a fraction of one), bytes over the host link, and its
+    seconds on DEVICE under the cost model (the module's docstring)."""
+    seq_len, layers = run.task.seq_len, PRESETS[run.model].layers
+    shapes = _shapes(run.model, vocab_size(run.task.tokenizer), seq_len)
+    method = build_method(run, Steps.of(run.train, seq_len))
+    flops = forward_flops(shapes, method, seq_len)
+    layer = flops["attention"] + flops["mlp"]
+    forward = layer * layers + flops["head"]
+    recomputed = ("attention", "mlp") if run.memory.recompute == "full" else run.memory.recomputed
+    extra_forwards = sum(flops[k] for k in recomputed) * layers / forward
+    backward = (layer * layers * (1 if method.linears == "adapter" else 2)  # frozen base: no dW
+                + flops["head"] * (2 if trains_norms(method) else 1))
+    transfers = 0
+    if run.memory.offloaded:  # to the host in forward, back in backward, every micro-batch
+        kept = run.model_copy(update={"memory": run.memory.model_copy(update={"offload": "none"})})
+        moved = (activations(kept, shapes, method, "cuda").start
+                 - activations(run, shapes, method, "cuda").start)
+        transfers += 2 * moved * run.train.accumulation
+    if run.memory.optimizer_offload == "host":  # gradients down, weights back up
+        transfers += 2 * trained_numel(shapes, method) * (
+            2 if run.train.precision == "bf16-true" else 4)
+    tokens = run.train.batch_size * run.train.accumulation * seq_len
+    rate = DEVICE.fp32_flops if run.train.precision == "32-true" else DEVICE.bf16_flops
+    seconds = (tokens * (forward * (1 + extra_forwards) + backward) / rate
+               + transfers / DEVICE.host_bytes_s
+               + run.train.accumulation * layers * DEVICE.launch_s)
+    return extra_forwards, transfers, seconds
+
+
+def trained_numel(shapes: dict[str, Any], method: Method) -> int:
+    """Elements the optimizer updates: adapters or factors (rank r: r(m+n)) in place of
+    their target linears, the other tensors unless the method freezes them."""
+    rank = getattr(method.config, "rank", 0)
+    total = 0
+    for name, shape in shapes.items():
+        if len(shape) == 2 and is_target(name.rpartition(".")[0], targets(method)):
+            low = method.linears in ("adapter", "factored")
+            total += rank * sum(shape) if low else numel(shape)
+        elif trains_norms(method):
+            total += numel(shape)
+    return total
+
+
+def forward_flops(shapes: dict[str, Any], method: Method, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs a token, by kind: one decoder layer's attention and MLP, and the head."""
+    rank = getattr(method.config, "rank", 0)
+    out = {}
+    for kind, names in KIND_LINEARS.items():
+        if kind == "norm":
+            continue
+        flops = 0.0
+        for name, shape in shapes.items():
+            module = name.rpartition(".")[0]
+            if ".layers.0." not in name or len(shape) != 2 or not is_target(module, names):
+                continue
+            m, n = shape
+            own = is_target(module, targets(method))
+            if own and method.linears == "factored":
+                flops += 2 * rank * (m + n)
+            else:
+                flops += 2 * m * n + (2 * rank * (m + n) if own and method.linears == "adapter"
+                                      else 0)
+        out[kind] = flops
+    out["attention"] += 2 * seq_len * shapes["model.embed_tokens.weight"][1]
+    out["head"] = 2 * numel(shapes["lm_head.weight"])
+    return out
+
+
+def _fastest_micro_batch(fits: list[Candidate]) -> list[Candidate]:
+    """One row per method, modifiers and precision: its largest micro-batch that fits."""
+    best: dict[tuple[str, str, str], Candidate] = {}
+    for c in fits:
+        key = (c.label, c.modifiers, c.precision)
+        if key not in best or c.micro_batch > best[key].micro_batch:
+            best[key] = c
+    return list(best.values())
+
+
+def _distinct(rows: list[Candidate]) -> list[Candidate]:
+    """Drop a row that only adds a modifier with no effect (Q-GaLore is layer-wise anyway)."""
+    seen, out = set(), []
+    for c in rows:
+        key = (c.label, c.precision, c.micro_batch, c.peak_bytes, round(c.cost, 4))
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def _measured(rows: list[Candidate], model: str, seq_len: int, token_batch: int) -> None:
+    """tok/s where a machine-readable measurement of this configuration exists: GaLore's
+    Table 11 (LLaMA-1B, token batch 256, pure bf16, no activation modifier). The harness's
+    own CPU figures (docs/benchmarks.md) are prose tables, not read here."""
+    if model != "llama_1b" or (seq_len, token_batch) != (256, 256):
+        return
+    text = resources.files("harness.analysis").joinpath(TABLE11_CSV).read_text()
+    table = {(r["method"], r["layerwise"] == "true"): float(r["tokens_per_s"])
+             for r in csv.DictReader(text.splitlines())}  # fmt: skip
+    for c in rows:
+        key = (TABLE11_METHODS.get(c.label, ""), c.modifiers == "layerwise")
+        if c.precision == "bf16-true" and c.modifiers in ("", "layerwise") and key in table:
+            c.tok_s, c.tok_s_source = table[key], "GaLore Table 11"
+
+
+def _extra(c: Candidate) -> str:
+    parts = []
+    if c.recompute_forwards:
+        parts.append(f"+{c.recompute_forwards:.2f} forward")
+    if c.transfer_bytes:
+        parts.append(f"{human_bytes(c.transfer_bytes)} host transfers")
+    if c.accumulation > 1:
+        parts.append(f"{c.accumulation} micro-batches")
+    return ", ".join(parts) or "none"
+
+
+def _settings(rows: list[Candidate]) -> str:
+    """The settings the planner chose, once: each distinct one with the methods it applies to."""
+    chosen: dict[str, list[str]] = {}
+    for c in rows:
+        for key, value in c.settings.items():
+            chosen.setdefault(f"{key}={value}", []).append(c.label)
+    return "; ".join(f"{k} ({', '.join(dict.fromkeys(labels))})" for k, labels in chosen.items())
+
+
+def format_plan(p: Plan, model: str, top: int = 20) -> str:
+    headers = ["#", "method", "modifiers", "precision", "micro x accum", "peak",
+               "cost", "extra compute", "tok/s"]  # fmt: skip
+    rows = p.fits or p.closest
+    shown = rows[:top] if top > 0 else rows
+
+    def row(i: int, c: Candidate) -> list[str]:
+        tok = f"{c.tok_s:,.0f} ({c.tok_s_source})" if c.tok_s else "—"
+        return [str(i), c.label, c.modifiers or "none", c.precision,
+                f"{c.micro_batch} x {c.accumulation}", human_bytes(c.peak_bytes),
+                f"x{c.cost:.2f}", _extra(c), tok]  # fmt: skip
+
+    table = tabulate([row(i, c) for i, c in enumerate(shown, 1)], headers=headers,
+                     disable_numparse=True)
+    budget = human_bytes(p.budget)
+    if not p.fits:
+        head = f"nothing fits {model} in {budget}; the {len(shown)} closest by peak:"
+    else:
+        head = f"{len(p.fits)} configurations of {model} fit in {budget}, fastest first:"
+    more = len(rows) - len(shown)
+    tail = f"\n... {more} more (--top 0 for all, --json for records)" if more else ""
+    settings = _settings(shown)
+    tail += f"\nsettings: {settings}" if settings else ""
+    note = ("\ncost: step time relative to full AdamW, bf16-mixed, no modifier, one micro-batch "
+            f"(compute model in docs/estimate.md); {len(p.refused)} combinations refused")
+    return f"{head}\n{table}{tail}{note}"
+
+
+def to_json(p: Plan) -> str:
+    return json.dumps({"budget_bytes": p.budget, "fits": [c.record() for c in p.fits],
+                       "closest": [c.record() for c in p.closest], "refused": p.refused},
+                      indent=2)  # fmt: skip

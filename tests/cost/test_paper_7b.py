@@ -1,0 +1,90 @@
+"""`harness estimate sweeps/c4_7b_paper.yaml`: the published LLaMA-7B single-device figures
+(GaLore §1 / Fig. 1 and §5.5, Q-GaLore's script for the same setting) from a documented
+accounting under bf16-true, and the bytes per parameter that accounting rests on."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.bench.memory import method_run
+from harness.cost import estimate as est
+from harness.cost.paper_7b import PAPER_7B, TOLERANCE, comparison_7b, parts_bytes
+from harness.methods import build_method
+from harness.models import param_shapes
+from harness.sweep.plan import estimate_sweep, load_sweep, plan
+
+SWEEP = "sweeps/c4_7b_paper.yaml"
+ROWS = {"full": "BF16 AdamW", "adam8bit": "8-bit Adam",
+        "galore_8bit_layerwise": "8-bit GaLore layer-wise", "qgalore": "Q-GaLore"}
+
+
+@pytest.fixture(scope="module")
+def records():
+    return {r["method"]: r for r in estimate_sweep(load_sweep(SWEEP, {}))}
+
+
+@pytest.mark.parametrize("label", ["full", "adam8bit", "galore_8bit_layerwise"])
+def test_the_papers_7b_figures_are_reached_within_10_percent(records, label):
+    paper = PAPER_7B[ROWS[label]][0] * 1e9
+    assert abs(parts_bytes(records[label]) / paper - 1) <= TOLERANCE
+
+
+def test_bf16_adamw_splits_as_the_paper_does_but_for_the_activations(records):
+    """14 GB weights and 42 GB gradients and Adam states; activations (2 GB in the paper, which
+    GaLore#57 could not reproduce) come out at 1.6 GB: docs/estimate.md."""
+    r = records["full"]
+    assert abs(r["weight_bytes"] / 14e9 - 1) <= TOLERANCE
+    assert abs((r["grad_bytes"] + r["optimizer_state_bytes"]) / 42e9 - 1) <= TOLERANCE
+    assert 1.4e9 < r["activation_bytes"] < 2e9
+    # the peak: gradients and activations are never all alive at once
+    assert r["peak_bytes"] == r["total_bytes"] < parts_bytes(r)
+
+
+def test_8bit_galore_saves_what_the_paper_says_against_8bit_adam(records):
+    """§5.5: 9.6 GB of optimizer state and 13.5 GB of gradients."""
+    adam, galore = records["adam8bit"], records["galore_8bit_layerwise"]
+    saved_states = adam["optimizer_state_bytes"] - galore["optimizer_state_bytes"]
+    saved_grads = adam["grad_bytes"] - galore["grad_bytes"]
+    assert abs(saved_states / 9.6e9 - 1) <= TOLERANCE
+    assert abs(saved_grads / 13.5e9 - 1) <= TOLERANCE
+
+
+def test_q_galore_stays_below_its_published_figure_by_the_documented_gap(records):
+    """INT8 weights + 8-bit low-rank states + INT4 bases + activations sum to 13.3 GB against the
+    15.08 G the reference script states: docs/estimate.md lists the terms that could differ."""
+    ratio = parts_bytes(records["qgalore"]) / (PAPER_7B["Q-GaLore"][0] * 1e9)
+    assert 0.85 < ratio < 1 - TOLERANCE
+
+
+def test_the_comparison_prints_every_row_and_flags_what_is_more_than_10_percent_off(records):
+    text = comparison_7b(list(records.values()), load_sweep(SWEEP, {}))
+    lines = {line.split()[0]: line for line in text.splitlines()[2:] if line.split()}
+    assert set(ROWS) <= set(lines)
+    assert lines["qgalore"].count("!") == 2 and "!" not in lines["full"]
+    assert "activations" in est.format_table(list(records.values()))
+
+
+def test_the_comparison_is_left_out_off_the_papers_setting():
+    sweep = load_sweep(SWEEP, {"train.precision": "bf16-mixed", "train.state_dtype": "float32"})
+    assert comparison_7b(estimate_sweep(sweep), sweep) == ""
+
+
+def test_a_method_s_own_train_keys_win_over_the_sweep_s():
+    runs = {t.label: t.run for t in plan(load_sweep(SWEEP, {}))}
+    assert runs["adam8bit"].train.state_dtype == "float32"  # bitsandbytes' small-tensor states
+    assert {runs[k].train.state_dtype for k in ("full", "qgalore")} == {"bfloat16"}
+
+
+@pytest.mark.parametrize("overrides, states_per_param", [
+    ({"train.state_dtype": "bfloat16"}, 4), ({}, 8),
+    ({"train.update_compensation": "kahan"}, 10),
+])  # fmt: skip
+def test_bf16_true_bytes_per_parameter(overrides, states_per_param):
+    """Weights and gradients 2 bytes; Adam's two moments in the state dtype, plus a bf16 Kahan
+    compensation; a float32 step per tensor."""
+    run = method_run("full", "llama_7b", 3, 256, 1, {"train.precision": "bf16-true", **overrides})
+    shapes = param_shapes("llama_7b", 32100, 256)
+    n = sum(s.numel() for s in shapes.values())
+    e = build_method(run).estimate(shapes, run)
+    assert (e.weight_bytes, e.grad_bytes) == (2 * n, 2 * n)
+    assert e.optimizer_state_bytes == states_per_param * n + 4 * len(shapes)

@@ -1,0 +1,53 @@
+"""harness/cost/tensor_peak.py `tracked`: a CPU trial's peak_memory_bytes is the peak of live
+tensors in a steady step (as `harness bench memory` measures it), the process's RSS apart."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import micro_run
+
+from harness.bench.memory import PEAK_TOLERANCE, method_run
+from harness.cost.activations import activations, peak_bytes
+from harness.methods import build_method
+from harness.methods.resolve import load_run
+from harness.models import param_shapes
+from harness.train import train
+
+
+def predicted(run) -> int:
+    shapes = param_shapes(run.model, 8192, run.task.seq_len)  # the sample tokenizer's vocab
+    method = build_method(run)
+    return peak_bytes(method.estimate(shapes, run), activations(run, shapes, method, "cpu"),
+                      run, shapes)
+
+
+@pytest.fixture(scope="module")
+def summaries(tmp_path_factory):
+    """A tiny full and LoRA run of the same model, 4 steps each (step 3 is the one measured)."""
+    out = tmp_path_factory.mktemp("peak")
+    runs = {label: method_run(label, "llama_tiny", 4, 64, 2, {"device": "cpu"})
+            for label in ("full", "lora")}
+    return {label: (run, train(run, out / label)) for label, run in runs.items()}
+
+
+def test_a_cpu_trials_peak_is_its_live_tensors_within_5_percent_of_the_estimate(summaries):
+    run, summary = summaries["full"]
+    assert summary["status"] == "ok"
+    assert abs(summary["peak_memory_bytes"] / predicted(run) - 1) <= PEAK_TOLERANCE
+
+
+def test_lora_peaks_below_full_and_rss_is_kept_apart(summaries):
+    full, lora = summaries["full"][1], summaries["lora"][1]
+    assert lora["peak_memory_bytes"] < full["peak_memory_bytes"]
+    for summary in (full, lora):  # the process: the runtime, allocator slack, the data too
+        assert summary["peak_rss_bytes"] > summary["peak_memory_bytes"] > summary["param_bytes"]
+
+
+def test_the_peak_survives_a_resume_and_a_short_run_measures_its_last_step(tmp_path):
+    run = load_run(micro_run(steps=5))
+    first = train(run, tmp_path / "t", should_stop=lambda step: step == 3)
+    assert first["status"] == "interrupted" and first["peak_memory_bytes"] > 0
+    second = train(run, tmp_path / "t")  # 2 steps left: the checkpoint's peak is kept
+    assert second["peak_memory_bytes"] == first["peak_memory_bytes"]
+    short = train(load_run(micro_run(steps=1)), tmp_path / "one")
+    assert short["peak_memory_bytes"] > short["param_bytes"]

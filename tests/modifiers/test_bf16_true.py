@@ -1,0 +1,188 @@
+"""train.precision bf16-true (harness/modifiers/precision.py, compensation.py): the model, its
+gradients and activations in bfloat16; optimizer states in train.state_dtype; an update below
+bfloat16's resolution lost by round-to-nearest and kept by stochastic rounding and Kahan
+summation; exact resume with each compensation; refusals; the old precision names."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+import pytest
+import torch
+from conftest import micro_run, train_losses
+from test_modifiers import METHODS
+
+from harness.errors import UserError
+from harness.methods.resolve import load_run
+from harness.modifiers.compensation import KAHAN, AdamW, add_update, pure_adamw
+from harness.train import train
+from harness.train.loop import Trainer
+from harness.trials import Records
+
+BF16 = torch.bfloat16
+GALORE_STATES = {"state_dtype": "bfloat16"}  # GaLore's moments follow the weights, as upstream
+
+
+def pure_run(method: str = "full", steps: int = 4, **train_keys: Any) -> dict[str, Any]:
+    data = micro_run(steps=steps, precision="bf16-true", **train_keys)
+    data["eval"] = {"every": 0, "tokens": 256}
+    data["method"] = METHODS[method]
+    return data
+
+
+# -- the shared update function ------------------------------------------------------------
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_tiny_updates_lost_to_rounding_are_kept_by_sr_and_kahan(sign):
+    """1e-4 a step on weights of magnitude 1 (bf16's spacing there: 2^-7): round to nearest
+    never moves them; stochastic rounding gets there on average, Kahan in sum (weight plus its
+    bfloat16 buffer)."""
+    torch.manual_seed(0)
+    update = torch.full((4096,), sign * 1e-4)
+    weights = {mode: torch.full((4096,), sign, dtype=BF16) for mode in
+               ("none", "stochastic_rounding", "kahan")}
+    states: dict[str, dict[str, Any]] = {mode: {} for mode in weights}
+    for _ in range(100):
+        for mode, w in weights.items():
+            add_update(w, update, mode, states[mode])
+    target = sign * 1.01
+    assert torch.equal(weights["none"], torch.full((4096,), sign, dtype=BF16))
+    assert weights["stochastic_rounding"].float().mean().item() == pytest.approx(target, abs=2e-4)
+    kahan, comp = weights["kahan"].float(), states["kahan"][KAHAN]
+    assert comp.dtype == BF16 and (kahan - target).abs().max() <= 2**-8  # nearest bf16
+    # in sum, up to the buffer's own bf16 rounding: within 5% of the 0.01 round-to-nearest lost
+    assert (kahan + comp.float() - target).abs().max() < 5e-4
+    assert states["none"] == states["stochastic_rounding"] == {}
+
+
+def test_float32_weights_are_added_plainly():
+    w = torch.ones(3)
+    add_update(w, torch.full((3,), 1e-6), "kahan", state := {})
+    assert torch.equal(w, torch.full((3,), 1 + 1e-6)) and state == {}
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["none", "stochastic_rounding", "kahan"])
+def test_adamw_states_follow_state_dtype_and_survive_a_reload(state_dtype, mode):
+    train = load_run(pure_run(state_dtype=state_dtype, update_compensation=mode)).train
+    p = torch.nn.Parameter(torch.randn(8, 8, dtype=BF16))
+    opt = pure_adamw([{"params": [p], "weight_decay": 0.1}], train, (0.9, 0.999), 1e-8)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    dtypes = {k: v.dtype for k, v in opt.state[p].items() if k in ("exp_avg", "exp_avg_sq")}
+    assert set(dtypes.values()) == {getattr(torch, state_dtype)}
+    assert isinstance(opt.state[p].get(KAHAN), torch.Tensor) == (mode == "kahan")
+    again = pure_adamw([{"params": [p], "weight_decay": 0.1}], train, (0.9, 0.999), 1e-8)
+    again.load_state_dict(opt.state_dict())
+    assert {k: v.dtype for k, v in again.state[p].items() if k in dtypes} == dtypes
+    if state_dtype == "float32" or mode == "stochastic_rounding":
+        assert isinstance(opt, AdamW)
+    else:
+        assert type(opt).__module__.startswith("optimi")
+
+
+# -- a bf16-true trial -----------------------------------------------------------------------
+def test_weights_gradients_activations_and_states_are_bf16(tmp_path):
+    run = load_run(pure_run(state_dtype="bfloat16", update_compensation="kahan"))
+    trainer = Trainer(run, Records(tmp_path / "t", run), lambda step: False)
+    seen: dict[str, set[torch.dtype]] = {"grads": set(), "acts": set()}
+    for p in trainer.model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen["grads"].add(p.grad.dtype))
+    for m in trainer.model.modules():
+        m.register_forward_hook(lambda m, i, out: seen["acts"].update(
+            o.dtype for o in (out if isinstance(out, tuple) else (out,))
+            if isinstance(o, torch.Tensor) and o.is_floating_point()))
+    assert {p.dtype for p in trainer.model.parameters()} == {BF16}
+    assert {b.dtype for b in trainer.model.buffers() if b.is_floating_point()} <= {BF16}
+    loss = trainer.train_step()
+    assert math.isfinite(loss.item()) and seen["grads"] == {BF16} and seen["acts"] == {BF16}
+    states = [v for s in trainer.optimizer.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    assert states and {s.dtype for s in states} == {BF16}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_trains_under_bf16_true(tmp_path, method):
+    keys = GALORE_STATES if "galore" in method else {}
+    summary = train(load_run(pure_run(method, steps=2, **keys)), tmp_path / "t")
+    assert summary["status"] == "ok", summary["error"]
+    assert all(math.isfinite(v) for v in train_losses(tmp_path / "t").values())
+
+
+@pytest.mark.parametrize(("method", "keys"), [
+    ("full", {"update_compensation": "none"}),
+    ("full", {"update_compensation": "stochastic_rounding"}),
+    ("full", {"update_compensation": "kahan"}),
+    ("full", {"update_compensation": "kahan", "state_dtype": "bfloat16"}),  # torch-optimi
+    ("galore", GALORE_STATES),
+])
+def test_resume_under_bf16_true_is_exact(tmp_path, method, keys):
+    """Stopped after step 2 and resumed: the same losses as a run never stopped (the Kahan
+    buffers and float32 moments come back from the checkpoint, the generator too)."""
+    data = pure_run(method, **keys)
+    whole = train(load_run(data), tmp_path / "whole")
+    part = [train(load_run(data), tmp_path / "part", should_stop=stop)
+            for stop in (lambda step: step == 2, None)]
+    assert [(r["status"], r["step"]) for r in part] == [("interrupted", 2), ("ok", 4)]
+    assert whole["status"] == "ok"
+    assert train_losses(tmp_path / "part") == train_losses(tmp_path / "whole")
+
+
+@pytest.mark.parametrize(("mode", "rel"), [("kahan", 1e-5), ("stochastic_rounding", 1e-3)])
+def test_layerwise_and_host_offload_inherit_the_compensation(tmp_path, mode, rel):
+    """They wrap the method's optimizer: per parameter, or on bfloat16 host copies, the same
+    updates as the plain step (no clipping: layer-wise clips each parameter on its own).
+    Stochastic rounding draws in another order when layer-wise: equal up to that noise."""
+    losses = []
+    for memory in ({}, {"layerwise": True}, {"optimizer_offload": "host"}):
+        data = {**pure_run(steps=3, grad_clip=None, update_compensation=mode), "memory": memory}
+        out = tmp_path / str(len(losses))
+        assert train(load_run(data), out)["status"] == "ok"
+        losses.append(train_losses(out))
+    assert losses[1] == pytest.approx(losses[0], rel=rel)
+    assert losses[2] == pytest.approx(losses[0], rel=1e-5)
+
+
+# -- refusals and names ----------------------------------------------------------------------
+@pytest.mark.parametrize(("method", "keys", "message"), [
+    ("adam8bit", {"update_compensation": "kahan"},
+     r"^method adam8bit: bitsandbytes' AdamW8bit adds its update .* rounded to nearest"),
+    ("adam8bit", {"state_dtype": "bfloat16"},
+     r"^method adam8bit: bitsandbytes keeps the 32-bit states .* in float32"),
+    ("galore", {}, r"^method galore: under bf16-true its moments follow the weights' dtype"),
+    ("qgalore", {"update_compensation": "stochastic_rounding", **GALORE_STATES},
+     r"^method qgalore: under bf16-true its moments follow"),
+    ("full", {"update_compensation": "kahan", "memory": {"optimizer_offload": "paged"}},
+     r"^memory.optimizer_offload paged with train.precision bf16-true: bitsandbytes"),
+])
+def test_refused_at_load_time_with_the_reason(method, keys, message):
+    keys = dict(keys)
+    memory = keys.pop("memory", {})
+    with pytest.raises(UserError, match=message):
+        load_run({**pure_run(method, **keys), "memory": memory})
+
+
+@pytest.mark.parametrize("key", ["state_dtype: bfloat16", "update_compensation: kahan"])
+def test_pure_bf16_keys_are_refused_under_other_precisions(key):
+    name, value = key.split(": ")
+    with pytest.raises(UserError, match=rf"{name} applies to precision bf16-true only"):
+        load_run({**micro_run(precision="bf16-mixed", **{name: value}), "method": {"name": "full"}})
+
+
+@pytest.mark.parametrize(("old", "new"), [("fp32", "32-true"), ("bf16", "bf16-mixed"),
+                                          ("fp16", "16-mixed")])
+def test_old_names_load_as_aliases_with_the_trial_ids_they_had(old, new):
+    """Trial ids hash what earlier versions wrote: the old name, without the new keys."""
+    legacy, today = (load_run({**micro_run(precision=p), "method": {"name": "full"}})
+                     for p in (old, new))
+    assert legacy.train.precision == today.train.precision == new
+    assert legacy.identity() == today.identity()
+    data = today.model_dump(exclude={"name", "label", "provenance", "wandb"})
+    data["train"].pop("log_every")
+    data["train"].pop("state_dtype")
+    data["train"].pop("update_compensation")
+    data["train"]["precision"] = old
+    blob = json.dumps(data, sort_keys=True, default=str)
+    assert today.identity() == hashlib.sha1(blob.encode()).hexdigest()[:8]
