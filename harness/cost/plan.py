@@ -59,7 +59,14 @@ PAPER_RANKS = {"llama_60m": 128, "llama_130m": 256, "llama_350m": 256, "llama_1b
 # Method entries beyond each registered method at its defaults: label -> (method, settings).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"galore_8bit": ("galore",
                                                                    {"optimizer": "adam8bit"})}
-PRECISIONS = ("bf16-true", "bf16-mixed", "32-true")
+# Precision label -> train keys; GaLore's and Q-GaLore's bf16-true keeps states in bf16, as the
+# reference code does (their fp32-state form is refused).
+PRECISIONS: dict[str, dict[str, str]] = {
+    "bf16-true": {"precision": "bf16-true"},
+    "bf16-true, bf16 states": {"precision": "bf16-true", "state_dtype": "bfloat16"},
+    "bf16-mixed": {"precision": "bf16-mixed"},
+    "32-true": {"precision": "32-true"},
+}
 ACTIVATION_MODIFIERS: dict[str, dict[str, Any]] = {
     "": {},
     "recompute full": {"recompute": "full"},
@@ -155,7 +162,7 @@ def run_of(c: Candidate, model: str, seq_len: int, tokenizer: str):
     return load_run({
         "model": model, "device": "cuda",
         "task": {"seq_len": seq_len, "tokenizer": tokenizer},
-        "train": {"precision": c.precision, "batch_size": c.micro_batch,
+        "train": {**PRECISIONS[c.precision], "batch_size": c.micro_batch,
                   "total_batch_size": c.micro_batch * c.accumulation},
         "memory": c.memory, "method": {"name": c.method, **c.settings},
     })  # fmt: skip
@@ -296,7 +303,8 @@ def _measured(rows: list[Candidate], model: str, seq_len: int, token_batch: int)
              for r in csv.DictReader(text.splitlines())}  # fmt: skip
     for c in rows:
         key = (TABLE11_METHODS.get(c.label, ""), c.modifiers == "layerwise")
-        if c.precision == "bf16-true" and c.modifiers in ("", "layerwise") and key in table:
+        pure = c.precision.startswith("bf16-true")
+        if pure and c.modifiers in ("", "layerwise") and key in table:
             c.tok_s, c.tok_s_source = table[key], "GaLore Table 11"
 
 

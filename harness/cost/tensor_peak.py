@@ -14,6 +14,8 @@ import torch
 from torch.profiler._memory_profiler import Action
 
 from harness.cost.profile import SKIPPED, profiler
+from harness.distributed import say
+from harness.errors import first_line
 
 PEAK = "peak_memory_bytes"
 
@@ -55,8 +57,14 @@ def tracked(trainer: Trainer, enabled: bool = True) -> Iterator[None]:
 
     def ready(prof: object) -> None:
         trainer.meter.pause()  # reading the timeline is not training
-        trainer.costs[PEAK] = _peak(prof._memory_profile())[0]  # type: ignore[attr-defined]
-        trainer.meter.resume()
+        try:
+            trainer.costs[PEAK] = _peak(prof._memory_profile())[0]  # type: ignore[attr-defined]
+        except Exception as e:  # torch's timeline analysis asserts on some graphs (seen under
+            # DDP with layer-wise hooks): a measurement must never end the trial it measures
+            say(f"peak of live tensors not recorded: torch's memory timeline failed "
+                f"({first_line(e)[:160]}); the summary keeps peak_rss_bytes")
+        finally:
+            trainer.meter.resume()
 
     with profiler(1, trainer.device, memory=True, on_trace_ready=ready,
                   skipped=min(SKIPPED, left - 1)) as prof:

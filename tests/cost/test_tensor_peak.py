@@ -51,3 +51,19 @@ def test_the_peak_survives_a_resume_and_a_short_run_measures_its_last_step(tmp_p
     assert second["peak_memory_bytes"] == first["peak_memory_bytes"]
     short = train(load_run(micro_run(steps=1)), tmp_path / "one")
     assert short["peak_memory_bytes"] > short["param_bytes"]
+
+
+def test_a_failing_timeline_leaves_the_trial_ok_without_a_live_tensor_peak(tmp_path, monkeypatch,
+                                                                          capsys):
+    """torch's memory-timeline analysis asserts on some graphs (seen under DDP with layer-wise
+    hooks): the trial goes on, says so in one line, and keeps its RSS."""
+    import harness.cost.tensor_peak as tensor_peak
+
+    def broken(memory):
+        raise AssertionError("version mismatch: {...}")
+
+    monkeypatch.setattr(tensor_peak, "_peak", broken)
+    summary = train(load_run(micro_run(steps=4)), tmp_path / "run")
+    assert summary["status"] == "ok"
+    assert summary.get("peak_memory_bytes") is None and summary["peak_rss_bytes"] > 0
+    assert "peak of live tensors not recorded" in capsys.readouterr().out
