@@ -29,6 +29,12 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
+def brief(error: BaseException) -> str:
+    """The first line cut to fit inside another one-line message (a hub or loader error's
+    first line can be a whole response body)."""
+    return first_line(error)[:160]
+
+
 def last_line(error: BaseException) -> str:
     """The last line: submitit's errors carry the job's whole traceback, its end says why."""
     return (str(error).strip().splitlines() or [type(error).__name__])[-1]

@@ -37,6 +37,7 @@ from harness.errors import UserError
 from harness.methods import method_names
 from harness.methods.base import Method, build_method, get_method, is_target, numel
 from harness.methods.resolve import load_run
+from harness.methods.widths import widths
 from harness.models import PRESETS, check_preset
 
 
@@ -207,7 +208,8 @@ def step_work(run: Any) -> tuple[float, int, float]:
     seconds on DEVICE under the cost model (the module's docstring)."""
     seq_len, layers = run.task.seq_len, PRESETS[run.model].layers
     shapes = _shapes(run.model, vocab_size(run.task.tokenizer), seq_len)
-    method = build_method(run, Steps.of(run.train, seq_len))
+    steps = Steps.of(run.train, seq_len)  # one process: the plan is for one device
+    method = build_method(run, steps)
     flops = forward_flops(shapes, method, seq_len)
     layer = flops["attention"] + flops["mlp"]
     forward = layer * layers + flops["head"]
@@ -220,15 +222,14 @@ def step_work(run: Any) -> tuple[float, int, float]:
         kept = run.model_copy(update={"memory": run.memory.model_copy(update={"offload": "none"})})
         moved = (activations(kept, shapes, method, "cuda").start
                  - activations(run, shapes, method, "cuda").start)
-        transfers += 2 * moved * run.train.accumulation
+        transfers += 2 * moved * steps.accumulation
     if run.memory.optimizer_offload == "host":  # gradients down, weights back up
-        transfers += 2 * trained_numel(shapes, method) * (
-            2 if run.train.precision == "bf16-true" else 4)
-    tokens = run.train.batch_size * run.train.accumulation * seq_len
+        w = widths(run)
+        transfers += trained_numel(shapes, method) * (w.grad + w.weight)
     rate = DEVICE.fp32_flops if run.train.precision == "32-true" else DEVICE.bf16_flops
-    seconds = (tokens * (forward * (1 + extra_forwards) + backward) / rate
+    seconds = (steps.tokens * (forward * (1 + extra_forwards) + backward) / rate
                + transfers / DEVICE.host_bytes_s
-               + run.train.accumulation * layers * DEVICE.launch_s)
+               + steps.accumulation * layers * DEVICE.launch_s)
     return extra_forwards, transfers, seconds
 
 

@@ -15,7 +15,7 @@ from torch.profiler._memory_profiler import Action
 
 from harness.cost.profile import SKIPPED, profiler
 from harness.distributed import say
-from harness.errors import first_line
+from harness.errors import brief
 
 PEAK = "peak_memory_bytes"
 
@@ -62,7 +62,7 @@ def tracked(trainer: Trainer, enabled: bool = True) -> Iterator[None]:
         except Exception as e:  # torch's timeline analysis asserts on some graphs (seen under
             # DDP with layer-wise hooks): a measurement must never end the trial it measures
             say(f"peak of live tensors not recorded: torch's memory timeline failed "
-                f"({first_line(e)[:160]}); the summary keeps peak_rss_bytes")
+                f"({brief(e)}); the summary keeps peak_rss_bytes")
         finally:
             trainer.meter.resume()
 

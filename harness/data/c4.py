@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from harness.config import TaskConfig
-from harness.errors import UserError, first_line
+from harness.errors import UserError, brief
 
 SAMPLE = Path(__file__).parent / "sample"
 TOKENIZE_CHUNK = 64  # documents tokenized per call: the fast tokenizer batches in Rust
@@ -36,7 +36,7 @@ def load_tokenizer(name: str) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(source)
     except Exception as e:  # hub, network and file errors all mean "not loadable here"
-        reason = first_line(e)[:160]
+        reason = brief(e)
         raise UserError(
             f"task.tokenizer: cannot load '{name}' from a local folder or the Hugging Face hub "
             f"({reason}); set task.tokenizer to a folder holding tokenizer.json, or 'sample'"
@@ -87,7 +87,7 @@ def open_documents(task: TaskConfig, split: str) -> Any:
     try:
         return load_dataset(streaming=True, **args).select_columns(["text"])
     except Exception as e:  # unreachable hub, bad files: the user must point at local data
-        reason = first_line(e)[:160]
+        reason = brief(e)
         raise UserError(
             f"task.dataset: cannot open '{task.dataset}' {split} split ({reason}); for local C4 "
             "set task.dataset to the folder of c4-train.*.json.gz shards, or use 'sample'"

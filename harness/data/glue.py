@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from harness.data.c4 import SAMPLE
-from harness.errors import UserError, first_line
+from harness.errors import UserError, brief
 
 HUB = "nyu-mll/glue"
 FORMATS = {".tsv": "csv", ".csv": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -87,7 +87,7 @@ def load_split(task: GlueTask, source: str, split: str) -> Any:
         try:
             data = load_dataset(HUB, task.name, split=split)
         except Exception as e:  # no network, unknown split: the user must point at local files
-            reason = first_line(e)[:160]
+            reason = brief(e)
             raise UserError(f"task.dataset: cannot load {HUB}/{task.name} {split} ({reason}); "
                             "set task.dataset to a folder of GLUE-schema files") from None
     else:

@@ -13,7 +13,7 @@ from torch import nn
 from harness import distributed
 from harness.config import ModelFrom, RunConfig, read_yaml
 from harness.data.c4 import load_tokenizer
-from harness.errors import UserError, first_line
+from harness.errors import UserError, brief
 from harness.methods import build_method
 from harness.methods.resolve import load_run
 from harness.models import PRESETS, build_model, llama_config
@@ -51,7 +51,7 @@ def pretrained(name: str, num_labels: int, dropout: float | None) -> tuple[nn.Mo
         model = AutoModelForSequenceClassification.from_pretrained(
             name, num_labels=num_labels, **extra)
     except (OSError, ValueError) as e:
-        reason = first_line(e)[:160]
+        reason = brief(e)
         raise UserError(f"model: cannot load '{name}' ({reason}); give a preset, a local "
                         "model folder, a reachable hub name, or {from: runs/<sweep>}") from None
     return model, tok
