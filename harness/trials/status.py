@@ -17,6 +17,7 @@ class Status(str, Enum):
     FAILED = "failed"
     OOM = "oom"
     NAN = "nan"  # a non-finite loss
+    KILLED = "killed"  # its process was killed (SIGKILL: the kernel's OOM killer, an admin)
     PRUNED = "pruned"  # stopped early by the Optuna study
 
     def __str__(self) -> str:
@@ -27,5 +28,5 @@ class Status(str, Enum):
 
 
 # A trial that will not run again unless asked; of those, the ones `--retry-failed` re-runs.
-FINISHED = (Status.OK, Status.NAN, Status.OOM, Status.FAILED, Status.PRUNED)
-FAILED = (Status.FAILED, Status.OOM, Status.NAN)
+FINISHED = (Status.OK, Status.NAN, Status.OOM, Status.KILLED, Status.FAILED, Status.PRUNED)
+FAILED = (Status.FAILED, Status.OOM, Status.NAN, Status.KILLED)
