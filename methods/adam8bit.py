@@ -8,15 +8,16 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import Field
 
+from harness.methods.adam_kernel import BLOCK, QMAP
 from harness.methods.base import Groups, MemoryEstimate, Method, Shapes, grad_bytes, numel, register
 from harness.methods.full import AdamConfig
+from harness.methods.galore_optim import GaLoreOptimizer
 from harness.methods.widths import widths
+from harness.modifiers.compensation import own_optimizer_kwargs
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
 
-BLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states
-QMAP = 256  # entries in each state's float32 quantization map
 
 
 def adam8bit_state_bytes(n: int, min_8bit_size: int) -> int:
@@ -37,30 +38,19 @@ class Adam8bit(Method):
     Config = Adam8bitConfig
 
     def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+        """bitsandbytes' AdamW8bit, which rounds its bf16-true update to nearest and keeps small
+        tensors' states in float32; any other bf16-true setting runs the same 8-bit blockwise
+        kernel in GaLore's optimizer (no projection), which honours both keys."""
+        c, t = self.config, run.train
+        if t.precision == "bf16-true" and (t.state_dtype, t.update_compensation) != (
+                "float32", "none"):
+            return GaLoreOptimizer(groups, lr=t.lr, betas=c.betas, eps=c.eps, inner="adam8bit",
+                                   min_8bit_size=c.min_8bit_size, **own_optimizer_kwargs(t))
         import bitsandbytes as bnb
 
         paged = run.memory.optimizer_offload == "paged"
         return (bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit)(
-            groups,
-            lr=run.train.lr,
-            betas=self.config.betas,
-            eps=self.config.eps,
-            min_8bit_size=self.config.min_8bit_size,
-        )
-
-    def refusal(self, run: RunConfig) -> str | None:
-        t = run.train
-        if t.precision != "bf16-true":
-            return None
-        if t.update_compensation != "none":
-            return ("bitsandbytes' AdamW8bit adds its update to a bf16 weight inside its kernel, "
-                    "rounded to nearest (torchao's AdamW8bit(bf16_stochastic_round=True) runs on "
-                    "CPU but compiles per parameter shape, ~9 s each, and has no Kahan form): "
-                    "use train.update_compensation: none")
-        if t.state_dtype != "float32":
-            return ("bitsandbytes keeps the 32-bit states (tensors under min_8bit_size) in "
-                    "float32: use train.state_dtype: float32")
-        return None
+            groups, lr=t.lr, betas=c.betas, eps=c.eps, min_8bit_size=c.min_8bit_size)
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         sizes, w = [numel(s) for s in shapes.values()], widths(run)

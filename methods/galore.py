@@ -28,8 +28,10 @@ from harness.methods.base import (
     tensor_bytes,
 )
 from harness.methods.full import AdamConfig
-from harness.methods.galore_optim import BASIS_KEYS, GaLoreOptimizer, lowrank_shape, side_of
+from harness.methods.galore_optim import BASIS_KEYS, GaLoreOptimizer
+from harness.methods.projection import lowrank_shape, side_of
 from harness.methods.widths import widths
+from harness.modifiers.compensation import own_optimizer_kwargs
 from harness.modifiers.optimizer import unwrap
 
 if TYPE_CHECKING:
@@ -90,19 +92,12 @@ class GaLore(Method):
             groups, lr=run.train.lr, betas=c.betas, eps=c.eps, inner=c.optimizer,
             proj_type=c.proj_type, update_proj_gap=c.update_proj_gap, scale=c.scale,
             moments=c.moments, svd=c.svd, min_8bit_size=c.min_8bit_size,
-            adafactor_beta1=c.adafactor_beta1)
+            adafactor_beta1=c.adafactor_beta1, **own_optimizer_kwargs(run.train))
 
     def refusal(self, run: RunConfig) -> str | None:
         if run.memory.optimizer_offload == "paged":
             return ("its low-rank moments are its own tensors, not a bitsandbytes optimizer's, "
                     "so they cannot be paged; use memory.optimizer_offload: host")
-        t = run.train
-        if t.precision == "bf16-true" and (t.state_dtype, t.update_compensation) != (
-                "bfloat16", "none"):
-            return ("under bf16-true its moments follow the weights' dtype and its update is "
-                    "added inside the projection's matmul, rounded to nearest, as in the "
-                    "reference code: set train.state_dtype: bfloat16 and "
-                    "train.update_compensation: none")
         return None
 
     def on_step(self, step: int, model: nn.Module,

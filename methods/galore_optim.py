@@ -12,174 +12,36 @@ fails or returns non-finite values is retried in float64 and otherwise the previ
 8-bit inner optimizer runs on CPU; state_dict carries bases and counters for exact resume.
 Layer-wise under gradient accumulation, `fold` keeps ΣR instead of ΣG between micro-batches
 (projection is linear), except on the steps that refresh the basis (docs/methods.md#galore).
+Under bf16-true with float32 states or an update compensation, the moments run in `state_dtype`
+and each update comes back in float32 to be added by modifiers/compensation.add_update (one
+full-size temporary per weight); with bfloat16 states and `none`, the fused path above is the
+reference code's arithmetic.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim.adamw import adamw as fused_adamw
 
 from harness.methods.adafactor import adafactor
-from harness.methods.adam8bit import BLOCK
+from harness.methods.adam_kernel import BLOCK, AdamKernel
+from harness.methods.projection import (
+    back_projected,
+    compute_basis,
+    project,
+    project_back_,
+    rotate,
+    side_of,
+    square,
+)
+from harness.modifiers.compensation import add_update, restore_dtypes
 
 BASIS_KEYS = ("left", "right")  # projection matrices: extra bytes, not optimizer state
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col",
                "state1", "state2", "absmax1", "absmax2")
-OVERSAMPLE, POWER_ITERS = 8, 2  # randomized SVD (Halko et al., 2011)
-
-
-def side_of(shape: tuple[int, ...], proj_type: str, rank: int) -> str:
-    """Which side is projected. A rank ≥ min(m, n) saves no memory, and rotating a full basis
-    would only make Adam's elementwise normalization basis-dependent: such weights are updated
-    unprojected ("none"), exactly as plain AdamW with the update scaled by α."""
-    m, n = shape
-    if rank >= min(m, n):
-        return "none"
-    if proj_type == "std":  # the smaller side, as the reference (square: right)
-        return "left" if m < n else "right"
-    if proj_type == "reverse_std":
-        return "right" if m < n else "left"
-    return proj_type
-
-
-def lowrank_shape(shape: tuple[int, ...], side: str, rank: int) -> tuple[int, int]:
-    m, n = shape
-    return {"none": (m, n), "left": (rank, n), "right": (m, rank), "full": (rank, rank)}[side]
-
-
-def _svd(a: Tensor, rank: int, randomized: bool, seed: int) -> tuple[Tensor, Tensor]:
-    """U[:, :rank] and Vh[:rank]. The randomized range finder draws from its own seeded
-    generator, so it never moves the trainer's RNG and a resumed run draws the same numbers."""
-    if not randomized:
-        u, _, vh = torch.linalg.svd(a, full_matrices=False)
-        return u[:, :rank], vh[:rank]
-    gen = torch.Generator(a.device).manual_seed(seed)
-    q = min(rank + OVERSAMPLE, *a.shape)
-    y = a @ torch.randn(a.shape[1], q, generator=gen, device=a.device, dtype=a.dtype)
-    for _ in range(POWER_ITERS):
-        y = a @ torch.linalg.qr(a.T @ torch.linalg.qr(y).Q).Q
-    q_basis = torch.linalg.qr(y).Q
-    u, _, vh = torch.linalg.svd(q_basis.T @ a, full_matrices=False)
-    return (q_basis @ u)[:, :rank], vh[:rank]
-
-
-def compute_basis(grad: Tensor, side: str, rank: int, randomized: bool, seed: int,
-                  dtype: torch.dtype) -> dict[str, Tensor] | None:
-    """The new basis for `side`, computed in `dtype`; None when the SVD raises."""
-    try:
-        u, vh = _svd(grad.to(dtype), rank, randomized, seed)
-    except RuntimeError:  # torch.linalg.LinAlgError: no convergence, non-finite input
-        return None
-    out = {}
-    if side in ("left", "full"):
-        out["left"] = u.to(grad.dtype).contiguous()
-    if side in ("right", "full"):
-        out["right"] = vh.to(grad.dtype).contiguous()
-    return out
-
-
-def project(grad: Tensor, st: dict[str, Any], side: str) -> Tensor:
-    if side == "left":
-        return st["left"].T @ grad
-    if side == "right":
-        return grad @ st["right"].T
-    if side == "full":
-        return st["left"].T @ grad @ st["right"].T
-    return grad
-
-
-def project_back_(param: Tensor, update: Tensor, st: dict[str, Any], side: str,
-                  alpha: float) -> None:
-    """param += alpha · (update brought back to full size), fused into one matmul."""
-    if side == "left":
-        param.addmm_(st["left"], update, alpha=alpha)
-    elif side == "right":
-        param.addmm_(update, st["right"], alpha=alpha)
-    elif side == "full":
-        param.addmm_(st["left"] @ update, st["right"], alpha=alpha)
-    else:
-        param.add_(update, alpha=alpha)
-
-
-def rotate(x: Tensor, left: Tensor | None, right: Tensor | None) -> Tensor:
-    """Coordinates in the old basis → the new: C_L · x · C_Rᵀ."""
-    if left is not None:
-        x = left @ x
-    if right is not None:
-        x = x @ right.T
-    return x
-
-
-def _square(c: Tensor | None) -> Tensor | None:
-    return None if c is None else c * c
-
-
-def _step_tensors(steps: list[int], device: torch.device) -> list[Tensor]:
-    """The fused kernel's step counters, made on the device without a host-to-device copy."""
-    if len(set(steps)) == 1:
-        return list(torch.full((len(steps),), float(steps[0]), device=device).unbind())
-    return [torch.full((), float(s), device=device) for s in steps]
-
-
-class AdamKernel:
-    """AdamW on lists of tensors: torch's fused kernel, or bitsandbytes' 8-bit blockwise one for
-    states of at least `min_8bit_size` elements. GaLore and Q-GaLore run their low-rank moments
-    through it."""
-
-    def __init__(self, eight_bit: bool, min_8bit_size: int) -> None:
-        self.eight_bit, self.min_8bit_size = eight_bit, min_8bit_size
-        self._qmaps: dict[torch.device, tuple[Tensor, Tensor]] = {}
-
-    def __call__(self, group: dict[str, Any], targets: list[Tensor], grads: list[Tensor],
-              states: list[dict[str, Any]], lr: float, wd: float) -> None:
-        """AdamW on `targets`; 8-bit blockwise states for the large ones when asked."""
-        fused: list[int] = []
-        for i, (g, st) in enumerate(zip(grads, states, strict=True)):
-            if self.eight_bit and g.numel() >= self.min_8bit_size:
-                self._adam8bit(group, targets[i], g, st, lr, wd)
-                continue
-            if "exp_avg" not in st:
-                st.update(step=0, exp_avg=torch.zeros_like(g), exp_avg_sq=torch.zeros_like(g))
-            fused.append(i)
-        if not fused:
-            return
-        b1, b2 = group["betas"]
-        sts = [states[i] for i in fused]
-        fused_adamw([targets[i] for i in fused], [grads[i] for i in fused],
-                    [st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts], [],
-                    _step_tensors([st["step"] for st in sts], sts[0]["exp_avg"].device), fused=True,
-                    amsgrad=False, beta1=b1, beta2=b2, lr=lr, weight_decay=wd,
-                    eps=group["eps"], maximize=False)
-        for st in sts:
-            st["step"] += 1
-
-    def _adam8bit(self, group: dict[str, Any], target: Tensor, grad: Tensor,
-                  st: dict[str, Any], lr: float, wd: float) -> None:
-        """bitsandbytes' blockwise 8-bit Adam update (it has CPU and CUDA kernels)."""
-        import bitsandbytes.functional as bnbf
-
-        if "state1" not in st:
-            if grad.device not in self._qmaps:
-                self._qmaps[grad.device] = tuple(  # type: ignore[assignment]
-                    bnbf.create_dynamic_map(signed=s).to(grad.device) for s in (True, False))
-            blocks = math.ceil(grad.numel() / BLOCK)
-            q1, q2 = self._qmaps[grad.device]
-            st.update(step=0, qmap1=q1, qmap2=q2,
-                      state1=torch.zeros_like(grad, dtype=torch.uint8),
-                      state2=torch.zeros_like(grad, dtype=torch.uint8),
-                      absmax1=torch.zeros(blocks, device=grad.device),
-                      absmax2=torch.zeros(blocks, device=grad.device))
-        st["step"] += 1
-        b1, b2 = group["betas"]
-        bnbf.optimizer_update_8bit_blockwise(
-            "adam", grad, target, st["state1"], st["state2"], b1, b2, 0.0, 0.0, group["eps"],
-            st["step"], lr, st["qmap1"], st["qmap2"], st["absmax1"], st["absmax2"],
-            weight_decay=wd)
 
 
 class GaLoreOptimizer(torch.optim.Optimizer):
@@ -190,7 +52,8 @@ class GaLoreOptimizer(torch.optim.Optimizer):
                  weight_decay: float = 0.0, inner: str = "adamw",
                  proj_type: str = "std", update_proj_gap: int = 200, scale: float = 0.25,
                  moments: str = "keep", svd: str = "exact", min_8bit_size: int = 4096,
-                 adafactor_beta1: float | None = None) -> None:
+                 adafactor_beta1: float | None = None, state_dtype: torch.dtype | None = None,
+                 compensation: str = "none") -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                     "rank": None, "proj_type": proj_type, "update_proj_gap": update_proj_gap,
                     "scale": scale, "moments": moments, "svd": svd}
@@ -200,6 +63,9 @@ class GaLoreOptimizer(torch.optim.Optimizer):
         self.svd_retries = 0  # float32 failed, float64 worked
         self.svd_failures = 0  # both failed: the previous basis was kept
         self.adam = AdamKernel(inner == "adam8bit", min_8bit_size)
+        # state_dtype: the moments' dtype when it is not the gradients' (None: theirs)
+        self.state_dtype, self.compensation = state_dtype, compensation
+        self.exact = state_dtype is not None or compensation != "none"
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -245,14 +111,36 @@ class GaLoreOptimizer(torch.optim.Optimizer):
     def _plain_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         lr, wd = group["lr"], group["weight_decay"]
         states = [self.state[p] for p in params]
-        grads = [p.grad for p in params]
+        grads, sides = self._inner_grads([p.grad for p in params]), ["none"] * len(params)
         if self.inner == "adafactor":
             updates = adafactor(group["lr"], self.beta1, states, grads)
+            self._apply(group, params, updates, states, sides, -1.0)
+        elif self.exact:  # Adam leaves -N in a zeroed scratch tensor: lr 1, no decay there
+            updates = [torch.zeros_like(g) for g in grads]
+            self.adam(group, updates, grads, states, 1.0, 0.0)
+            self._apply(group, params, updates, states, sides, lr)
+        else:
+            self.adam(group, params, grads, states, lr, wd)
+
+    def _inner_grads(self, grads: list[Tensor]) -> list[Tensor]:
+        """What the inner optimizer sees, in the moments' dtype."""
+        return grads if self.state_dtype is None else [g.to(self.state_dtype) for g in grads]
+
+    def _apply(self, group: dict[str, Any], params: list[Tensor], updates: list[Tensor],
+               states: list[dict[str, Any]], sides: list[str], alpha: float) -> None:
+        """W ← W - lr·wd·W + alpha·(update brought back); decoupled decay on the full weight."""
+        lr, wd = group["lr"], group["weight_decay"]
+        if not self.exact:  # in place, in the weights' dtype: no full-size temporaries
             if wd:
                 torch._foreach_mul_(params, 1 - lr * wd)
-            torch._foreach_sub_(params, updates)
+            for p, u, st, side in zip(params, updates, states, sides, strict=True):
+                project_back_(p, u, st, side, alpha)
             return
-        self.adam(group, params, grads, states, lr, wd)
+        for p, u, st, side in zip(params, updates, states, sides, strict=True):
+            full = back_projected(u, st, side).mul_(alpha)
+            if wd:
+                full.add_(p, alpha=-lr * wd)
+            add_update(p, full, self.compensation, st)
 
     # -- projected parameters -------------------------------------------------------------
     def _galore_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
@@ -269,17 +157,16 @@ class GaLoreOptimizer(torch.optim.Optimizer):
         live = [i for i, st in enumerate(states) if sides[i] == "none" or _has_basis(st)]
         params = [params[i] for i in live]  # a weight whose first SVD failed waits a step
         states, sides = [states[i] for i in live], [sides[i] for i in live]
-        grads = [_low_rank(p, st, s) for p, st, s in zip(params, states, sides, strict=True)]
-        lr, wd, scale = group["lr"], group["weight_decay"], group["scale"]
+        grads = self._inner_grads(
+            [_low_rank(p, st, s) for p, st, s in zip(params, states, sides, strict=True)])
+        lr, scale = group["lr"], group["scale"]
         if self.inner == "adafactor":
             updates, alpha = adafactor(group["lr"], self.beta1, states, grads), -scale
         else:  # Adam leaves -N in a zeroed scratch tensor: lr 1, no decay there
             updates, alpha = [torch.zeros_like(g) for g in grads], lr * scale
             self.adam(group, updates, grads, states, 1.0, 0.0)
-        if wd:  # decoupled, on the full weight
-            torch._foreach_mul_(params, 1 - lr * wd)
-        for p, u, st, side in zip(params, updates, states, sides, strict=True):
-            project_back_(p, u, st, side, alpha)
+        self._apply(group, params, updates, states, sides, alpha)
+        for st in states:
             st["proj_step"] += 1
 
     def _refresh(self, group: dict[str, Any], params: list[Tensor],
@@ -323,7 +210,7 @@ class GaLoreOptimizer(torch.optim.Optimizer):
         """First moment: M ← C_L M C_Rᵀ. Second moment: V ← (C_L∘C_L) V (C_R∘C_R)ᵀ, the
         expectation of the rotated squares when coordinates are uncorrelated (as they are in
         the SVD basis the old moments were measured in); nonnegative by construction."""
-        sl, sr = _square(cl), _square(cr)
+        sl, sr = square(cl), square(cr)
         if "exp_avg" in st:
             st["exp_avg"].copy_(rotate(st["exp_avg"], cl, cr))
         if "exp_avg_sq" in st:
@@ -352,16 +239,9 @@ class GaLoreOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch casts every state tensor to its parameter's dtype: 8-bit states get theirs back."""
-        dtypes = {i: {k: v.dtype for k, v in s.items() if isinstance(v, Tensor)}
-                  for i, s in state_dict["state"].items()}
-        super().load_state_dict(state_dict)
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in zip(ids, params, strict=True):
-            st = self.state[p]
-            for k, dtype in dtypes.get(i, {}).items():
-                st[k] = st[k].to(dtype)
+        """torch casts every state tensor to its parameter's dtype: 8-bit states and float32
+        moments of bf16 weights come back as saved."""
+        restore_dtypes(self, super().load_state_dict, state_dict)
         counts = state_dict.get("svd_counts", {})
         self.svd_retries = counts.get("retries", 0)
         self.svd_failures = counts.get("failures", 0)

@@ -40,7 +40,8 @@ from harness.methods.base import (
     tensor_bytes,
 )
 from harness.methods.galore import GaLore, ProjectionConfig, basis_numel, state_bytes
-from harness.methods.galore_optim import BASIS_KEYS, lowrank_shape, side_of
+from harness.methods.galore_optim import BASIS_KEYS
+from harness.methods.projection import lowrank_shape, side_of
 from harness.methods.qgalore_optim import (
     QGaLoreOptimizer,
     QGaLoreSimOptimizer,
@@ -54,6 +55,7 @@ from harness.methods.quant import (
     quantize_int8,
 )
 from harness.methods.widths import widths
+from harness.modifiers.compensation import own_optimizer_kwargs
 from harness.modifiers.optimizer import unwrap
 
 if TYPE_CHECKING:
@@ -111,7 +113,7 @@ class QGaLore(GaLore):
     def common(self, run: RunConfig) -> dict[str, Any]:
         c = self.config
         return {"lr": run.train.lr, "betas": c.betas, "eps": c.eps, "inner": c.optimizer,
-                "min_8bit_size": c.min_8bit_size,
+                "min_8bit_size": c.min_8bit_size, **own_optimizer_kwargs(run.train),
                 "lazy": {"base_gap": c.update_proj_gap, "queue_size": c.queue_size,
                          "threshold": c.threshold, "gamma": c.gamma}}
 

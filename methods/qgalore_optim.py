@@ -30,14 +30,9 @@ import torch
 from torch import Tensor, nn
 
 from harness import distributed
-from harness.methods.galore_optim import (
-    AdamKernel,
-    GaLoreOptimizer,
-    compute_basis,
-    project,
-    project_back_,
-    side_of,
-)
+from harness.methods.adam_kernel import AdamKernel
+from harness.methods.galore_optim import GaLoreOptimizer
+from harness.methods.projection import compute_basis, project, project_back_, side_of
 from harness.methods.quant import (
     Int8Linear,
     LazyGap,
@@ -84,16 +79,19 @@ class QGaLoreOptimizer(LayerwiseOptimizer):
     def __init__(self, layers: list[Int8Linear], params: list[nn.Parameter], *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, inner: str,
                  min_8bit_size: int, rank: int, proj_type: str, scale: float, proj_group: int,
-                 lazy: dict[str, Any], clip: float | None, seed: int) -> None:
+                 lazy: dict[str, Any], clip: float | None, seed: int,
+                 state_dtype: torch.dtype | None = None, compensation: str = "none") -> None:
         def make(p: nn.Parameter) -> GaLoreOptimizer:  # decay on matrices only
             decay = weight_decay if p.dim() >= 2 else 0.0
             return GaLoreOptimizer([{"params": [p], "weight_decay": decay}], lr=lr, betas=betas,
-                                   eps=eps, inner=inner, min_8bit_size=min_8bit_size)
+                                   eps=eps, inner=inner, min_8bit_size=min_8bit_size,
+                                   state_dtype=state_dtype, compensation=compensation)
 
         super().__init__(params, make, clip)
         self.group: dict[str, Any] = {"params": [], "lr": lr, "betas": betas, "eps": eps,
                                       "weight_decay": weight_decay, "rank": rank, "scale": scale}
         self.adam = AdamKernel(inner == "adam8bit", min_8bit_size)  # the low-rank moments' update
+        self.state_dtype = state_dtype  # INT8 codes take stochastic rounding, never `compensation`
         self.layers, self.proj_group, self.base_gap = layers, proj_group, lazy["base_gap"]
         self.sides = {m: side_of((m.out_features, m.in_features), proj_type, rank)
                       for m in layers}
@@ -145,6 +143,8 @@ class QGaLoreOptimizer(LayerwiseOptimizer):
                 return  # the first SVD failed: this layer waits for the next step
         basis = self.dequantized_basis(m)
         low = project(g, basis, side) if full else g
+        if self.state_dtype is not None:
+            low = low.to(self.state_dtype)
         if self.clip:
             low.mul_((self.clip / (low.norm() + 1e-6)).clamp(max=1.0))
         scratch = torch.zeros_like(low)  # Adam with lr 1 and no decay leaves -N here

@@ -246,6 +246,7 @@ class _Int8Matmul(torch.autograd.Function):
 class Int8Linear(nn.Module):
     """nn.Linear with an INT8 weight: see the module docstring for the fused-update design."""
 
+    FLOAT32_BUFFERS = ("scale",)  # bf16-true keeps it: apply_update recomputes it in float32
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor

@@ -1,5 +1,5 @@
 """bf16-true: how an optimizer's update is added to a bfloat16 weight, for every optimizer of the
-harness that computes its update itself (the AdamW below, GaLore's and Q-GaLore's).
+harness that computes its update itself (the AdamW below, GaLore's and those built on it).
 
 bfloat16 keeps 8 significant bits: an update smaller than half a unit in the last place of the
 weight is lost when the sum is rounded to nearest (`none`, what the GaLore and Q-GaLore
@@ -103,11 +103,21 @@ class AdamW(torch.optim.Optimizer):
         denom = v.div(1 - b2 ** st["step"]).sqrt_().add_(group["eps"])
         update = m.div(denom).mul_(-lr / (1 - b1 ** st["step"]))
         if wd:
-            update.add_(p.float(), alpha=-lr * wd)
+            update.add_(p, alpha=-lr * wd)
         add_update(p, update, self.compensation, st)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         restore_dtypes(self, super().load_state_dict, state_dict)
+
+
+def own_optimizer_kwargs(train: Any) -> dict[str, Any]:
+    """`state_dtype` and `compensation` for the harness's own optimizers (GaLore's and those
+    built on it): bf16-true only; state_dtype None where the moments follow the bf16 weights."""
+    if train.precision != "bf16-true":
+        return {}
+    dtype = STATE_DTYPES[train.state_dtype]
+    return {"state_dtype": None if dtype == torch.bfloat16 else dtype,
+            "compensation": train.update_compensation}
 
 
 def pure_adamw(groups: list[dict[str, Any]], train: Any, betas: tuple[float, float],

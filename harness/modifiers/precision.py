@@ -17,10 +17,19 @@ DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 def pure_bf16(model: nn.Module, train: TrainConfig) -> nn.Module:
     """bf16-true: every floating parameter and buffer in bfloat16, norms and embeddings too (as
     the GaLore and Q-GaLore reference scripts do), so gradients and activations are bfloat16
-    and no float32 copy exists; integer tensors (INT8 and NF4 codes) stay as they are. The
-    trainer calls it before the method prepares the model and again after (adapters, factors).
+    and no float32 copy exists; integer tensors (INT8 and NF4 codes) stay as they are, and so
+    do the buffers a module names in `FLOAT32_BUFFERS` (quantization scales, which its updates
+    recompute in float32: cast once, a checkpoint would not load back bitwise). The trainer
+    calls it before the method prepares the model and again after (adapters, factors).
     Other precisions: the model unchanged."""
-    return model.to(torch.bfloat16) if train.precision == "bf16-true" else model
+    if train.precision != "bf16-true":
+        return model
+    kept = [(m, name, getattr(m, name)) for m in model.modules()
+            for name in getattr(m, "FLOAT32_BUFFERS", ())]
+    model.to(torch.bfloat16)
+    for m, name, value in kept:
+        setattr(m, name, value)
+    return model
 
 
 class Precision:

@@ -1,0 +1,111 @@
+"""The projection maths GaLore and Q-GaLore share: which side of a weight is projected, its
+basis by (randomized) SVD, a gradient brought into the subspace and an update brought back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+OVERSAMPLE, POWER_ITERS = 8, 2  # randomized SVD (Halko et al., 2011)
+
+
+def side_of(shape: tuple[int, ...], proj_type: str, rank: int) -> str:
+    """Which side is projected. A rank ≥ min(m, n) saves no memory, and rotating a full basis
+    would only make Adam's elementwise normalization basis-dependent: such weights are updated
+    unprojected ("none"), exactly as plain AdamW with the update scaled by α."""
+    m, n = shape
+    if rank >= min(m, n):
+        return "none"
+    if proj_type == "std":  # the smaller side, as the reference (square: right)
+        return "left" if m < n else "right"
+    if proj_type == "reverse_std":
+        return "right" if m < n else "left"
+    return proj_type
+
+
+def lowrank_shape(shape: tuple[int, ...], side: str, rank: int) -> tuple[int, int]:
+    m, n = shape
+    return {"none": (m, n), "left": (rank, n), "right": (m, rank), "full": (rank, rank)}[side]
+
+
+def _svd(a: Tensor, rank: int, randomized: bool, seed: int) -> tuple[Tensor, Tensor]:
+    """U[:, :rank] and Vh[:rank]. The randomized range finder draws from its own seeded
+    generator, so it never moves the trainer's RNG and a resumed run draws the same numbers."""
+    if not randomized:
+        u, _, vh = torch.linalg.svd(a, full_matrices=False)
+        return u[:, :rank], vh[:rank]
+    gen = torch.Generator(a.device).manual_seed(seed)
+    q = min(rank + OVERSAMPLE, *a.shape)
+    y = a @ torch.randn(a.shape[1], q, generator=gen, device=a.device, dtype=a.dtype)
+    for _ in range(POWER_ITERS):
+        y = a @ torch.linalg.qr(a.T @ torch.linalg.qr(y).Q).Q
+    q_basis = torch.linalg.qr(y).Q
+    u, _, vh = torch.linalg.svd(q_basis.T @ a, full_matrices=False)
+    return (q_basis @ u)[:, :rank], vh[:rank]
+
+
+def compute_basis(grad: Tensor, side: str, rank: int, randomized: bool, seed: int,
+                  dtype: torch.dtype) -> dict[str, Tensor] | None:
+    """The new basis for `side`, computed in `dtype`; None when the SVD raises."""
+    try:
+        u, vh = _svd(grad.to(dtype), rank, randomized, seed)
+    except RuntimeError:  # torch.linalg.LinAlgError: no convergence, non-finite input
+        return None
+    out = {}
+    if side in ("left", "full"):
+        out["left"] = u.to(grad.dtype).contiguous()
+    if side in ("right", "full"):
+        out["right"] = vh.to(grad.dtype).contiguous()
+    return out
+
+
+def project(grad: Tensor, st: dict[str, Any], side: str) -> Tensor:
+    if side == "left":
+        return st["left"].T @ grad
+    if side == "right":
+        return grad @ st["right"].T
+    if side == "full":
+        return st["left"].T @ grad @ st["right"].T
+    return grad
+
+
+def project_back_(param: Tensor, update: Tensor, st: dict[str, Any], side: str,
+                  alpha: float) -> None:
+    """param += alpha · (update brought back to full size), fused into one matmul."""
+    if side == "left":
+        param.addmm_(st["left"], update, alpha=alpha)
+    elif side == "right":
+        param.addmm_(update, st["right"], alpha=alpha)
+    elif side == "full":
+        param.addmm_(st["left"] @ update, st["right"], alpha=alpha)
+    else:
+        param.add_(update, alpha=alpha)
+
+
+def back_projected(update: Tensor, st: dict[str, Any], side: str) -> Tensor:
+    """The update brought back to full size in float32, a new tensor: what `add_update` adds
+    when a bf16 weight's sum must be rounded with care."""
+    u = update.float()
+    left, right = (st[k].float() if k in st else None for k in ("left", "right"))
+    if side == "left":
+        return left @ u
+    if side == "right":
+        return u @ right
+    if side == "full":
+        return left @ u @ right
+    return u.clone()
+
+
+def rotate(x: Tensor, left: Tensor | None, right: Tensor | None) -> Tensor:
+    """Coordinates in the old basis → the new: C_L · x · C_Rᵀ."""
+    if left is not None:
+        x = left @ x
+    if right is not None:
+        x = x @ right.T
+    return x
+
+
+def square(c: Tensor | None) -> Tensor | None:
+    return None if c is None else c * c
