@@ -114,6 +114,10 @@ class TrainConfig(Strict):
     checkpoint_every: int = Field(
         0, ge=0, description="steps between checkpoints (0: only at the end)"
     )
+    keep_checkpoints: int = Field(
+        2, ge=1, description="checkpoints kept, newest first: one that does not load on "
+        "resume is skipped for the one before"
+    )
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainConfig:
@@ -127,7 +131,7 @@ class TrainConfig(Strict):
     @field_validator("precision", mode="before")
     @classmethod
     def _alias(cls, value: Any) -> Any:
-        return PRECISION_ALIASES.get(value, value)
+        return PRECISION_ALIASES.get(value, value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _pure_bf16_only(self) -> TrainConfig:
@@ -306,7 +310,8 @@ class RunConfig(Common):
     def identity(self) -> str:
         """Stable hash of everything that changes results (not the name, logging or provenance)."""
         data = self.model_dump(exclude={"name", "label", "provenance", "wandb"})
-        data["train"].pop("log_every")
+        for key in ("log_every", "keep_checkpoints"):  # bookkeeping: results are the same
+            data["train"].pop(key)
         # Hash what earlier versions wrote, so that their finished trials stay finished.
         legacy = {new: old for old, new in PRECISION_ALIASES.items()}
         data["train"]["precision"] = legacy.get(self.train.precision, self.train.precision)

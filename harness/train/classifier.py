@@ -4,10 +4,10 @@ classification head whose body comes from a harness pretraining checkpoint."""
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from harness import distributed
@@ -17,7 +17,7 @@ from harness.errors import UserError, brief
 from harness.methods import build_method
 from harness.methods.resolve import load_run
 from harness.models import PRESETS, build_model, llama_config
-from harness.trials import RunsDir, Status, TrialDir
+from harness.trials import CheckpointError, RunsDir, Status, TrialDir, checkpoints
 
 
 def build_classifier(run: RunConfig, num_labels: int) -> tuple[nn.Module, Any]:
@@ -87,13 +87,19 @@ def from_checkpoint(trial: Path, num_labels: int) -> tuple[nn.Module, Any]:
     a plain LLaMA (LoRA/ReLoRA adapters folded in), then its body under a new head."""
 
     source = load_run(read_yaml(TrialDir(trial).config))
-    checkpoint = TrialDir(trial).checkpoint
-    if not checkpoint.is_file():
+    try:  # the newest that loads: one that does not is named and skipped
+        found = checkpoints.load_newest(TrialDir(trial).checkpoints)
+    except CheckpointError as e:
+        raise UserError(f"model.from: {e}") from e
+    if found is None:
         raise UserError(f"model.from: {trial} has no checkpoint/state.pt (did it finish?)")
+    for path, why in found.skipped if distributed.is_main() else ():
+        print(f"warning: model.from: {path} does not load ({why}); using {found.path}",
+              file=sys.stderr, flush=True)
     tok = load_tokenizer(source.task.tokenizer)
     trained = build_model(source.model, len(tok), source.task.seq_len, tok.pad_token_id)
     trained = build_method(source).prepare(trained, source)
-    trained.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=False)["model"])
+    trained.load_state_dict(found.state["model"])
     if hasattr(trained, "merge_and_unload"):  # peft: W + s·B·A
         trained = trained.merge_and_unload()
     body = {k: v for k, v in trained.state_dict().items() if k.startswith("model.")}

@@ -24,7 +24,11 @@ EVENTS = ("update", "step", "step_end", "eval")
 
 
 class NonFinite(Exception):
-    """The loss became NaN or Inf: the trial ends with status `nan`."""
+    """The loss became NaN or Inf at `step`: the trial ends with status `nan` at that step."""
+
+    def __init__(self, value: float, step: int) -> None:
+        super().__init__(f"loss is {value} at step {step}")
+        self.step = step
 
 
 class Pruned(Exception):

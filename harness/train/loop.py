@@ -88,7 +88,7 @@ class Trainer:
         self.meter = meter.Meter(self.device)
         self.flops_per_token = meter.flops_per_token(self.model, run.task.seq_len)
         self.first_step = self.step
-        self.running = torch.zeros((), device=self.device)  # losses summed since the last log
+        self.window: list[torch.Tensor] = []  # this rank's step losses since the last log
         self.hooks = Hooks()
         self._register()
 
@@ -99,7 +99,7 @@ class Trainer:
             on("update", self._count_offloaded)
         on("update", self._method_step)
         on("update", self._count_costs)
-        on("update", self._sum_loss)
+        on("update", self._keep_loss)
         on("step_end", self._time)
         on("step_end", self._log)
         on("step_end", self._eval)
@@ -120,7 +120,8 @@ class Trainer:
         self.last_eval, self.costs, self.best = state["last_eval"], state["costs"], state["best"]
         self.precision.load_state_dict(state["precision"])
         self.rec.truncate_metrics(self.step)
-        distributed.say(f"resumed from {self.rec.ckpt_path} at step {self.step}")
+        self.rec.set_aside_skipped()  # newer ones that did not load: one line each
+        distributed.say(f"resumed from {self.rec.loaded} at step {self.step}")
 
     def _wrap(self) -> None:
         """`net` is what forward runs through: DDP, or the model itself (one process, or
@@ -200,8 +201,8 @@ class Trainer:
         if not self.costs:  # gradients and states exist now: count them once
             self.costs = meter.breakdown(self.method, self.model, self.optimizer)
 
-    def _sum_loss(self, step: Step) -> None:
-        self.running += step.loss  # for the next log line
+    def _keep_loss(self, step: Step) -> None:
+        self.window.append(step.loss)  # read at the next log line: no host sync before it
 
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
@@ -218,7 +219,7 @@ class Trainer:
         self.meter.resume()
         self.first_step = self.step
         self.first_step_at = time.time()  # `harness bench launch`: launch → training
-        self.running.zero_()
+        self.window = []
         try:
             while self.step < budget:
                 loss = self.train_step()
@@ -237,16 +238,19 @@ class Trainer:
             self.meter.lap(steady=step.last)
 
     def _log(self, step: Step) -> None:
-        """Every `log_every` steps and the last: the losses summed over ranks."""
+        """Every `log_every` steps and the last: the step's loss summed over ranks. A loss
+        that became NaN or Inf since the last line ends the trial at the step it happened."""
         if step.number % self.run.train.log_every and not step.last:
             return
-        loss, running = distributed.all_sum(torch.stack([step.loss, self.running]))
-        self.running.zero_()
+        losses = distributed.all_sum(torch.stack(self.window))  # each step's, over ranks
+        self.window = []
         seconds, tps = self.meter.lap()
         self._settle()
-        if not torch.isfinite(running):
-            raise NonFinite(f"loss is {float(running)} by step {self.step}")
-        lr, value = self.lr, float(loss)
+        bad = torch.nonzero(~torch.isfinite(losses))
+        if len(bad):
+            first = int(bad[0])
+            raise NonFinite(float(losses[first]), self.step - len(losses) + 1 + first)
+        lr, value = self.lr, float(losses[-1])
         self.rec.log(
             {
                 "kind": "train",

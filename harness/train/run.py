@@ -21,7 +21,7 @@ from harness.cost.tensor_peak import tracked
 from harness.errors import UserError, first_line
 from harness.train.loop import NonFinite, Prune, Pruned, Trainer
 from harness.train.prune import pruner_for
-from harness.trials import Records, Status, Summary
+from harness.trials import CheckpointError, Records, Status, Summary
 
 
 class _StopFlag:
@@ -43,8 +43,7 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
     (by default, the study of an Optuna sweep's trial)."""
     rec = distributed.main_only(Records(out, run))
     previous = rec.summary()
-    if previous and previous.status == Status.OK and rec.ckpt_path.exists():
-        rec.load_checkpoint()  # refuses a folder that holds another config's run
+    if previous and previous.status == Status.OK and _final_checkpoint_loads(rec, previous):
         print(f"{out}: already finished (status ok); nothing to do", flush=True)
         return previous.to_dict()
     out.mkdir(parents=True, exist_ok=True)
@@ -62,12 +61,18 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
             prune or pruner_for(out),  # an Optuna sweep's trial finds its study in `out`
         )
         summary["device"] = str(trainer.device)
+        # torch's intra-op pool, sized by its launcher from the allocation (OMP_NUM_THREADS)
+        summary["threads"] = torch.get_num_threads()
+        print(f"threads: {summary['threads']}", flush=True)
         rec.start_wandb()
         # CPU: live tensors' peak in a steady step (one profiler at a time: not with --profile)
         with profiled(trainer, profile_steps, out), tracked(trainer, not profile_steps):
             summary["status"] = trainer.fit()
     except NonFinite as e:
-        summary.update(status=Status.NAN, error=str(e))
+        summary.update(status=Status.NAN, error=str(e), nan_step=e.step)
+    except CheckpointError as e:  # none loads, or a save failed (a full disk): one line
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        summary.update(status=Status.FAILED, error=str(e))
     except Pruned as e:
         print(e, flush=True)
         summary["status"] = Status.PRUNED
@@ -92,3 +97,14 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
         distributed.teardown(
             failed=summary["status"] in (Status.FAILED, Status.OOM, Status.RUNNING))
     return summary
+
+
+def _final_checkpoint_loads(rec: Records, previous: Summary) -> bool:
+    """A finished trial stays finished while its last checkpoint loads (a folder holding
+    another config's run is refused here); otherwise it resumes from the newest that does, or
+    ends `failed` saying why none does."""
+    try:
+        state = rec.load_checkpoint()
+    except CheckpointError:
+        return False
+    return state is not None and state["step"] == previous.get("step")

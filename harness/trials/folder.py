@@ -9,7 +9,8 @@
         config.yaml         its resolved run config (and provenance, once it ran)
         summary.json        how it stands or ended (Summary)
         metrics.jsonl       one line per logged step, evaluation and event
-        checkpoint/state.pt what it resumes from
+        checkpoint/         what it resumes from: state.pt, the newest, and older ones
+                            (checkpoints.py)
         launch.json         when and how it was launched (launcher, Slurm job id)
         optuna.json         the study and trial it reports to (Optuna sweeps)
         stderr.log          its stderr (local launcher)
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from harness.config import RunConfig
+from harness.trials.checkpoints import NEWEST
 from harness.trials.files import read_json, read_yaml_or_empty, write_json, write_yaml
 from harness.trials.status import Status
 from harness.trials.summary import Summary
@@ -70,7 +72,8 @@ class TrialDir(Folder):
     config = Entry("config.yaml")
     summary = Entry("summary.json")
     metrics = Entry("metrics.jsonl")
-    checkpoint = Entry("checkpoint", "state.pt")
+    checkpoints = Entry("checkpoint")
+    checkpoint = Entry("checkpoint", NEWEST)
     launch = Entry("launch.json")
     optuna_link = Entry("optuna.json")
     stderr = Entry("stderr.log")

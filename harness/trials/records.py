@@ -7,6 +7,7 @@ import json
 import platform
 import random
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ import torch
 
 from harness.config import RunConfig
 from harness.errors import UserError
-from harness.trials.files import append_jsonl, atomic_file, atomic_write, read_jsonl
+from harness.trials import checkpoints
+from harness.trials.files import append_jsonl, atomic_write, read_jsonl
 from harness.trials.folder import TrialDir
 from harness.trials.summary import Summary
 
@@ -78,7 +80,9 @@ class Records:
         self.run = run
         self.metrics_path = self.dir.metrics
         self.summary_path = self.dir.summary
-        self.ckpt_path = self.dir.checkpoint
+        self.ckpt_dir = self.dir.checkpoints
+        self.loaded: Path | None = None  # the checkpoint the run resumed from
+        self.skipped: list[tuple[Path, str]] = []  # newer ones that did not load, and why
         self.wandb: Any = None
 
     def write_config(self) -> None:
@@ -103,20 +107,33 @@ class Records:
         atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
-        """Atomic and fsynced like every other file: a kill mid-save keeps the last one."""
-        with atomic_file(self.ckpt_path) as f:
-            torch.save({**state, "identity": self.run.identity()}, f)
+        """Atomic, fsynced and checksummed; the `train.keep_checkpoints` newest kept. A failed
+        save (a full disk) raises CheckpointError and leaves the previous ones whole."""
+        checkpoints.save(self.ckpt_dir, {**state, "identity": self.run.identity()},
+                         self.run.train.keep_checkpoints)
 
     def load_checkpoint(self) -> dict[str, Any] | None:
-        if not self.ckpt_path.exists():
+        """The newest checkpoint that loads (None: none written yet); CheckpointError when
+        none does, UserError when it is another config's."""
+        found = checkpoints.load_newest(self.ckpt_dir)
+        if found is None:
             return None
-        state = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)
-        if state.get("identity") != self.run.identity():
+        self.loaded, self.skipped = found.path, found.skipped
+        if found.state.get("identity") != self.run.identity():
             raise UserError(
-                f"{self.ckpt_path}: written by a different config ({state.get('identity')}, "
+                f"{found.path}: written by a different config ({found.state.get('identity')}, "
                 f"this run is {self.run.identity()}); use another --out or delete that folder"
             )
-        return state
+        return found.state
+
+    def set_aside_skipped(self) -> None:
+        """One line on stderr for each checkpoint the resume skipped, moved out of the rotation
+        so that later saves do not keep it in place of a good one."""
+        for path, reason in self.skipped:
+            moved = checkpoints.set_aside(path)
+            print(f"warning: checkpoint {path} does not load ({reason}); moved to {moved.name}, "
+                  f"resuming from {self.loaded}", file=sys.stderr, flush=True)
+        self.skipped = []
 
     def start_wandb(self) -> None:
         """Offline by default: the run syncs later with `wandb sync`, nothing needs the network."""

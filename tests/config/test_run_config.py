@@ -96,8 +96,9 @@ def test_validation_messages_name_the_path_and_what_is_allowed():
 
 def test_identity_ignores_names_and_logging_but_not_what_changes_results():
     base = validate(RunConfig, micro_run())
-    same = validate(RunConfig, {**micro_run(log_every=5), "name": "other", "label": "x",
-                                "provenance": {"git": "abc"}, "wandb": {"enabled": True}})
+    same = validate(RunConfig, {**micro_run(log_every=5, keep_checkpoints=5), "name": "other",
+                                "label": "x", "provenance": {"git": "abc"},
+                                "wandb": {"enabled": True}})
     assert base.identity() == same.identity()
     assert len(base.identity()) == 8 and int(base.identity(), 16) >= 0
     for changed in (micro_run(lr=0.004), {**micro_run(), "seed": 1},

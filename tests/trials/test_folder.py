@@ -65,6 +65,16 @@ def test_atomic_write_fsyncs_the_file_and_its_folder(tmp_path, monkeypatch):
     assert len(synced) == 2  # the temp file before the rename, the folder after
 
 
+def test_metrics_lines_are_fsynced_as_appended(tmp_path, monkeypatch):
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(files_module.os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    files_module.append_jsonl(tmp_path / "metrics.jsonl", {"step": 1})
+    files_module.append_jsonl(tmp_path / "metrics.jsonl", {"step": 2})
+    assert len(synced) == 2 and read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1},
+                                                                            {"step": 2}]
+
+
 def test_reads_take_a_half_written_file_as_absent(tmp_path):
     path = tmp_path / "summary.json"
     assert read_json(path) is None
@@ -86,13 +96,14 @@ def test_reads_take_a_half_written_file_as_absent(tmp_path):
 
 def test_status_is_its_string():
     assert [s.value for s in Status] == [
-        "pending", "running", "interrupted", "queued", "ok", "failed", "oom", "nan", "pruned"
+        "pending", "running", "interrupted", "queued", "ok", "failed", "oom", "nan", "killed",
+        "pruned",
     ]  # fmt: skip
     assert Status.OK == "ok" and "ok" in {Status.OK} and Status("nan") is Status.NAN
     assert f"{Status.OOM}" == str(Status.OOM) == "oom"
     assert json.dumps({"status": Status.PRUNED}) == '{"status": "pruned"}'
-    assert FINISHED == ("ok", "nan", "oom", "failed", "pruned")
-    assert FAILED == ("failed", "oom", "nan")
+    assert FINISHED == ("ok", "nan", "oom", "killed", "failed", "pruned")
+    assert FAILED == ("failed", "oom", "nan", "killed")
     assert "failed" in FAILED and "interrupted" not in FINISHED
     assert pd.Series(["ok", "running"]).isin(FINISHED).tolist() == [True, False]
 
