@@ -6,7 +6,6 @@ checkpointable submitit job (`TrialJob`), which on Slurm is a task of one job ar
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import threading
@@ -21,10 +20,16 @@ from tqdm import tqdm
 
 from harness.config import LauncherConfig
 from harness.errors import last_line
-from harness.sweep.process import trial_command, trial_env
+from harness.sweep.process import (
+    allocated_cpus,
+    mark_unfinished,
+    record_end,
+    trial_command,
+    trial_env,
+)
 from harness.sweep.source import Source
 from harness.sweep.worker import TrialJob, Worker
-from harness.trials import RunsDir, TrialDir
+from harness.trials import RunsDir, Status, TrialDir
 
 
 def launch(
@@ -52,7 +57,7 @@ class LocalLauncher:
 
     def run_one(self, trial_id: str, trial_dir: Path) -> int:
         """Run one trial, its output streamed with a prefix; a slot frees when it ends."""
-        threads = max(1, (os.cpu_count() or 1) // self.jobs)
+        threads = max(1, allocated_cpus() // self.jobs)
         trial = TrialDir(trial_dir)
         with self.lock:
             if self.stopping:
@@ -71,7 +76,7 @@ class LocalLauncher:
         with self.lock:
             self.procs.discard(proc)
         if not self.stopping:
-            trial.record_crash(code)
+            record_end(trial_dir, code)
         if self.bar is not None:
             self.bar.update(1)
         return code
@@ -209,8 +214,21 @@ def _collect(source: Source, job: Any) -> None:
     try:
         job.result()
     except Exception as e:
+        oom = _state(job) == "OUT_OF_MEMORY"  # Slurm saw the job's memory limit kill it
         for _, trial_dir in source.assigned:
-            TrialDir(trial_dir).mark_failed(f"job {job.job_id}: {last_line(e)}")
+            if oom:
+                mark_unfinished(trial_dir, Status.OOM, f"job {job.job_id}: Slurm state "
+                                "OUT_OF_MEMORY (killed at its memory limit)")
+            else:
+                TrialDir(trial_dir).mark_failed(f"job {job.job_id}: {last_line(e)}")
         if not source.assigned:
             print(f"worker {job.job_id} failed: {last_line(e)} (log: {job.paths.stderr})",
                   flush=True)
+
+
+def _state(job: Any) -> str:
+    """The job's Slurm state (`OUT_OF_MEMORY`, `FAILED`, ...), "" where none can be had."""
+    try:
+        return str(job.state).split()[0] if job.state else ""
+    except Exception:  # sacct unreachable: the state is only a better reason
+        return ""

@@ -52,16 +52,16 @@ def load_sweep(path: str | Path, overrides: dict[str, Any]) -> SweepConfig:
     data = read_yaml(path)
     for key, value in overrides.items():
         set_dotted(data, key, value)
-        spaces = [data.get("search", {}).get("space")]
-        spaces += [
-            m.get("space") for m in (data.get("methods") or {}).values() if isinstance(m, dict)
-        ]
-        for space in spaces:
+        methods = data.get("methods")  # any of these may be malformed: validate says so below
+        owners = [data.get("search"), *(methods.values() if isinstance(methods, dict) else [])]
+        for owner in owners:
+            space = owner.get("space") if isinstance(owner, dict) else None
             if isinstance(space, dict):
                 space.pop(key, None)
     launcher = data.get("launcher")
-    if isinstance(launcher, dict) and launcher.get("profile"):
-        data["launcher"] = {**read_profile(launcher["profile"], Path(path)), **launcher}
+    profile = launcher.get("profile") if isinstance(launcher, dict) else None
+    if profile and isinstance(profile, str):  # any other value: validate's one line below
+        data["launcher"] = {**read_profile(profile, Path(path)), **launcher}
     sweep = validate(SweepConfig, data)
     check_model(sweep)
     return sweep

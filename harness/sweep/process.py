@@ -16,7 +16,9 @@ import time
 import zlib
 from pathlib import Path
 
-from harness.trials import TrialDir
+from harness.trials import Status, TrialDir
+
+RESEND_S = 2.0  # a stop request is repeated this often until the trial process has ended
 
 
 def trial_command(trial_dir: Path) -> list[str]:
@@ -32,20 +34,60 @@ def trial_command(trial_dir: Path) -> list[str]:
     ]
 
 
+def allocated_cpus(tasks_here: int = 1) -> int:
+    """The CPUs this process was given: Slurm's grant per task where it says (a job sees every
+    core of the node unless Slurm binds tasks, so the affinity mask alone would oversubscribe),
+    else the affinity mask (taskset, a container's cpuset)."""
+    cpus = len(os.sched_getaffinity(0))
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if per_task.isdigit():
+        return max(1, min(cpus, int(per_task)))
+    on_node = os.environ.get("SLURM_CPUS_ON_NODE", "")
+    if on_node.isdigit():
+        return max(1, min(cpus, int(on_node) // max(1, tasks_here)))
+    return cpus
+
+
 def trial_env(threads: int | None) -> dict[str, str]:
+    """The trial's environment; `threads` sets its torch threads and its children's OpenMP
+    and MKL pools (torch reads OMP_NUM_THREADS as it starts; the trial logs and records it)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     return env
 
 
+def record_end(trial_dir: Path, code: int) -> None:
+    """The end of a trial process that could not write its own (a crash): SIGKILL is the
+    kernel's (the OOM killer) or an admin's, so `killed`; any other death or exit code
+    without a final summary is `failed`."""
+    if code == -signal.SIGKILL:
+        mark_unfinished(trial_dir, Status.KILLED, "trial process killed by signal 9 (SIGKILL)")
+    else:
+        TrialDir(trial_dir).record_crash(code)
+
+
+def mark_unfinished(trial_dir: Path, status: Status, error: str) -> None:
+    """`status` with its reason, for a trial whose folder records no end yet; an end already
+    written (ok, interrupted, ...) came first and stands."""
+    trial = TrialDir(trial_dir)
+    summary = trial.read_summary()
+    if summary is not None and summary.status not in (Status.PENDING, Status.RUNNING):
+        return
+    base = summary.to_dict() if summary is not None else {"trial": trial.name}
+    trial.write_summary({**base, "status": str(status), "error": error})
+
+
 def rank_env() -> dict[str, str]:
-    """torchrun's variables from submitit's environment: a multi-task job is one DDP trial."""
+    """torchrun's variables from submitit's environment: a multi-task job is one DDP trial;
+    its threads are the job's CPUs per task, or fewer where the job was given an
+    OMP_NUM_THREADS below that."""
     import submitit  # only inside a job: the CLI does not pay for it
 
     job = submitit.JobEnvironment()
-    threads = os.environ.get("SLURM_CPUS_PER_TASK")
-    env = trial_env(int(threads) if threads else None)
+    threads = allocated_cpus(job.num_tasks // job.num_nodes)
+    asked = os.environ.get("OMP_NUM_THREADS", "")
+    env = trial_env(min(threads, int(asked)) if asked.isdigit() and int(asked) else threads)
     if job.num_tasks > 1:
         env.update(
             RANK=str(job.global_rank),
@@ -63,33 +105,51 @@ def is_rank_zero() -> bool:
     return submitit.JobEnvironment().global_rank == 0
 
 
+def _ignore_usr2() -> None:
+    """The child starts with USR2 ignored, so a preemption signal that Slurm sends to the
+    whole job step while the child imports torch cannot kill it; `harness train` installs its
+    own handler, and `ChildProcess.stop` repeats its request until that handler has it."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
 class ChildProcess:
     """The trial process of a submitit job; stopping it makes it save its checkpoint."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
+        self.code: int | None = None  # the exit status `stop` reaped, if it did
 
     def run(self, trial_dir: Path) -> int:
         """Run the trial; rank 0 records a crash the trial could not record itself."""
-        self.proc = subprocess.Popen(trial_command(trial_dir), env=rank_env())
+        self.code = None
+        self.proc = subprocess.Popen(trial_command(trial_dir), env=rank_env(),
+                                     preexec_fn=_ignore_usr2)
         code = self.proc.wait()
         self.proc = None
+        code = self.code if self.code is not None else code  # `stop` reaped it first
         if is_rank_zero():
-            TrialDir(trial_dir).record_crash(code)
+            record_end(trial_dir, code)
         return code
 
     def stop(self, timeout_s: float = 600) -> None:
-        """Runs inside submitit's signal handler, which interrupted `run`'s `Popen.wait` while
-        it holds the Popen's lock: so wait on the pid directly, never through the Popen."""
-        if self.proc is None:
+        """Ask the trial to stop with a checkpoint, and wait until it has. Runs inside a
+        signal handler, which interrupted `run`'s `Popen.wait` while it holds the Popen's
+        lock: so wait on the pid directly, never through the Popen."""
+        if self.proc is None or self.code is not None:
             return
         pid = self.proc.pid
+        deadline, asked = time.time() + timeout_s, 0.0
         try:
-            os.kill(pid, signal.SIGUSR2)
-            deadline = time.time() + timeout_s
-            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    self.code = os.waitstatus_to_exitcode(status)
+                    return
                 if time.time() > deadline:
                     os.kill(pid, signal.SIGKILL)
-                time.sleep(0.2)
+                elif time.time() - asked > RESEND_S:  # idempotent for the trial
+                    os.kill(pid, signal.SIGUSR2)
+                    asked = time.time()
+                time.sleep(0.1)
         except (ProcessLookupError, ChildProcessError):
-            pass  # it had already ended
+            pass  # `run`'s wait reaped it just before the signal: its code stands

@@ -1,5 +1,7 @@
 """Run a sweep: its unfinished trials, on the launcher it names. A grid hands its trials to
-the workers as a fixed list, a search asks Optuna; both run through `launch`."""
+the workers as a fixed list, a search asks Optuna; both run through `launch`. A trial left
+interrupted with a checkpoint (a preemption its job could not survive) runs again before the
+sweep ends, and a sweep that still has unfinished trials says so in its exit code."""
 
 from __future__ import annotations
 
@@ -28,15 +30,17 @@ from harness.sweep.study import (
     retry_failures,
     storage_target,
 )
-from harness.trials import FAILED, FINISHED, RunsDir, Status
+from harness.trials import FAILED, FINISHED, RunsDir, Status, TrialDir
 
 Show = Callable[[Path], None]  # prints a finished sweep's table (the CLI's, from analysis)
+UNFINISHED = 3  # run_sweep's code for a sweep that ended with trials still to run
 
 
 def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False,
               show: Show | None = None) -> int:
-    """Run every unfinished trial; 0 if all are ok, 1 if any failed (all are still recorded).
-    `show` is called on the runs directory at the end (the sweep room sits below analysis)."""
+    """Run every unfinished trial; 0 if all are ok, 1 if any failed (all are still recorded),
+    UNFINISHED if some trial is still unfinished (`unfinished` names them). `show` is called
+    on the runs directory at the end (the sweep room sits below analysis)."""
     pretrain_first(sweep, show)
     if sweep.task.kind == "pretrain":
         preflight(sweep)
@@ -48,7 +52,43 @@ def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False,
         failed = run_search(sweep, out, retry_failed)
     if show is not None:
         show(out)
+    if unfinished(sweep, out):
+        return UNFINISHED
     return 1 if failed else 0
+
+
+def unfinished(sweep: SweepConfig, out: Path) -> list[tuple[TrialDir, str]]:
+    """The sweep's trials without an end, each with its status (interrupted, queued, ...)."""
+    if sweep.search.sampler == "grid":
+        dirs = [RunsDir(out).trial(t.id) for t in plan(sweep)]
+    else:
+        dirs = RunsDir(out).trial_dirs()
+    return [(d, s) for d, s in zip(dirs, trial_statuses(dirs), strict=True) if s not in FINISHED]
+
+
+def resubmit(sweep: SweepConfig, trials: Callable[[], list[TrialDir]],
+             relaunch: Callable[[list[TrialDir]], None]) -> None:
+    """Trials left interrupted with a checkpoint (a preemption their job could not survive, a
+    trial stopped by a signal) run again, each resubmission a requeue, at most
+    `launcher.max_requeues` times, before the sweep ends."""
+    limit = sweep.launcher.max_requeues
+    for n in range(1, limit + 1):
+        dirs = trials()
+        again = [d for d, s in zip(dirs, trial_statuses(dirs), strict=True)
+                 if s == Status.INTERRUPTED and has_checkpoint(d)]
+        if not again:
+            return
+        print(f"{len(again)} trials interrupted with a checkpoint: resubmitting them "
+              f"({n} of at most {limit})", flush=True)
+        for trial in again:
+            trial.count_requeue()
+        relaunch(again)
+
+
+def has_checkpoint(trial: TrialDir) -> bool:
+    """Any file in the trial's checkpoint folder: the trial resumes from the newest one."""
+    folder = trial.checkpoint.parent
+    return folder.is_dir() and any(p.is_file() for p in folder.rglob("*"))
 
 
 def pretrain_first(sweep: SweepConfig, show: Show | None = None) -> None:
@@ -85,12 +125,15 @@ def run_grid(sweep: SweepConfig, out: Path, retry_failed: bool) -> bool:
         flush=True,
     )
     launch(GridSource(todo).split(), sweep.launcher, out, total=len(todo))
+    resubmit(sweep, lambda: dirs, lambda again: launch(
+        GridSource([(d.name, d.path) for d in again]).split(), sweep.launcher, out, len(again)))
     return any(status in FAILED for status in trial_statuses(dirs))
 
 
 def run_search(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> bool:
     """Run each method's study to `n_trials` with `jobs` workers; True if some trial failed
-    (pruned is fine)."""
+    (pruned is fine). Interrupted trials are queued again in their study, and the workers
+    started again, as `resubmit` says."""
     target = storage_target(sweep, out)
     storage = open_storage(target, sweep.search.heartbeat_s)
     points = enqueued(sweep, {label: method_space(sweep, label) for label in sweep.methods})
@@ -105,8 +148,19 @@ def run_search(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> boo
         done = sum(t.state in DONE for t in counted(study.get_trials(deepcopy=False)))
         print(f"{study.study_name}: {done} of {sweep.search.n_trials} trials finished", flush=True)
     lock = threading.Lock()  # local workers check the budget and ask as one step
-    launch([StudySource(sweep, out, i, lock) for i in range(sweep.launcher.jobs)],
-           sweep.launcher, out)
+
+    def workers() -> None:
+        launch([StudySource(sweep, out, i, lock) for i in range(sweep.launcher.jobs)],
+               sweep.launcher, out)
+
+    def again(_: list[TrialDir]) -> None:
+        if not isinstance(storage, RDBStorage):
+            for label in sweep.methods:
+                recover(open_study(sweep, label, storage), out, sweep.search.metric)
+        workers()
+
+    workers()
+    resubmit(sweep, RunsDir(out).trial_dirs, again)
     failed = False
     for label in sweep.methods:
         trials = counted(open_study(sweep, label, storage).get_trials(deepcopy=False))

@@ -1,10 +1,12 @@
 """The Optuna source: ask a method's study for a point, hand it out as a harness trial, tell
 its result; method after method, until each study's budget is spent.
 
-Any number of sources (one per worker loop: threads of the sweep, or submitit jobs) share a
-study through its storage: each asked trial is a new number, so none is run twice. With a
-database the running trials send heartbeats, so that the trial of a dead worker is failed and
-queued again for another.
+Any number of sources (one per worker loop: threads of the sweep, or submitit jobs, in any
+number of sweep processes) share a study through its storage: each asked trial is a new
+number, and the budget check and the ask are one step (`study_lock`), so none is run twice and
+none past the budget. With a database every asked trial sends heartbeats from the moment it is
+asked, so that the trial of a dead worker is failed and queued again for another, which never
+starts it while a process on this machine still trains in its folder.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +26,7 @@ import optuna
 from optuna.distributions import BaseDistribution
 from optuna.storages import BaseStorage, RDBStorage, fail_stale_trials
 from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy.exc import SQLAlchemyError
 
 from harness.config import SweepConfig
 from harness.sweep.source import Assigned, Pick
@@ -35,27 +39,43 @@ from harness.sweep.study import (
     open_study,
     retry_of,
     storage_target,
+    study_lock,
     tell,
 )
 from harness.trials import FAILED, FINISHED, RunsDir, Status, TrialDir
 
 
+def beat_interval(storage: BaseStorage) -> int | None:
+    """Seconds between heartbeats; None where there are none (a journal file, no database)."""
+    return storage.get_heartbeat_interval() if isinstance(storage, RDBStorage) else None
+
+
+def beat(storage: BaseStorage, trial_id: int) -> None:
+    """One heartbeat. A database error is reported and survived: the next beat may get
+    through, while a beating thread that died would get its live trial failed as stale."""
+    try:
+        storage.record_heartbeat(trial_id)
+    except SQLAlchemyError as e:
+        print(f"heartbeat of Optuna trial {trial_id} failed: {type(e).__name__}",
+              file=sys.stderr, flush=True)
+
+
 @contextmanager
 def heartbeat(storage: BaseStorage, trial_id: int) -> Iterator[None]:
     """Beat while the trial runs, so that a dead worker's trial is seen stale and retried."""
-    interval = storage.get_heartbeat_interval() if isinstance(storage, RDBStorage) else None
+    interval = beat_interval(storage)
     if not interval:
         yield
         return
     stop = threading.Event()
 
-    def beat() -> None:
+    def beating() -> None:
         while True:
-            storage.record_heartbeat(trial_id)
+            beat(storage, trial_id)
             if stop.wait(interval):
                 return
 
-    thread = threading.Thread(target=beat, daemon=True)
+    thread = threading.Thread(target=beating, daemon=True)
     thread.start()
     try:
         yield
@@ -117,18 +137,23 @@ class StudySource:
 
     def _ask(self) -> optuna.Trial | None:
         """A new (or queued) trial, or None once the budget is spent and no other worker's
-        trial may still go stale and be queued again."""
+        trial may still go stale and be queued again. Its first heartbeat is recorded at once:
+        a worker that dies before its trial starts leaves it stale too, never RUNNING forever
+        (which would keep every other worker waiting)."""
         s, study = self.sweep.search, self.study
         assert study is not None
         if self.deadline is None:
             self.deadline = time.time() + s.timeout_min * 60 if s.timeout_min else math.inf
         while time.time() < self.deadline:
-            with self.lock:
+            with self.lock, study_lock(self.storage, study.study_name):
                 fail_stale_trials(study)
                 trials = study.get_trials(deepcopy=False)
                 waiting = any(t.state == TrialState.WAITING for t in trials)
                 if waiting or len(counted(trials)) < s.n_trials:
-                    return study.ask(self.space)
+                    ot = study.ask(self.space)
+                    if beat_interval(self.storage):
+                        beat(self.storage, ot._trial_id)
+                    return ot
                 if not self._others_running(trials):
                     return None
             time.sleep(s.heartbeat_s)
@@ -146,7 +171,10 @@ class StudySource:
     def _pick(self, label: str, ot: optuna.Trial) -> Pick | None:
         """The asked trial as a harness trial, to run unless its folder already holds a
         result; None when it is no longer RUNNING (resumed after a requeue, but the study has
-        moved on)."""
+        moved on). It waits (beating) while another process trains in the folder: the same
+        point asked by another worker, or, for a retry, the trial of a worker failed as stale
+        that still runs on this machine (one elsewhere cannot be seen; its stale heartbeat
+        says it is gone)."""
         s, study = self.sweep.search, self.study
         assert study is not None
         frozen = self.storage.get_trial(ot._trial_id)
@@ -156,14 +184,21 @@ class StudySource:
         trial_dir = RunsDir(self.out).trial(trial.id).path
         again = retry_of(frozen) is not None
         status = trial_status(trial_dir)
-        while status == Status.RUNNING and not again:  # the same point, asked by another worker
-            time.sleep(2)
-            status = trial_status(trial_dir)
+        with heartbeat(self.storage, ot._trial_id):
+            while status == Status.RUNNING and (not again or self._here(trial_dir)):
+                time.sleep(2)
+                status = trial_status(trial_dir)
         if status in FINISHED and not (again and status in FAILED):
             return Pick(trial.id, trial_dir, label, ot.number, run=False)
         link = {"storage": self.target, "study": study.study_name, "trial": ot.number,
                 "metric": s.metric, "pruner": s.pruner}
         return Pick(trial.id, trial_dir, label, ot.number, trial.run, link)
+
+    @staticmethod
+    def _here(trial_dir: Path) -> bool:
+        """Whether the trial's process runs on this machine (so its pid is checked)."""
+        summary = TrialDir(trial_dir).read_summary()
+        return summary is not None and summary.get("host") == socket.gethostname()
 
     def running(self, pick: Pick) -> AbstractContextManager[None]:
         assert pick.number is not None

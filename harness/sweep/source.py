@@ -16,8 +16,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from harness.config import RunConfig
+from harness.trials import FINISHED, TrialDir
 
 Assigned = list[tuple[str, Path]]
+
+
+def finished(trial_dir: Path) -> bool:
+    """Whether the trial's folder records an end (ok, failed, ...): nothing left to resume."""
+    summary = TrialDir(trial_dir).read_summary()
+    return summary is not None and summary.status in FINISHED
 
 
 @dataclass
@@ -89,9 +96,12 @@ class GridSource:
         return True  # a failed grid trial is recorded; the next one still runs
 
     def resumed(self, pick: Pick | None) -> GridSource:
+        """`pick` first unless its folder records an end (running it again would redo a
+        failed trial)."""
         with self.lock:
             left = list(self.left)
-        return GridSource(([(pick.id, pick.dir)] if pick else []) + left)
+        return GridSource(([(pick.id, pick.dir)] if pick and not finished(pick.dir) else [])
+                          + left)
 
     def split(self) -> list[GridSource]:
         """One source per trial: a job each (on Slurm one array), or a thread slot each."""

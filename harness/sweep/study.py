@@ -9,11 +9,14 @@ to the study, so the training process reports each evaluation and obeys the prun
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 import time
 import warnings
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ from optuna.storages import (
     RetryHeartbeatStaleTrialCallback,
 )
 from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from harness.config import SweepConfig
@@ -66,12 +70,35 @@ def _open_storage(target: str, heartbeat_s: int | None) -> BaseStorage:
     if "://" not in target or heartbeat_s is None:
         return plain_storage(target)
     warnings.filterwarnings("ignore", category=ExperimentalWarning)  # heartbeat API
+    # We beat ourselves (search.heartbeat), without Study.optimize, which Optuna warns about.
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+    # Optuna 4.9 renamed the callback's argument (the old name warns, and goes in 6.0).
+    new = "heartbeat_stale_trial_callback" in inspect.signature(RDBStorage).parameters
+    callback = {("heartbeat_stale_trial_callback" if new else "failed_trial_callback"):
+                RetryHeartbeatStaleTrialCallback(max_retry=3)}
     return RDBStorage(
-        target,
-        heartbeat_interval=heartbeat_s,
-        grace_period=3 * heartbeat_s,
-        failed_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3),
+        target, heartbeat_interval=heartbeat_s, grace_period=3 * heartbeat_s, **callback
     )
+
+
+@contextmanager
+def study_lock(storage: BaseStorage, study_name: str) -> Iterator[None]:
+    """Held by a worker while it checks the budget and asks, so that workers in several
+    processes never ask past `n_trials` or pop one queued trial twice. On PostgreSQL a session
+    advisory lock, which the server drops with the connection of a worker that dies holding
+    it; elsewhere nothing (a journal file or SQLite is one machine's: run one sweep process
+    with `--jobs N` there, whose workers share a thread lock)."""
+    engine = storage.engine if isinstance(storage, RDBStorage) else None
+    if engine is None or engine.dialect.name != "postgresql":
+        yield
+        return
+    key = {"key": zlib.crc32(study_name.encode())}
+    with engine.connect() as conn:
+        conn.execute(text("SELECT pg_advisory_lock(:key)"), key)
+        try:
+            yield
+        finally:
+            conn.execute(text("SELECT pg_advisory_unlock(:key)"), key)
 
 
 def make_sampler(sweep: SweepConfig, worker: str = "") -> optuna.samplers.BaseSampler:
@@ -143,15 +170,17 @@ def open_study(
 def tell(
     study: optuna.Study, number: int, summary: Summary | dict[str, Any] | None, metric: str
 ) -> None:
-    """ok with a finite metric: COMPLETE; pruned: PRUNED; failed, nan, oom or no metric: FAIL."""
+    """ok with a finite metric: COMPLETE; pruned: PRUNED; failed, nan, oom or no metric: FAIL.
+    A trial already finished (failed as stale while its worker still ran it: a database
+    outage, a stalled machine) is left alone: its retry records the result."""
     summary = summary or {}
     value = summary.get(metric)
     if summary.get("status") == Status.PRUNED:
-        study.tell(number, state=TrialState.PRUNED)
+        study.tell(number, state=TrialState.PRUNED, skip_if_finished=True)
     elif summary.get("status") == Status.OK and value is not None and math.isfinite(value):
-        study.tell(number, value)
+        study.tell(number, value, skip_if_finished=True)
     else:
-        study.tell(number, state=TrialState.FAIL)
+        study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
 
 
 def retry(study: optuna.Study, trial: FrozenTrial) -> None:
@@ -167,8 +196,10 @@ def retry(study: optuna.Study, trial: FrozenTrial) -> None:
 
 
 def retry_of(trial: FrozenTrial) -> int | None:
-    """The failed trial this one repeats, queued by us or by the heartbeat callback."""
-    return trial.user_attrs.get("retry_of", trial.system_attrs.get("failed_trial"))
+    """The failed trial this one repeats, queued by the heartbeat callback (the last of its
+    history: a retry that went stale too is repeated in turn) or by us."""
+    history = trial.system_attrs.get("retry_history")
+    return history[-1] if history else trial.user_attrs.get("retry_of")
 
 
 def counted(trials: list[FrozenTrial]) -> list[FrozenTrial]:
@@ -211,8 +242,6 @@ def harness_trial(sweep: SweepConfig, label: str, ot: optuna.Trial) -> Trial:
     ot.set_user_attr("trial_id", trial.id)
     ot.set_user_attr("seed", seed)
     return trial
-
-
 
 
 def describe(sweep: SweepConfig) -> str:

@@ -8,12 +8,13 @@ submitit job (`TrialJob`), locally or on Slurm.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from harness.sweep.process import ChildProcess
-from harness.sweep.source import GridSource, Pick, Source
+from harness.sweep.source import GridSource, Pick, Source, finished
 from harness.trials import TrialDir
 
 RunTrial = Callable[[str, Path], int]
@@ -53,9 +54,11 @@ class Worker:
 
 class TrialJob:
     """A submitit job working its source (one grid trial, or an Optuna worker's study) with
-    each trial in a child process. On USR2 (preemption, time limit) submitit calls
-    `checkpoint`: the child saves its checkpoint, the requeue is counted in the trial's
-    summary, and the job is resubmitted to resume that trial first."""
+    each trial in a child process. On USR2 (preemption, time limit) the child saves its
+    checkpoint, the requeue is counted in the trial's summary, and submitit resubmits the job
+    to resume that trial first. Any number of signals at any moment make one requeue: while
+    one is handled, or once the job's work is done, later ones change nothing (submitit's own
+    handler, run twice, fails on its half-written pickle and loses the trial)."""
 
     def __init__(self, source: Source | os.PathLike) -> None:
         """`source` may be a trial folder, its config written: a job for that one trial."""
@@ -64,10 +67,35 @@ class TrialJob:
         self.source = source
         self.child = ChildProcess()
         self.worker: Worker | None = None
+        self.requeue: Any = None  # submitit's USR2 handler: checkpoint, dump, requeue, exit
+        self.stopping = False  # a signal is being handled
+        self.ended = False  # the work is done: the job ends as it would have
 
     def __call__(self) -> int:
         self.worker = Worker(self.source, self.run_trial)
-        return self.worker.run()
+        self.requeue = signal.getsignal(signal.SIGUSR2)
+        signal.signal(signal.SIGUSR2, self.on_signal)
+        try:
+            return self.worker.run()
+        finally:
+            self.ended = True
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        """The first signal stops the running trial with a checkpoint, then has submitit
+        requeue the job, unless nothing is left to run (the trial had just finished)."""
+        if self.stopping or self.ended:
+            why = "a requeue is under way" if self.stopping else "the job's work is done"
+            print(f"signal {signal.Signals(signum).name} ignored: {why}", flush=True)
+            return
+        self.stopping = True
+        self.child.stop()
+        current = self.worker.current if self.worker else None
+        last = isinstance(self.source, GridSource) and not len(self.source)
+        if last and (current is None or finished(current.dir)):
+            print("the trial had finished: no requeue, the job ends", flush=True)
+            return
+        if callable(self.requeue):
+            self.requeue(signum, frame)
 
     def run_trial(self, trial_id: str, trial_dir: Path) -> int:
         """A trial the source asked for in the job (not one submitted as this job) records
@@ -77,12 +105,13 @@ class TrialJob:
         return self.child.run(trial_dir)
 
     def checkpoint(self) -> Any:
-        """Called by submitit on USR2, before it requeues the job."""
+        """Called by submitit as it requeues the job: the trial has stopped with its
+        checkpoint; its requeue counts unless it had ended anyway."""
         from submitit.helpers import DelayedSubmission  # only inside a job
 
         self.child.stop()
         current = self.worker.current if self.worker else None
-        if current is not None:
+        if current is not None and not finished(current.dir):
             TrialDir(current.dir).count_requeue()
         return DelayedSubmission(TrialJob(self.source.resumed(current)))
 
@@ -91,3 +120,4 @@ class TrialJob:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["source"])
+

@@ -56,7 +56,7 @@ def test_launcher_keys_are_checked(tmp_path):
         load_sweep(path, {"launcher.tasks_per_node": 2})
 
 
-def test_a_killed_trial_is_recorded_failed_and_the_slot_moves_on(tmp_path):
+def test_a_killed_trial_is_recorded_killed_and_the_slot_moves_on(tmp_path):
     trial_dir = tmp_path / "trial"
     write_yaml(trial_dir / "config.yaml", micro_run(steps=500, checkpoint_every=0))
     launcher = LocalLauncher(jobs=1)
@@ -68,8 +68,8 @@ def test_a_killed_trial_is_recorded_failed_and_the_slot_moves_on(tmp_path):
     worker.join(timeout=60)
     assert codes == [-signal.SIGKILL]
     summary = read_json(trial_dir / "summary.json")
-    assert summary["status"] == "failed"
-    assert summary["error"] == "trial process ended with signal 9"
+    assert summary["status"] == "killed"
+    assert summary["error"] == "trial process killed by signal 9 (SIGKILL)"
 
 
 def test_local_slots_refill_as_trials_end(tmp_path):

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import (
     REPO,
@@ -136,7 +137,7 @@ def test_a_trial_at_its_time_limit_is_requeued_and_resumes(tmp_path):
     assert f"resumed from {trial_dir / 'checkpoint' / 'state.pt'} at step {stopped_at}" in logs
 
 
-def test_a_crashed_trial_is_recorded_failed_and_the_sweep_ends(tmp_path):
+def test_a_sigkilled_trial_is_recorded_killed_and_the_sweep_ends(tmp_path):
     out = tmp_path / "runs"
     proc = start_sweep(sweep_file(tmp_path, 10_000, [3e-3]), out)
     trial_dir = only_trial(out)
@@ -145,8 +146,8 @@ def test_a_crashed_trial_is_recorded_failed_and_the_sweep_ends(tmp_path):
     log = finish(proc, timeout_s=300)
     assert proc.returncode == 1, log
     summary = read_json(trial_dir / "summary.json")
-    assert summary["status"] == "failed"
-    assert summary["error"] == "trial process ended with signal 9"
+    assert summary["status"] == "killed"
+    assert summary["error"] == "trial process killed by signal 9 (SIGKILL)"
 
 
 def test_optuna_workers_run_as_array_tasks(tmp_path):
@@ -181,3 +182,82 @@ def test_a_two_task_job_is_one_ddp_trial(tmp_path):
     assert_matches_one_process(trial_dir, run, tmp_path / "single")
     ranks = "".join(p.read_text() for p in (out / "jobs").glob("*/*_log.err"))
     assert "rank 1/2: gloo" in ranks
+
+
+def preempt(job: str) -> None:
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+
+
+def assert_requeued_ok(proc: subprocess.Popen, trial_dir: Path, requeues: int,
+                       steps: int) -> None:
+    log = finish(proc)
+    assert proc.returncode == 0, log
+    summary = read_json(trial_dir / "summary.json")
+    assert (summary["status"], summary["requeues"], summary["step"]) == ("ok", requeues, steps)
+    assert sorted(train_losses(trial_dir)) == list(range(1, steps + 1))  # no step lost
+
+
+def test_two_preemption_signals_make_one_requeue(tmp_path):
+    """The second USR2 comes while the trial still writes the first one's checkpoint."""
+    out = tmp_path / "runs"
+    proc = start_sweep(sweep_file(tmp_path, 30, [3e-3]), out)
+    trial_dir = only_trial(out)
+    wait_for_step(trial_dir, 4)
+    job = job_of(trial_dir)
+    preempt(job)
+    time.sleep(0.2)
+    preempt(job)
+    assert_requeued_ok(proc, trial_dir, 1, 30)
+    logs = "".join(p.read_text() for p in (out / "jobs").glob("*/*_log.out"))
+    assert "signal SIGUSR2 ignored: a requeue is under way" in logs
+
+
+def test_a_signal_during_a_checkpoint_write_and_a_second_preemption_after_the_requeue(
+        tmp_path):
+    """USR2 while the trial writes a periodic checkpoint; once the requeued job has resumed,
+    another preemption: two requeues, and the trial ends ok with every step logged."""
+    out = tmp_path / "runs"
+    proc = start_sweep(sweep_file(tmp_path, 40, [3e-3], checkpoint_every=1), out)
+    trial_dir = only_trial(out)
+    wait_for_step(trial_dir, 3)
+    job = job_of(trial_dir)
+    deadline = time.time() + 120
+    while not any((trial_dir / "checkpoint").glob(".*.tmp*")):  # a write under way
+        assert time.time() < deadline, "never saw a checkpoint being written"
+        time.sleep(0.002)
+    preempt(job)
+    deadline = time.time() + 300
+    while (read_json(trial_dir / "summary.json") or {}).get("requeues", 0) < 1:
+        assert time.time() < deadline, "no requeue"
+        time.sleep(0.5)
+    stopped_at = read_json(trial_dir / "summary.json")["step"]
+    wait_for_step(trial_dir, stopped_at + 3)
+    preempt(job)
+    assert_requeued_ok(proc, trial_dir, 2, 40)
+
+
+def test_a_signal_while_the_trial_process_starts_makes_one_requeue(tmp_path):
+    """USR2 as soon as the job's trial process exists (still importing torch, no handler of
+    its own yet): it is not killed by the signal; the job requeues once and the trial ends ok."""
+    out = tmp_path / "runs"
+    proc = start_sweep(sweep_file(tmp_path, 10, [3e-3]), out)
+    trial_dir = only_trial(out)
+    job = job_of(trial_dir)
+    deadline = time.time() + 120
+    while not any(str(trial_dir) in " ".join(p.info["cmdline"] or [])
+                  for p in psutil.process_iter(["cmdline"])):
+        assert time.time() < deadline, "the trial process never started"
+        time.sleep(0.01)
+    preempt(job)
+    assert_requeued_ok(proc, trial_dir, 1, 10)
+
+
+def test_two_slurm_trials_at_once_each_use_the_cpu_they_were_given(tmp_path):
+    """Without cpus_per_task a job gets one CPU of the node (SLURM_CPUS_ON_NODE=1) and sees
+    every core: its trial still runs one thread."""
+    out = tmp_path / "runs"
+    proc = start_sweep(sweep_file(tmp_path, 3, [1e-3, 3e-3]), out, "launcher.jobs=2",
+                       "launcher.profile=null", "launcher.kind=slurm")
+    log = finish(proc)
+    assert proc.returncode == 0, log
+    assert [read_json(d / "summary.json")["threads"] for d in (out / "trials").iterdir()] == [1, 1]
