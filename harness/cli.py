@@ -8,7 +8,8 @@ import logging
 import os
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -40,6 +41,26 @@ def rank_and_micro(text: str) -> tuple[int, int]:
     return int(rank), int(micro)
 
 
+@contextmanager
+def logs_to_stderr(active: bool) -> Iterator[None]:
+    """Under --json stdout carries the JSON alone, for `| jq`: meanwhile progress lines, child
+    processes and C libraries write to stderr (file descriptor 1 itself is pointed there)."""
+    if not active:
+        yield
+        return
+    stdout = sys.stdout
+    stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with redirect_stdout(sys.stderr):
+            yield
+    finally:
+        stdout.flush()  # whatever a library wrote to the old stream goes to stderr too
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from harness.cost.profile import SKIPPED
     from harness.train import train
@@ -62,8 +83,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    import shlex
+
     from harness.sweep.plan import load_sweep, plan, plan_table
-    from harness.sweep.run import run_sweep
+    from harness.sweep.run import UNFINISHED, run_sweep, unfinished
 
     sweep = load_sweep(args.sweep, parse_overrides(args.set))
     if args.dry_run and sweep.search.sampler != "grid":
@@ -81,7 +104,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         if args.jobs:
             sweep.launcher.jobs = args.jobs
-        return run_sweep(sweep, out, args.retry_failed, show=_show_table)
+        code = run_sweep(sweep, out, args.retry_failed, show=_show_table)
+        if code == UNFINISHED:  # never a success while a trial has not ended: name each one
+            resume = shlex.join(["harness", "sweep", args.sweep, "--out", str(out),
+                                 *[a for s in args.set for a in ("--set", s)],
+                                 *(["--jobs", str(args.jobs)] if args.jobs else [])])
+            for trial, status in unfinished(sweep, out):
+                summary = trial.read_summary()
+                at = f" at step {summary.get('step')}" if summary and summary.get("step") else ""
+                print(f"unfinished: {trial.name} ({status}{at}); resume: {resume}",
+                      file=sys.stderr)
+        return code
     except KeyboardInterrupt:
         print(
             "\ninterrupted: running trials saved checkpoints; run the same command to resume",
@@ -113,15 +146,24 @@ def _load(runs_dir: str):
     return trials
 
 
+STATUS_KEYS = ["trial", "method", "memory", "status", "step", "steps", "last_loss", "eval_ppl",
+               "tokens_per_s", "peak_memory_bytes", "peak_rss_bytes", "requeues"]
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    """With --watch, redraw every N seconds until every trial has finished (or Ctrl-C)."""
+    """With --watch, redraw every N seconds until every trial has finished (or Ctrl-C); with
+    --json, print the rows once as records (STATUS_KEYS)."""
     import time
 
     from harness.analysis import status_table
     from harness.trials import FINISHED
 
     while True:
-        trials = _load(args.runs_dir)
+        with logs_to_stderr(args.json):
+            trials = _load(args.runs_dir)
+        if args.json:  # pandas writes a missing value (no eval yet) as null
+            print(trials.reindex(columns=STATUS_KEYS).to_json(orient="records", indent=2))
+            return EXIT_OK
         table = status_table(trials)
         if not args.watch:
             print(table)
@@ -151,8 +193,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from harness.cost.estimate import format_table, paper_comparison, to_json
     from harness.sweep.plan import estimate_sweep, load_sweep
 
-    sweep = load_sweep(args.sweep, parse_overrides(args.set))
-    records = estimate_sweep(sweep)
+    with logs_to_stderr(args.json):
+        sweep = load_sweep(args.sweep, parse_overrides(args.set))
+        records = estimate_sweep(sweep)
     if args.json:
         print(to_json(records))
         return EXIT_OK
@@ -166,8 +209,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from harness.cost.plan import format_plan, parse_memory, plan, to_json
 
-    result = plan(args.model, parse_memory(args.memory), args.seq_len, args.token_batch,
-                  args.tokenizer)
+    with logs_to_stderr(args.json):
+        result = plan(args.model, parse_memory(args.memory), args.seq_len, args.token_batch,
+                      args.tokenizer)
     print(to_json(result) if args.json else format_plan(result, args.model, args.top))
     return EXIT_OK
 
@@ -199,47 +243,11 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import json
+    from harness.bench import measure
 
-    import torch
-
-    from harness.bench.loop import bench_loop, bench_run, optim_table, report
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.what == "loop":
-        run = bench_run(args.model, args.steps, args.batch_size, args.seq_len, args.precision,
-                        args.device)
-        print(report(run, bench_loop(run, args.rounds), args.json))
-        return EXIT_OK
-    if args.what == "launch":
-        from harness.bench.launch import bench_launch, launch_table
-
-        records = bench_launch(args.rounds)
-        print(json.dumps(records, indent=2) if args.json else launch_table(records))
-        return EXIT_OK
-    if args.what == "syncs":
-        from harness.bench.syncs import bench_syncs, syncs_table
-
-        records = bench_syncs(args.preset, args.steps, args.seq_len, args.batch_size)
-        print(json.dumps(records, indent=2) if args.json else syncs_table(records))
-        return EXIT_OK
-    if args.what == "memory":
-        from harness.bench.memory import bench_memory, memory_table
-        from harness.cost.profile import SKIPPED
-
-        if args.steps <= SKIPPED:
-            raise UserError(f"--steps {args.steps}: bench memory measures the peak of step "
-                            f"{SKIPPED + 1}, after {SKIPPED} unmeasured; use --steps 3 or more")
-
-        records = bench_memory(args.preset, args.steps, args.seq_len, args.batch_size)
-        print(json.dumps(records, indent=2) if args.json else memory_table(records))
-        return EXIT_OK
-    from harness.bench.optim import bench_optim
-
-    records = bench_optim(args.preset, args.gap, args.steps, args.rank,
-                          e2e_settings=tuple(args.e2e))
-    print(json.dumps(records, indent=2) if args.json else optim_table(records))
+    with logs_to_stderr(args.json):
+        text = measure(args)
+    print(text)
     return EXIT_OK
 
 
@@ -280,8 +288,10 @@ def build_parser() -> Parser:
     st = command(sub, "status", cmd_status, "one row per trial", "Show every trial's status, "
                  "step, eval perplexity, tok/s and peak memory.")
     st.add_argument("runs_dir", help=runs_dir)
-    st.add_argument("--watch", type=positive_int, nargs="?", const=5, metavar="SECONDS",
-                    help="redraw every SECONDS (default 5) until every trial has finished")
+    once = st.add_mutually_exclusive_group()
+    once.add_argument("--watch", type=positive_int, nargs="?", const=5, metavar="SECONDS",
+                      help="redraw every SECONDS (default 5) until every trial has finished")
+    once.add_argument("--json", action="store_true", help="print JSON records instead of a table")
     r = command(sub, "report", cmd_report, "write tables and plots", "Write the report of one "
                 "or more runs directories (report.html with everything embedded, report.md, "
                 "the tables as csv and md, the plots as png) and print the tables.")

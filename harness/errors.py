@@ -10,7 +10,18 @@ import difflib
 
 
 class UserError(Exception):
-    """A mistake in the user's input: printed as one line, exit code 2."""
+    """A mistake in the user's input: printed as one line, exit code 2. The message is made one
+    line here, once for every raiser: a key or value quoted from the user's file may hold a
+    newline or another control character, shown escaped (`'a\\nb'`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
+
+
+def one_line(text: str) -> str:
+    """`text` with every unprintable character (newline, tab, NUL, U+2028...) escaped as Python
+    writes it, printable ones (é, spaces) as they are."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def suggest(name: str, choices: list[str], what: str, path: str) -> UserError:

@@ -18,19 +18,42 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                        f"{e.start}); save it as UTF-8") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        raise UserError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+        # A reader error (a NUL byte) has no `problem`, and its text runs over two lines.
+        why = getattr(e, "problem", None) or getattr(e, "reason", None) or e
+        raise UserError(f"{path}{where}: not valid YAML ({why})") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of keys at the top level")
+    _check_keys(data, path, "")
     return data
+
+
+def _check_keys(node: Any, path: Path, where: str) -> None:
+    """Every key a name: YAML reads `2024-01-01:`, `1:`, `true:` or `null:` as a date, number,
+    bool or None, which no config key is (and which JSON, for the run's hash, cannot hold)."""
+    if isinstance(node, list):
+        for i, child in enumerate(node):
+            _check_keys(child, path, f"{where}.{i}")
+    elif isinstance(node, dict):
+        for key, child in node.items():
+            if not isinstance(key, str):
+                raise UserError(f"{path}: key {key} in {where or 'the top level'} is not a name "
+                                f"(YAML reads it as {type(key).__name__}); keys are names such "
+                                "as train or lr")
+            _check_keys(child, path, f"{where}.{key}" if where else key)
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     node = data
     parts = key.split(".")
+    if not all(parts):
+        raise UserError(f"{key}: a dotted key with an empty part (expected e.g. train.lr)")
     for part in parts[:-1]:
         child = node.get(part)
         if child is None:

@@ -8,10 +8,15 @@ from harness.errors import UserError
 
 
 def check_space(space: Any, path: str) -> dict[str, list[Any]]:
-    if not isinstance(space, dict) or not all(isinstance(v, list) and v for v in space.values()):
+    """A grid: each dotted key to the non-empty list of values it takes."""
+    if not isinstance(space, dict):
         raise UserError(
             f"{path}: expected a mapping of dotted keys to non-empty lists, got {space!r}"
         )
+    for key, values in space.items():
+        _check_key(key, path)
+        if not isinstance(values, list) or not values:
+            raise UserError(f"{path}.{key}: expected a non-empty list of values, got {values!r}")
     return space
 
 
@@ -20,7 +25,15 @@ def check_distributions(space: Any, path: str) -> dict[str, dict[str, Any]]:
         raise UserError(
             f"{path}: expected a mapping of dotted keys to distributions, got {space!r}"
         )
+    for key in space:
+        _check_key(key, path)
     return {key: distribution(value, f"{path}.{key}") for key, value in space.items()}
+
+
+def _check_key(key: Any, path: str) -> None:
+    """A space's key is set into each trial's config (`set_dotted`), so a dotted string."""
+    if not isinstance(key, str) or not all(key.split(".")):
+        raise UserError(f"{path}: {key!r} is not a dotted key of the run config (e.g. train.lr)")
 
 
 def _number(value: Any) -> float | int | None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from harness.config.run import Common, Strict
 from harness.config.space import check_distributions, check_space
+from harness.errors import UserError
 
 
 class SearchConfig(Strict):
@@ -68,6 +70,9 @@ class LauncherConfig(Strict):
     timeout_min: int = Field(60, ge=1, description="time limit per job; it requeues after it")
     signal_delay_s: int = Field(90, ge=1, description="USR2 this long before the time limit")
     max_timeouts: int = Field(3, ge=0, description="requeues after a time limit (preemption: any)")
+    max_requeues: int = Field(
+        3, ge=0, description="times the sweep resubmits a trial left interrupted with a checkpoint"
+    )
     array_parallelism: int | None = Field(None, ge=1, description="default: jobs")
     sbatch: dict[str, str | int | bool] = Field(
         default_factory=dict, description="extra #SBATCH options, e.g. {exclusive: true}"
@@ -75,6 +80,17 @@ class LauncherConfig(Strict):
     setup: list[str] = Field(
         default_factory=list, description="shell lines run first (module load, conda activate)"
     )
+
+    @field_validator("mem")
+    @classmethod
+    def _slurm_size(cls, value: str | None) -> str | None:
+        """sbatch --mem's own format (as sbatch checks it), here rather than by a job that never
+        starts."""
+        if value is not None and not re.fullmatch(r"\d+(?:[KMGT]B?)?", value, re.IGNORECASE):
+            raise ValueError(f"{value!r} is not a Slurm memory size (allowed: a whole number "
+                             "with an optional unit K, M, G or T, e.g. 64G or 64GB; 0: all of a "
+                             "node's)")
+        return value
 
     @property
     def ranks(self) -> int:
@@ -90,6 +106,17 @@ class SweepConfig(Common):
     storage: str | None = Field(
         None, description="Optuna storage: a journal file path or a database URL"
     )
+
+    @field_validator("methods")
+    @classmethod
+    def _method_names(cls, methods: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """`method:` names the registered method of a labelled entry (registry checks it)."""
+        for label, entry in methods.items():
+            name = entry.get("method", label)
+            if not isinstance(name, str):
+                raise UserError(f"methods.{label}.method: {name!r} is not a method name (a "
+                                "registered method; see `harness methods`)")
+        return methods
 
     @model_validator(mode="after")
     def _launcher_fits(self) -> SweepConfig:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -60,8 +61,7 @@ PAPER_RANKS = {"llama_60m": 128, "llama_130m": 256, "llama_350m": 256, "llama_1b
 # Method entries beyond each registered method at its defaults: label -> (method, settings).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"galore_8bit": ("galore",
                                                                    {"optimizer": "adam8bit"})}
-# Precision label -> train keys; GaLore's and Q-GaLore's bf16-true keeps states in bf16, as the
-# reference code does (their fp32-state form is refused).
+# Precision label -> train keys; bf16 states are the GaLore and Q-GaLore reference code's choice.
 PRECISIONS: dict[str, dict[str, str]] = {
     "bf16-true": {"precision": "bf16-true"},
     "bf16-true, bf16 states": {"precision": "bf16-true", "state_dtype": "bfloat16"},
@@ -93,10 +93,11 @@ def parse_memory(text: str) -> int:
     """'24GB', '24 GB', '24GiB', '16000MB' -> bytes (GB = 1e9, GiB = 2**30)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = UNITS.get(match.group(2).lower()) if match else None
-    if match is None or unit is None or float(match.group(1)) <= 0:
+    size = float(match.group(1)) * unit if match and unit else 0.0
+    if not 1 <= size < math.inf:  # 400 digits are infinite as a float; 0.1B is no byte
         raise UserError(f"--memory: '{text}' is not a memory size (e.g. 24GB, 24 GB, 24GiB, "
                         "16000MB; GB = 1e9 bytes, GiB = 2^30)")
-    return int(float(match.group(1)) * unit)
+    return int(size)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import pytest
 from harness.cli import main
 
 
-def test_bench_loop_json_record(capsys):
+def test_bench_loop_json_record(capfd):
     argv = [
         "bench",
         "loop",
@@ -26,8 +26,7 @@ def test_bench_loop_json_record(capsys):
         "--json",
     ]
     assert main(argv) == 0
-    out = capsys.readouterr().out
-    records = json.loads(out[out.index("[\n") :])
+    records = json.loads(capfd.readouterr().out)  # the whole stdout: JSON alone
     (record,) = records
     assert record["name"] == "loop/llama_micro/32-true/cpu" and record["target"] == 0.98
     assert len(record["rounds"]) == 2
@@ -37,26 +36,27 @@ def test_bench_loop_json_record(capsys):
     assert 0.2 < record["ratio"] < 5
 
 
-def test_bench_optim_table_from_the_command(capsys):
+def test_bench_optim_records_and_table_from_the_command(capfd):
+    from harness.bench.loop import optim_table
+
     argv = ["bench", "optim", "--preset", "llama_micro", "--gap", "4", "--steps", "2", "--rank",
-            "8", "--threads", "1", "--e2e", "8:2"]
+            "8", "--threads", "1", "--e2e", "8:2", "--json"]
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    out = optim_table(json.loads(capfd.readouterr().out))
     for name in ("adamw", "galore", "galore_rsvd", "galore_torch",
                  "e2e_galore/llama_tiny/rank8/1024tok"):
         assert name in out
     assert "vs galore-torch" in out and "0.8" in out and "1.05" in out
 
 
-def test_bench_memory_estimates_every_method_exactly(capsys):
+def test_bench_memory_estimates_every_method_exactly(capfd):
     """Weights, gradients, optimizer states and extras after three steps equal the estimator's
     prediction for every method (8-bit layer-wise GaLore included); each method also gets a
     peak record with its ±5% tolerance."""
     argv = ["bench", "memory", "--preset", "llama_micro", "--steps", "3", "--seq-len", "32",
             "--batch-size", "2", "--json"]
     assert main(argv) == 0
-    out = capsys.readouterr().out
-    records = json.loads(out[out.index("[\n") :])
+    records = json.loads(capfd.readouterr().out)  # the whole stdout: JSON alone
     parts = [r for r in records if "tolerance" not in r]
     assert len(parts) == 9 * 4
     assert all(r["value"] == r["estimate"] and r["ratio"] == 1.0 for r in parts), [
@@ -76,11 +76,10 @@ def test_bench_memory_refuses_fewer_than_three_steps(capsys):
     assert err.startswith("error: --steps 2:") and "--steps 3 or more" in err
 
 
-def test_bench_launch_times_each_launcher(capsys):
+def test_bench_launch_times_each_launcher(capfd):
     """One trial per launcher: a positive overhead, launch to first step minus the build."""
     assert main(["bench", "launch", "--rounds", "1", "--json"]) == 0
-    out = capsys.readouterr().out
-    records = json.loads(out[out.index("[\n") :])
+    records = json.loads(capfd.readouterr().out)  # the whole stdout: JSON alone
     assert [r["name"] for r in records] == ["launch/local", "launch/submitit-local"]
     for r in records:
         assert len(r["per_trial"]) == 1 and 0 < r["value"] < 120 and r["unit"] == "s"

@@ -11,10 +11,22 @@ from harness.errors import UserError
 def test_grid_space_is_a_mapping_of_non_empty_lists():
     space = {"train.lr": [1e-3, 3e-3], "memory.recompute": ["none", ["mlp"]]}
     assert check_space(space, "search.space") is space
-    for bad in ({"train.lr": []}, {"train.lr": 0.001}, [("train.lr", [1])], None):
+    for bad in ([("train.lr", [1])], None):
         with pytest.raises(UserError, match=r"^search.space: expected a mapping of dotted keys "
                                             r"to non-empty lists, got "):
             check_space(bad, "search.space")
+    for bad in ({"train.lr": []}, {"train.lr": 0.001}):  # the message names the key
+        with pytest.raises(UserError, match=r"^search.space.train.lr: expected a non-empty list "
+                                            r"of values, got "):
+            check_space(bad, "search.space")
+
+
+@pytest.mark.parametrize("key", [1, None, "train..lr", ".lr", ""])
+def test_a_space_key_is_a_dotted_string(key):
+    """It is set into each trial's config; an int key (`1: [2]` in YAML) used to crash there."""
+    for check, values in ((check_space, [1]), (check_distributions, [1])):
+        with pytest.raises(UserError, match=rf"^search.space: {key!r} is not a dotted key"):
+            check({key: values}, "search.space")
 
 
 def test_a_list_is_categorical():

@@ -37,8 +37,7 @@ def test_optuna_keys_need_an_optuna_sampler(extra):
 def test_grid_space_is_lists_and_optuna_space_is_distributions():
     grid = sweep(search={"space": {"train.lr": [1e-3, 3e-3]}}).search
     assert grid.space == {"train.lr": [1e-3, 3e-3]}
-    with pytest.raises(UserError, match=r"^search.space: expected a mapping of dotted keys "
-                                        r"to non-empty lists"):
+    with pytest.raises(UserError, match=r"^search.space.train.lr: expected a non-empty list "):
         sweep(search={"space": {"train.lr": {"low": 1e-4, "high": 1e-2}}})
     tpe = SearchConfig(sampler="tpe", n_trials=3,
                        space={"train.lr": {"low": 1e-4, "high": 1e-2, "log": True}})
