@@ -118,7 +118,7 @@ except CheckpointError as e:
 
 def test_a_save_the_disk_cannot_hold_leaves_the_previous_whole(tmp_path):
     """A real write failure: the child's file size limit (RLIMIT_FSIZE) makes the kernel refuse
-    the write past 1 MiB (EFBIG, as ENOSPC on a full disk; tests/train/test_faults.py fills a
+    the write past 1 MiB (EFBIG, as ENOSPC on a full disk; tests/train/test_train_faults.py fills a
     real tmpfs)."""
     saved(tmp_path, 1)
     before = (tmp_path / "state.pt").read_bytes()
