@@ -78,6 +78,11 @@ class Method:
         """Why this method cannot honour the run's memory modifiers or precision (None: it can)."""
         return None
 
+    def warning(self, run: RunConfig) -> str | None:
+        """One line said at load time and kept in the summary: a valid setting that departs
+        from the method's reference (e.g. ReLoRA's merges inside the warmup); None: none."""
+        return None
+
     def on_step(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any] | None:

@@ -60,8 +60,9 @@ class Trainer:
             self.run = run = run.model_copy(update={"train": t.model_copy(update={"steps": steps})})
             t = run.train
         self.method = build_method(run, self.steps)
-        warning = rank_warning(self.method, {n: p.shape for n, p in model.named_parameters()})
-        self.warnings = [warning] if warning else []  # kept in the summary
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        said = (rank_warning(self.method, shapes), self.method.warning(run))
+        self.warnings = [line for line in said if line]  # kept in the summary
         for line in self.warnings:
             distributed.say(f"warning: {line}")
         model = pure_bf16(model.to(self.device), t)  # bf16-true: before and after `prepare`

@@ -34,6 +34,7 @@ SPEC = {
     "restart_warmup_steps": 3,
     "warm_start_steps": 4,
     "prune_ratio": 0.9,
+    "warm_start": "joint",
 }
 
 
@@ -89,10 +90,14 @@ def test_relora_resumes_exactly_across_warm_start_and_merges(straight, tmp_path)
     assert resumes_exactly(data, tmp_path, out, stop=10)  # past the warm start and a merge
 
 
-@pytest.mark.parametrize("warm_start", [0, 2])
+@pytest.mark.parametrize(
+    "warm_start",
+    [{}, {"warm_start_steps": 2, "warm_start": "joint"},
+     {"warm_start_steps": 2, "reset_every": 4, "restart_warmup_steps": 1}],  # two runs: 6 = 2 + 4
+)
 def test_relora_estimate_equals_the_real_tensors_on_60m(warm_start):
     estimate, measured = estimate_and_measure(
-        {"name": "relora", "rank": 16, "warm_start_steps": warm_start}, "llama_60m", 32000
+        {"name": "relora", "rank": 16, **warm_start}, "llama_60m", 32000
     )
     assert estimate == measured
 
@@ -172,7 +177,7 @@ def test_optimizer_reset_prunes_the_smallest_moments_or_zeroes_them():
 
 
 def test_warm_start_trains_the_base_then_freezes_it_also_after_a_resume():
-    method, model, optimizer, ids = prepared(warm_start_steps=2)
+    method, model, optimizer, ids = prepared(warm_start_steps=2, warm_start="joint")
     base = [layer.get_base_layer().weight for layer in lora_layers(model)]
     start = [w.clone() for w in base]
     steps(method, model, optimizer, ids, 2)
@@ -182,7 +187,8 @@ def test_warm_start_trains_the_base_then_freezes_it_also_after_a_resume():
     steps(method, model, optimizer, ids, 2, first=3)
     assert all(torch.equal(w, a) for w, a in zip(base, after, strict=True))
     saved = optimizer.state_dict()
-    method, model, optimizer, _ = prepared(warm_start_steps=2)  # a resume rebuilds both
+    # a resume rebuilds both
+    method, model, optimizer, _ = prepared(warm_start_steps=2, warm_start="joint")
     assert all(layer.get_base_layer().weight.requires_grad for layer in lora_layers(model))
     optimizer.load_state_dict(saved)
     assert not any(layer.get_base_layer().weight.requires_grad for layer in lora_layers(model))
