@@ -2,9 +2,13 @@
 
 The targeted linears become quant.Int8Linear (INT8 codes, no float weight) and are updated
 inside backward (methods/qgalore_optim.py); every other parameter trains with the inner
-optimizer at full rank. `simulate` keeps float weights, fake-quantized to INT8 in forward with a
-straight-through gradient, and runs GaLore's ordinary optimizer with the same INT4 bases and
-lazy schedule: the form that data parallelism can use.
+optimizer at full rank. `simulate` keeps float weights, fake-quantized to INT8 (nearest) in
+forward with a straight-through gradient, and runs GaLore's ordinary optimizer with the same INT4
+bases and lazy schedule: the form that data parallelism can use. Its `simulate_mode`:
+`fake_quant` (ours, the default) keeps the float weights between steps, so updates below an INT8
+step accumulate there; `snap` (the reference's `--simulation`) also rounds every targeted weight
+stochastically onto its INT8 grid after each step, so the weights are INT8 values held in floats,
+as in the fused form. Settings that select the reference code's behaviour: docs/fidelity.md.
 
 Memory, counted as the real tensors hold it (estimate == measure):
 - weights: one byte per INT8 code plus the float32 non-target parameters (simulate: all float);
@@ -24,7 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -68,13 +72,33 @@ class QGaLoreConfig(ProjectionConfig):
     weight_group: int = Field(256, ge=1, description="values per INT8 weight quantization group")
     proj_group: int = Field(256, ge=1, description="values per INT4 projection group")
     queue_size: int = Field(5, ge=1, description="lazy update: cosines averaged before growing")
-    threshold: float = Field(0.4, ge=0, le=1, description="lazy update: mean |cosine| to grow")
+    threshold: float = Field(
+        0.4, ge=0, le=1, description="lazy update: mean cosine to grow (|cosine|: ours)")
     gamma: float = Field(2.0, ge=1, description="lazy update: the gap's growth factor")
     optimizer: Literal["adamw", "adam8bit"] = Field(
         "adam8bit", description="inner optimizer, also used at full rank for the other weights")
     min_8bit_size: int = Field(4096, ge=1, description="adam8bit: smaller states stay 32-bit")
     simulate: bool = Field(
         False, description="float weights fake-quantized in forward; ordinary gradients")
+    simulate_mode: Literal["fake_quant", "snap"] = Field(
+        "fake_quant", description="simulate: fake_quant keeps float weights between steps; "
+        "snap (the reference's) rounds them stochastically to the INT8 grid after each step")
+    lazy_schedule: Literal["ours", "reference"] = Field(
+        "ours", description="ours: |cosine|, queue restarted after each growth, gap counted "
+        "from the last SVD; reference: signed cosine, rolling queue, SVD when step % gap == 0")
+    clip_int8: bool = Field(
+        True, description="train.grad_clip also clips each INT8 layer's low-rank gradient "
+        "(false: the reference, which never clips them)")
+
+    @model_validator(mode="after")
+    def _check(self) -> QGaLoreConfig:
+        if self.simulate_mode == "snap" and not self.simulate:
+            raise ValueError("simulate_mode 'snap' needs simulate: true (simulate: false "
+                             "already keeps INT8 weights)")
+        if not self.clip_int8 and self.simulate:
+            raise ValueError("clip_int8: false needs simulate: false (the simulated form clips "
+                             "every gradient together, as the reference's simulation does)")
+        return self
 
 
 class FakeInt8(nn.Module):
@@ -115,13 +139,15 @@ class QGaLore(GaLore):
         return {"lr": run.train.lr, "betas": c.betas, "eps": c.eps, "inner": c.optimizer,
                 "min_8bit_size": c.min_8bit_size, **own_optimizer_kwargs(run.train),
                 "lazy": {"base_gap": c.update_proj_gap, "queue_size": c.queue_size,
-                         "threshold": c.threshold, "gamma": c.gamma}}
+                         "threshold": c.threshold, "gamma": c.gamma,
+                         "schedule": c.lazy_schedule}}
 
     def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
         """simulate: GaLore's groups and optimizer, with the INT4 bases and lazy SVDs."""
         c = self.config
+        snap = c.weight_group if c.simulate_mode == "snap" else None
         return QGaLoreSimOptimizer(groups, proj_group=c.proj_group, proj_type=c.proj_type,
-                                   scale=c.scale, **self.common(run))
+                                   scale=c.scale, snap=snap, seed=run.seed, **self.common(run))
 
     def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
         c = self.config
@@ -131,7 +157,7 @@ class QGaLore(GaLore):
         return QGaLoreOptimizer(  # Int8Linear keeps no weight parameter: the rest are others
             layers, list(model.parameters()), weight_decay=run.train.weight_decay, rank=c.rank,
             proj_type=c.proj_type, scale=c.scale, proj_group=c.proj_group,
-            clip=run.train.grad_clip, seed=run.seed, **self.common(run))
+            clip=run.train.grad_clip, clip_int8=c.clip_int8, seed=run.seed, **self.common(run))
 
     def refusal(self, run: RunConfig) -> str | None:
         m, fused = run.memory, not self.config.simulate
@@ -142,6 +168,11 @@ class QGaLore(GaLore):
             return ("its INT8 updates run inside backward, before an overflow in a later "
                     "gradient could skip the step; use bf16-mixed (or simulate: true with "
                     "16-mixed)")
+        if (not fused and self.config.simulate_mode == "snap"
+                and run.train.precision == "bf16-true" and run.train.update_compensation != "none"):
+            return ("simulate_mode snap rounds its targeted weights to the INT8 grid after "
+                    "every step, which discards what an update compensation keeps; use "
+                    "train.update_compensation: none")
         if not fused and m.layerwise:
             return ("the layer-wise form of Q-GaLore is simulate: false, whose INT8 layers "
                     "already update inside backward")

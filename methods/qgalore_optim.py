@@ -12,18 +12,23 @@ lr-scaled update applied to the INT8 codes by stochastic rounding from a seeded 
 state is checkpointed. Embeddings, norms and lm_head train too (fixing Q-GaLore#12), each
 parameter with the same inner optimizer at full rank, stepped in its own post-accumulate-grad
 hook by the LayerwiseOptimizer this class extends; the scheduler drives every group's LR.
-Gradient clipping, which cannot be global here, clips each layer's low-rank gradient (what Adam
-sees) and each other parameter's gradient on its own.
+Gradient clipping, which cannot be global here, clips each other parameter's gradient on its own
+and, with `clip_int8` (the default), each layer's low-rank gradient (what Adam sees): an INT8
+layer's update is as exposed to a gradient spike as any other's. The reference never clips them
+(its clip_grad_norm_ sees only parameters that require grad; its INT8 weights do not):
+`clip_int8: false`.
 
 `QGaLoreSimOptimizer` is the simulated form: float weights with ordinary `.grad` (so data
 parallelism works), GaLore's optimizer with the same INT4 round trip on each basis and the same
-lazy SVD schedule.
+lazy SVD schedule. With `snap` (simulate_mode: snap, the reference's simulation) every targeted
+weight with a gradient is then rounded stochastically onto its fresh INT8 grid, drawing from a
+seeded generator that is checkpointed (and the same on every rank, so replicas stay equal).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -38,6 +43,7 @@ from harness.methods.quant import (
     LazyGap,
     dequantize_int4_packed,
     quantize_int4_packed,
+    snap_int8_,
 )
 from harness.modifiers.layerwise import LayerwiseOptimizer
 
@@ -79,7 +85,7 @@ class QGaLoreOptimizer(LayerwiseOptimizer):
     def __init__(self, layers: list[Int8Linear], params: list[nn.Parameter], *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, inner: str,
                  min_8bit_size: int, rank: int, proj_type: str, scale: float, proj_group: int,
-                 lazy: dict[str, Any], clip: float | None, seed: int,
+                 lazy: dict[str, Any], clip: float | None, clip_int8: bool, seed: int,
                  state_dtype: torch.dtype | None = None, compensation: str = "none") -> None:
         def make(p: nn.Parameter) -> GaLoreOptimizer:  # decay on matrices only
             decay = weight_decay if p.dim() >= 2 else 0.0
@@ -93,6 +99,7 @@ class QGaLoreOptimizer(LayerwiseOptimizer):
         self.adam = AdamKernel(inner == "adam8bit", min_8bit_size)  # the low-rank moments' update
         self.state_dtype = state_dtype  # INT8 codes take stochastic rounding, never `compensation`
         self.layers, self.proj_group, self.base_gap = layers, proj_group, lazy["base_gap"]
+        self.int8_clip = clip if clip_int8 else None  # the reference's: None
         self.sides = {m: side_of((m.out_features, m.in_features), proj_type, rank)
                       for m in layers}
         self.gaps = {m: LazyGap(**lazy) for m in layers}
@@ -145,8 +152,8 @@ class QGaLoreOptimizer(LayerwiseOptimizer):
         low = project(g, basis, side) if full else g
         if self.state_dtype is not None:
             low = low.to(self.state_dtype)
-        if self.clip:
-            low.mul_((self.clip / (low.norm() + 1e-6)).clamp(max=1.0))
+        if self.int8_clip:
+            low.mul_((self.int8_clip / (low.norm() + 1e-6)).clamp(max=1.0))
         scratch = torch.zeros_like(low)  # Adam with lr 1 and no decay leaves -N here
         self.adam(group, [scratch], [low], [st["moments"]], 1.0, 0.0)
         lr, wd = group["lr"], group["weight_decay"]
@@ -215,12 +222,30 @@ def _to(v: Any, device: torch.device) -> Any:
 
 
 class QGaLoreSimOptimizer(GaLoreOptimizer):
-    """GaLore with INT4-rounded bases and the lazy schedule, on float weights (`simulate`)."""
+    """GaLore with INT4-rounded bases and the lazy schedule, on float weights (`simulate`);
+    `snap`: the INT8 group size to which targeted weights are snapped after each step."""
 
     def __init__(self, params: Iterable[Any], *, lazy: dict[str, Any], proj_group: int,
-                 **kwargs: Any) -> None:
+                 snap: int | None, seed: int, **kwargs: Any) -> None:
         super().__init__(params, update_proj_gap=1, moments="keep", **kwargs)  # LazyGap decides
-        self.lazy, self.proj_group = lazy, proj_group
+        self.lazy, self.proj_group, self.snap = lazy, proj_group, snap
+        targets = self.targets()
+        device = targets[0].device if targets else torch.device("cpu")
+        self.generator = None if snap is None else torch.Generator(device).manual_seed(seed)
+
+    def targets(self) -> list[Tensor]:
+        return [p for g in self.param_groups if g["rank"] for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """GaLore's step, then (snap) each targeted weight that has a gradient, as the
+        reference does, onto its INT8 grid."""
+        loss = super().step(closure)
+        if self.snap is not None and self.generator is not None:  # both or neither
+            for p in self.targets():
+                if p.grad is not None:
+                    snap_int8_(p, self.snap, self.generator)
+        return loss
 
     def _gap(self, st: dict[str, Any]) -> LazyGap:
         gap = LazyGap(**self.lazy)
@@ -239,7 +264,8 @@ class QGaLoreSimOptimizer(GaLoreOptimizer):
         gap.observe(st["proj_step"], first_vector(basis))
         st["lazy"] = gap.state_dict()
         rounded = {k: dequantize_int4_packed(*quantize_int4_packed(v, self.proj_group), v.shape,
-                                             self.proj_group) for k, v in basis.items()}
+                                             self.proj_group).to(v.dtype)  # GaLore's dtype
+                   for k, v in basis.items()}
         super()._switch(policy, st, rounded)
 
     def svd_stats(self) -> dict[str, Any]:
@@ -247,4 +273,15 @@ class QGaLoreSimOptimizer(GaLoreOptimizer):
         return {**lazy_stats([self._gap(st) for st in states],
                              [st["proj_step"] for st in states], self.lazy["base_gap"]),
                 "svd_retries": self.svd_retries, "svd_failures": self.svd_failures}
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        if self.generator is not None:
+            sd["snap_generator"] = self.generator.get_state()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self.generator is not None:
+            self.generator.set_state(state_dict["snap_generator"])
 

@@ -18,6 +18,7 @@ Conventions (shared by INT8 and INT4; codes match q-galore-torch wherever a grou
   there the clamp biases the code by less than one step, as in the reference.
 - A weight update requantizes the updated float weight with a fresh per-group range (as the
   reference does), so weights may grow; stochastic rounding keeps E[new weight] = old + delta.
+  `snap_int8_` does the same to a float weight in place (`simulate_mode: snap`).
 
 Int8Linear and the fused backward update: the module keeps the INT8 codes, scales and zero
 points as buffers (no float weight parameter, so `model.parameters()` skips it) and runs a
@@ -32,19 +33,21 @@ nor a bias needs a gradient (a zero-size anchor input requires grad). Forward an
 dequantize into a transient float32 matrix; `apply_update` rebinds new buffers, never writes in
 place, so a forward's saved codes stay valid.
 
-LazyGap differs from the reference's projector in three ways: an SVD is due `gap` steps after
-the last one (the reference tests `step % gap == 0`, which after a growth can fire one old gap
-later); the cosine is taken in absolute value (singular vectors have an arbitrary sign, which
-the reference reads as dissimilarity); and by default the queue restarts after each growth, so
-every doubling needs `queue_size` fresh checks, the paper's "over k checks" (the reference keeps
-a rolling queue and doubles at every SVD while the mean stays high: `reset_queue=False`).
+LazyGap has two schedules (`lazy_schedule`). `ours` (the default) differs from the reference's
+projector in three ways: an SVD is due `gap` steps after the last one (the reference tests
+`step % gap == 0`, which after a growth can fire one old gap later); the cosine is taken in
+absolute value (singular vectors have an arbitrary sign, which the reference reads as
+dissimilarity); and the queue restarts after each growth, so every growth needs `queue_size`
+fresh checks, the paper's "over k checks" (the reference keeps a rolling queue and grows at every
+SVD while its mean stays high: 200 → 400 → 800 …). `reference` is q-galore-torch's rule
+(q_galore_projector.py, GaLoreProjector.project): signed cosine, rolling queue, `step % gap`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +127,18 @@ def dequantize_int8(
     return flat.reshape(codes.shape)
 
 
+@torch.no_grad()
+def snap_int8_(
+    w: torch.Tensor, group: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w ← its stochastic rounding onto a fresh per-group INT8 grid, in place (in w's dtype):
+    the reference's `simulate` keeps float weights on the INT8 grid this way after each step.
+    Returns the grid (codes, scale, zero) it snapped to."""
+    q = quantize_int8(w, group, generator)
+    w.copy_(dequantize_int8(*q, group))
+    return q
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Flattened 4-bit codes (uint8, 0..15), two per byte, low nibble first."""
     flat = codes.reshape(-1).to(torch.uint8)
@@ -167,42 +182,50 @@ def int4_packed_bytes(shape: torch.Size | tuple[int, ...], group: int = GROUP) -
     return math.ceil(n / 2) + PARAM_BYTES * math.ceil(n / group)
 
 
+Schedule = Literal["ours", "reference"]
+
+
 class LazyGap:
     """Q-GaLore's lazy subspace updates for one matrix: the SVD interval grows by `gamma` once
-    the first singular vectors of `queue_size` consecutive SVDs keep a mean |cosine similarity|
-    with their predecessor of at least `threshold` (the subspace has converged)."""
+    the first singular vectors of `queue_size` consecutive SVDs keep a mean cosine similarity
+    with their predecessor of at least `threshold` (the subspace has converged); `schedule` as
+    the module docstring says."""
 
     def __init__(self, base_gap: int, queue_size: int = 5, threshold: float = 0.4,
-                 gamma: float = 2.0, reset_queue: bool = True) -> None:
+                 gamma: float = 2.0, schedule: Schedule = "ours") -> None:
         self.gap = base_gap
         self.queue_size = queue_size
         self.threshold = threshold
         self.gamma = gamma
-        self.reset_queue = reset_queue  # False: the reference's rolling queue
+        self.reference = schedule == "reference"
         self.queue: list[float] = []
         self.svd_count = 0
         self.last_step: int | None = None
         self.prev: torch.Tensor | None = None
 
     def due(self, step: int) -> bool:
-        """An SVD is due at the first step or `gap` steps after the last one."""
-        return self.last_step is None or step - self.last_step >= self.gap
+        """An SVD is due at the first step, then `gap` steps after the last one (reference:
+        at every multiple of `gap`)."""
+        if self.last_step is None:
+            return True
+        return step % self.gap == 0 if self.reference else step - self.last_step >= self.gap
 
     def observe(self, step: int, vector: torch.Tensor) -> float | None:
-        """Records an SVD at `step` with first singular vector `vector`; returns its |cosine|
-        with the previous one (None at the first SVD). The absolute value, because an SVD's
-        singular vectors are only defined up to sign."""
+        """Records an SVD at `step` with first singular vector `vector`; returns its cosine
+        with the previous one (None at the first SVD): in absolute value for `ours`, because an
+        SVD's singular vectors are only defined up to sign; signed for `reference`."""
         self.svd_count += 1
         self.last_step = step
         v = vector.detach().reshape(-1).float().clone()
         cos = None
         if self.prev is not None:
-            cos = abs(F.cosine_similarity(self.prev, v, dim=0).item())
+            cos = F.cosine_similarity(self.prev, v, dim=0).item()
+            cos = cos if self.reference else abs(cos)
             self.queue = [*self.queue, cos][-self.queue_size:]
             full = len(self.queue) == self.queue_size
             if full and sum(self.queue) / self.queue_size >= self.threshold:
                 self.gap = int(self.gap * self.gamma)
-                if self.reset_queue:
+                if not self.reference:
                     self.queue = []
         self.prev = v
         return cos

@@ -85,10 +85,10 @@ def test_trains_int8_weights_and_every_other_parameter(tmp_path):
     assert trainer.costs["extra_bytes"] < trainer.costs["param_bytes"]
 
 
-def tiny(rank: int = 4, gap: int = 2, **method) -> tuple:
-    """A single q_proj (32×64) made INT8, its method and optimizer."""
-    run = load_run({**micro_run(grad_clip=None), "method": {"name": "qgalore", "rank": rank,
-                                              "update_proj_gap": gap, **method}})
+def tiny(rank: int = 4, gap: int = 2, grad_clip: float | None = None, **method) -> tuple:
+    """A single q_proj (32×64) made INT8 (or float, simulate), its method and optimizer."""
+    run = load_run({**micro_run(grad_clip=grad_clip), "method": {
+        "name": "qgalore", "rank": rank, "update_proj_gap": gap, **method}})
     method_ = build_method(run)
     torch.manual_seed(0)
     model = method_.prepare(nn.ModuleDict({"q_proj": nn.Linear(64, 32, bias=False)}), run)
@@ -207,10 +207,13 @@ def test_lazy_gap_doubles_while_the_subspace_stays(aligned):
     assert (basis.T @ basis - torch.eye(4)).abs().max() < 0.2
 
 
-def test_resume_gives_the_same_losses_step_for_step(tmp_path):
-    # the gap grows 1 → 2 at step 3 and 2 → 4 at step 5: resuming at 3 needs LazyGap's state
+@pytest.mark.parametrize("reference", [False, True])
+def test_resume_gives_the_same_losses_step_for_step(tmp_path, reference):
+    # the gap grows 1 → 2 at step 3 and 2 → 4 at step 5: resuming at 3 needs LazyGap's state;
+    # reference: its schedule and unclipped INT8 gradients (grad_clip 1.0 clips them otherwise)
+    keys = {"lazy_schedule": "reference", "clip_int8": False} if reference else {}
     run = load_run(qgalore_run(6, update_proj_gap=1, queue_size=2, threshold=0.0,
-                               min_8bit_size=1))
+                               min_8bit_size=1, **keys))
     train(run, tmp_path / "straight")
     first = train(run, tmp_path / "resumed", should_stop=lambda step: step == 3)
     assert (first["status"], first["step"]) == ("interrupted", 3)
@@ -221,7 +224,11 @@ def test_resume_gives_the_same_losses_step_for_step(tmp_path):
         drop = ("tokens_per_s", "step_time_s", "memory_bytes")
         assert [{k: v for k, v in r.items() if k not in drop} for r in straight] == [
             {k: v for k, v in r.items() if k not in drop} for r in resumed]
-    assert [e["step"] for e in rows(tmp_path / "straight", "event")] == [1, 2, 3, 5]
+    events = rows(tmp_path / "straight", "event")
+    if reference:  # signed cosines: only the layers whose mean stays >= 0 grow their gap
+        assert events[2]["step"] == 3 and events[-1]["svd_skipped"] > 0
+    else:
+        assert [e["step"] for e in events] == [1, 2, 3, 5]
     assert second["eval_loss"] == train(run, tmp_path / "straight")["eval_loss"]
 
 

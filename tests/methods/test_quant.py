@@ -151,11 +151,13 @@ def test_lazy_gap_resumes_exactly():
     assert steps[5:] == rest and a.state_dict()["gap"] == c.gap > 2
 
 
-def test_lazy_gap_matches_reference_rolling_queue():
+def test_lazy_gap_reference_schedule_matches_q_galore_torch():
+    """schedule 'reference' keeps GaLoreProjector's rolling queue, gap and signed cosine, fed
+    the same first singular vectors; ours reads a sign flip as the same direction."""
     from q_galore_torch.q_galore_projector import GaLoreProjector
 
     ref = GaLoreProjector(rank=1, update_proj_gap=3)
-    ours = LazyGap(3, reset_queue=False)
+    ours = LazyGap(3, schedule="reference")
     v = torch.nn.functional.normalize(torch.randn(16, generator=gen()), dim=0)
     for i, cos in enumerate([1.0, 0.3, 0.1, 0.2, 0.3, 0.35, 0.2, 0.9, 0.95, 0.9, 0.99, 0.9]):
         v = unit_at(v, cos, i) if i else v
@@ -165,9 +167,13 @@ def test_lazy_gap_matches_reference_rolling_queue():
         assert ours.gap == ref.update_proj_gap and ours.svd_count == ref.svd_count
         assert ours.queue == pytest.approx(ref.queue, abs=1e-6)
     assert ours.gap == 3 * 2**4  # the rolling queue grows the gap at every aligned SVD
+    assert [s for s in range(40, 120) if ours.due(s)] == [48, 96]  # step % gap, not gap after
     ref.get_orthogonal_matrix = lambda *_, **__: -v[:, None]  # the reference reads a flip as -1
     ref.project(torch.zeros(16, 32), 0)
-    assert ref.queue[-1] == pytest.approx(-1.0) and ours.observe(12, -v) == pytest.approx(1.0)
+    assert ref.queue[-1] == pytest.approx(-1.0) and ours.observe(12, -v) == pytest.approx(-1.0)
+    absolute = LazyGap(3)
+    absolute.observe(0, v)
+    assert absolute.observe(3, -v) == pytest.approx(1.0)
 
 
 def test_int8_codes_match_reference_nearest_and_stochastic():
