@@ -27,6 +27,7 @@ table { border-collapse: collapse; font-size: .92em; }
 th, td { border: 1px solid #d0d7de; padding: .35rem .7rem; text-align: left; white-space: nowrap; }
 th { background: #eaeef2; }
 tbody tr:nth-child(even) { background: #f6f8fa; }
+td.flag { background: #fff1c2; color: #7d4e00; white-space: normal; min-width: 16rem; }
 caption, figcaption { color: #57606a; font-size: .9em; padding: .3rem 0; text-align: left; }
 figure { margin: 1.5rem 0; }
 img { max-width: 100%; height: auto; display: block; border: 1px solid #eaeef2; }
@@ -48,10 +49,12 @@ class Paragraph:
 
 @dataclass(frozen=True)
 class Table:
-    """Cells are shown as given (pre-formatted strings), blanks for missing values."""
+    """Cells are shown as given (pre-formatted strings), blanks for missing values; non-empty
+    cells of the `flag` column (a comparison's `differs`) are marked, so they catch the eye."""
 
     frame: pd.DataFrame
     caption: str = ""
+    flag: str = ""
 
 
 @dataclass(frozen=True)
@@ -110,13 +113,19 @@ def _table(table: Table) -> str:
     """A wide table scrolls sideways inside its box instead of widening the page."""
     frame = table.frame.fillna("")
     head = "".join(f"<th>{escape(str(c))}</th>" for c in frame.columns)
+    flagged = [c == table.flag for c in frame.columns]
     rows = "\n".join(
-        "<tr>" + "".join(f"<td>{escape(str(v))}</td>" for v in row) + "</tr>"
+        "<tr>" + "".join(_cell(v, flag) for v, flag in zip(row, flagged, strict=True)) + "</tr>"
         for row in frame.itertuples(index=False)
     )
     caption = f"<caption>{escape(table.caption)}</caption>" if table.caption else ""
     return (f'<div class="scroll"><table>{caption}<thead><tr>{head}</tr></thead>\n'
             f"<tbody>\n{rows}\n</tbody></table></div>")
+
+
+def _cell(value: object, flag: bool) -> str:
+    text = escape(str(value))
+    return f'<td class="flag">{text}</td>' if flag and text else f"<td>{text}</td>"
 
 
 def _inline_code(text: str) -> str:

@@ -18,17 +18,19 @@ matches a paper's setting:
 Each of our configurations enters at its own best LR (seed-mean, `stats.best_lr`). Table 2's
 memory is an estimate of BF16 weights + optimizer states (see `harness estimate`), not a peak,
 so only its perplexity is compared; Table 11's memory is a measured peak, compared in GB.
+Every compared pair carries `differs` and `unknown`: the settings of the paper's recipe
+(paper/settings.csv, `recipe.py`) that our configuration's trials hold otherwise, or do not
+record, so a comparison that is not like for like says so.
 """
 
 from __future__ import annotations
 
 import math
-from functools import cache
-from importlib import resources
 
 import pandas as pd
 
 from .format import VARIANT_DEFAULTS
+from .recipe import departures, load_paper, recipe
 from .stats import at_best, best_lr
 
 SIZES = {"llama_60m": "60M", "llama_130m": "130M", "llama_350m": "350M", "llama_1b": "1B",
@@ -47,18 +49,10 @@ PAPER_ROWS = {
 PRETRAIN_TABLES = ("galore_table2", "galore_table3", "qgalore_table1", "relora_table")
 COMPARE_COLUMNS = [
     "method", "memory", "precision", "model", "steps", "lr", "setting", "metric", "paper",
-    "ours", "ci", "n", "difference", "source",
+    "ours", "ci", "n", "difference", "differs", "unknown", "source",
 ]  # fmt: skip
 VARIANT = ["method", "memory", "precision", "model"]
 DEFAULTS = {**VARIANT_DEFAULTS, "model": "unknown"}
-
-
-@cache
-def load_paper(name: str) -> pd.DataFrame:
-    """One published table by file stem (e.g. "galore_table2"), shipped with the package."""
-    path = resources.files("harness.analysis").joinpath(f"paper/{name}.csv")
-    with path.open(encoding="utf-8") as f:
-        return pd.read_csv(f)
 
 
 def paper_key(method_name: object, optimizer: object) -> str | None:
@@ -101,14 +95,18 @@ def compare_pretrain(trials: pd.DataFrame) -> pd.DataFrame:
     ours = ours[(task_kind(ours) == "pretrain") & ours["model"].isin(list(SIZES))]
     keys = [*VARIANT, "steps", "key"]
     picks = best_lr(ours[ours["key"].notna()], keys)
-    papers = pd.concat([load_paper(name) for name in PRETRAIN_TABLES], ignore_index=True)
+    papers = pd.concat([load_paper(name).assign(table=name) for name in PRETRAIN_TABLES],
+                       ignore_index=True)
     rows = []
     for pick in picks.to_dict("records"):
         same = papers[papers["method"].isin(PAPER_ROWS[pick["key"]])
                       & (papers["model"] == SIZES[pick["model"]])
                       & (papers["steps"].isna() | (papers["steps"] == pick["steps"]))]
+        members = _members(ours, pick, keys)
         for ref in same.to_dict("records"):
-            rows.append(_row(pick, _setting(ref), "perplexity", ref["perplexity"], ref["source"]))
+            checked = departures(members, recipe(ref["table"], ref["method"], ref["model"]))
+            rows.append(_row(pick, _setting(ref), "perplexity", ref["perplexity"], ref["source"],
+                             checked))
     return _frame(rows)
 
 
@@ -131,8 +129,11 @@ def compare_glue(trials: pd.DataFrame) -> pd.DataFrame:
         ranks = paper["rank"].isna() if pick["key"] == "full" else paper["rank"] == pick["rank"]
         same = paper[paper["method"].isin(PAPER_ROWS[pick["key"]]) & ranks
                      & (names == pick["task"])]
+        members = _members(ours, pick, keys)
         for ref in same.to_dict("records"):
-            rows.append(_row(pick, ref["task"], "score", ref["score"], ref["source"]))
+            wanted = recipe("galore_table4", ref["method"], ref["task"], ref["rank"])
+            rows.append(_row(pick, ref["task"], "score", ref["score"], ref["source"],
+                             departures(members, wanted)))
     return _frame(rows)
 
 
@@ -152,11 +153,13 @@ def compare_throughput(trials: pd.DataFrame) -> pd.DataFrame:
         same = paper[paper["method"].isin(PAPER_ROWS[pick["key"]])
                      & (paper["layerwise"] == pick["layerwise"])]
         setting = "1B, layer-wise" if pick["layerwise"] else "1B"
+        members = _members(ours, pick, keys)
         for ref in same.to_dict("records"):
+            checked = departures(members, recipe("galore_table11", ref["method"], ref["model"]))
             for metric, column, value in (("memory (GB)", "memory_gb", memory[i]),
                                           ("tok/s", "tokens_per_s", speed[i])):
                 stat = {**pick, "mean": value, "ci": math.nan}
-                rows.append(_row(stat, setting, metric, ref[column], ref["source"]))
+                rows.append(_row(stat, setting, metric, ref[column], ref["source"], checked))
     return _frame(rows)
 
 
@@ -175,10 +178,22 @@ def _score(trials: pd.DataFrame) -> pd.Series:
     return column("best_eval_score").fillna(column("eval_score"))
 
 
-def _row(pick: dict, setting: str, metric: str, paper: float, source: str) -> dict:
+def _members(ours: pd.DataFrame, pick: dict, keys: list[str]) -> pd.DataFrame:
+    """The trials of one pick (its configuration at its chosen LR), whose config the paper's
+    recipe is checked against; a missing key value (NaN) matches a missing one."""
+    same = pd.Series(True, index=ours.index)
+    for key in [*keys, "lr"]:
+        value = pick[key]
+        same &= ours[key].isna() if pd.isna(value) else ours[key] == value
+    return ours[same]
+
+
+def _row(pick: dict, setting: str, metric: str, paper: float, source: str,
+         checked: tuple[str, str]) -> dict:
     return {**{k: pick[k] for k in COMPARE_COLUMNS[:6]}, "setting": setting, "metric": metric,
             "paper": paper, "ours": pick["mean"], "ci": pick["ci"], "n": pick["n"],
-            "difference": pick["mean"] - paper, "source": source}
+            "difference": pick["mean"] - paper, "differs": checked[0], "unknown": checked[1],
+            "source": source}
 
 
 def _frame(rows: list[dict]) -> pd.DataFrame:

@@ -104,7 +104,7 @@ def write_report(paths: Paths, out: PathArg | None = None) -> str:
                    Paragraph(best_lr_line(table))]
         terminal.append(text_table(table))
     for title, note, table in write_tables(trials, out, order):
-        blocks += [Heading(title), Paragraph(note), Table(table)]
+        blocks += [Heading(title), Paragraph(note), Table(table, flag="differs")]
         terminal.append(f"{title}\n{text_table(table)}")
     blocks += [Heading("Figures"), *_figures(trials, pretraining, steps, order, name, out, dirs[0])]
     blocks.append(Paragraph("All trials, all columns: `trials.csv`."))

@@ -47,8 +47,11 @@ THROUGHPUT_NOTE = (
 )
 COMPARE_NOTE = (
     "Ours at each configuration's best LR (mean ± 95% CI over seeds where several); "
-    "difference = ours − paper. Settings are matched by model size (or GLUE task), method "
-    "and, for GLUE, rank; our steps and precision may differ from the paper's recipe."
+    "difference = ours − paper. Rows are matched by model size (or GLUE task), method and, "
+    "for GLUE, rank. `differs` lists each setting of the paper's recipe (as its text or its "
+    "authors' scripts state it; each with its source in analysis/paper/settings.csv) that our "
+    "trials hold otherwise, as key ours≠paper; `unknown`, those our trials do not record "
+    "(runs from before the key existed). Both empty: every recorded setting matches."
 )
 
 
@@ -103,8 +106,25 @@ def comparison_table(compared: pd.DataFrame) -> pd.DataFrame:
     stats = zip(compared["ours"], compared["ci"], compared["n"], strict=True)
     table["ours"] = [format_ci(mean, ci, n) for mean, ci, n in stats]
     table["difference"] = ["" if pd.isna(v) else f"{v:+.2f}" for v in compared["difference"]]
+    table["differs"] = compared["differs"].tolist()
+    table["unknown"] = compared["unknown"].tolist()
     table["source"] = compared["source"].tolist()
     return table
+
+
+def comparison_flag(table: pd.DataFrame) -> str:
+    """One sentence, read before the table, saying how many comparisons are not like for
+    like, so a mismatch is not left to a column at the far right."""
+    differ = int((table["differs"] != "").sum())
+    unknown = int(((table["differs"] == "") & (table["unknown"] != "")).sum())
+    if differ:
+        more = f"; {unknown} more cannot be checked (`unknown`)" if unknown else ""
+        return (f"Not like for like: {differ} of {len(table)} comparisons ran with settings "
+                f"that differ from the paper's (`differs`){more}.")
+    if unknown:
+        return (f"Unchecked: {unknown} of {len(table)} comparisons ran with settings our "
+                "trials do not record (`unknown`).")
+    return "Every comparison ran with the paper's recorded settings."
 
 
 Builder = Callable[[pd.DataFrame, Sequence[str]], pd.DataFrame]
@@ -126,12 +146,14 @@ def write_tables(
     trials: pd.DataFrame, out_dir: Path | str, order: Sequence[str] = ()
 ) -> list[tuple[str, str, pd.DataFrame]]:
     """Write <slug>.csv and <slug>.md for each non-empty table; return (title, note, table)
-    for the report to show."""
+    for the report to show; a comparison's note starts with its flag."""
     written = []
     for slug, title, note, build in TABLES:
         table = build(trials, order)
         if table.empty:
             continue
+        if "differs" in table:
+            note = f"{comparison_flag(table)} {note}"
         atomic_write(Path(out_dir) / f"{slug}.csv", table.to_csv(index=False))
         atomic_write(Path(out_dir) / f"{slug}.md", f"# {title}\n\n{note}\n\n{text_table(table)}\n")
         written.append((title, note, table))
