@@ -1,7 +1,8 @@
-"""A rank that saves nothing: at or above a target matrix's smaller dimension, GaLore updates
-that matrix unprojected (methods/galore_optim.py `side_of`), and LoRA's adapters or low-rank
-factors hold more weights than the matrix itself. Not an error (the run is still valid), but
-said at load time in one line and kept in the trial's summary (`warnings`)."""
+"""A rank that saves nothing: at or above a target matrix's smaller dimension, GaLore (and Fira
+and APOLLO, built on it) update that matrix unprojected (methods/projection.py `side_of`),
+and LoRA's adapters or low-rank factors hold more weights than the matrix itself. Not an
+error (the run is still valid), but said at load time in one line and kept in the trial's
+summary (`warnings`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from harness.methods.base import Method, Shapes, is_target
 CONSEQUENCE = {
     "adapter": "their adapters B·A hold more weights than the matrices",
     "factored": "their factors B·A hold more weights than the matrices",
-    "float": "GaLore updates them unprojected, as AdamW would",
+    "float": "they are updated unprojected, as AdamW would",
     "quantized": "Q-GaLore updates them unprojected",
 }
 

@@ -36,7 +36,8 @@ METHODS = {  # one small setting each, so every method runs on any preset
     "full": {}, "adam8bit": {}, "lora": {"rank": 8}, "relora": {"rank": 8},
     "qlora": {"rank": 8}, "lowrank": {"rank": 16}, "galore": {"rank": 16},
     "galore_8bit_layerwise": {"method": "galore", "rank": 16, "optimizer": "adam8bit"},
-    "qgalore": {"rank": 16},
+    "qgalore": {"rank": 16}, "fira": {"rank": 16}, "adam_mini": {}, "apollo": {"rank": 16},
+    "apollo_mini": {},
 }  # fmt: skip
 PEAK_TOLERANCE = 0.05
 

@@ -1,0 +1,215 @@
+"""APOLLO's optimizer (Zhu et al., 2024, Algorithm 1): Adam's moments live in a rank-r
+projection of each gradient and serve only to measure how much Adam would rescale each channel
+(or the whole tensor); the full gradient, rescaled by that, is the update.
+
+For a targeted m×n gradient G (the smaller side projected, as GaLore's `std`): R = PᵀG (r×n,
+m < n) or GQᵀ (m×r), Adam on R gives Ñ, and each channel j of the larger dimension gets
+s_j = ‖Ñ_j‖ / (‖R_j‖ + 1e-8) (`scale_type: channel`; `tensor`: one s = ‖Ñ‖ / (‖R‖ + 1e-8)).
+The update U = G·s passes Fira's norm-growth limiter (its norm may grow at most by `gamma` a
+step) and W -= lr·√scale·U, in place: ‖U‖ is computed from per-channel norms, so no full-size
+temporary exists. A random P (`proj: random`, entries N(0, 1/r)) is drawn again each step from
+a seed kept in the state, never stored, and the seed advances every `update_proj_gap` steps as
+the reference's does, so the same seed gives the reference's projections bit for bit; `svd`
+keeps GaLore's SVD basis (stored), retried in float64 and otherwise kept when it fails.
+Other parameters, and targets at a rank ≥ min(m, n), get plain AdamW. The elementwise Adam math
+runs in methods/adam_kernel.py (fused, or 8-bit blockwise); under bf16-true with float32 states
+or an update compensation, updates are added by modifiers/compensation.add_update.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from harness.methods.adam_kernel import AdamKernel
+from harness.methods.projection import compute_basis, project, side_of
+from harness.modifiers.compensation import add_update, restore_dtypes
+
+TINY = 1e-8  # the reference's guard in the scaling factor's and the limiter's denominators
+SEED_ADVANCE = 0xF  # draws the reference's next seed skips
+
+
+def next_seed(seed: int) -> int:
+    """The seed of the next projection: the reference's rule (the 15th int64 drawn from a CPU
+    generator seeded with `seed`), so that its projections are ours after a refresh too."""
+    gen = torch.Generator().manual_seed(seed)
+    return int(torch.randint(0, torch.iinfo(torch.int64).max, (SEED_ADVANCE,), generator=gen)[-1])
+
+
+def random_basis(grad: Tensor, side: str, rank: int, seed: int) -> dict[str, Tensor]:
+    """P with N(0, 1/r) entries from `seed`, drawn on the gradient's device in float32 and
+    cast to its dtype, as the reference draws it: m×r on the left, r×n on the right."""
+    m, n = grad.shape
+    gen = torch.Generator(grad.device).manual_seed(seed)
+    size = (m, rank) if side == "left" else (rank, n)
+    p = torch.randn(size, generator=gen, device=grad.device, dtype=torch.float32)
+    return {side: (p / math.sqrt(rank)).to(grad.dtype)}
+
+
+class APOLLOOptimizer(torch.optim.Optimizer):
+    """Groups with a `rank` are scaled APOLLO's way; the others get AdamW. A group's `seed` is
+    its first parameter's first projection seed (the next ones count up); None: the
+    reference's numbering, 1, 2, … over every parameter of every group."""
+
+    def __init__(self, params: Iterable[Any], *, lr: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, inner: str = "adamw", update_proj_gap: int = 200,
+                 scale: float = 1.0, proj: str = "random", scale_type: str = "channel",
+                 limiter: bool = True, gamma: float = 1.01, min_8bit_size: int = 4096,
+                 state_dtype: torch.dtype | None = None, compensation: str = "none") -> None:
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                    "rank": None, "seed": None, "update_proj_gap": update_proj_gap,
+                    "scale": scale, "proj": proj, "scale_type": scale_type}
+        super().__init__(params, defaults)
+        self.limiter, self.gamma = limiter, gamma
+        self.adam = AdamKernel(inner == "adam8bit", min_8bit_size)
+        self.state_dtype, self.compensation = state_dtype, compensation
+        self.exact = state_dtype is not None or compensation != "none"
+        self.refreshes = 0  # projections (re)made since the last `take_refreshes`
+        self.svd_failures = 0  # SVDs that failed in float32 and float64: the basis was kept
+        index = 0
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                index += 1
+                self.state[p]["seed"] = index if group["seed"] is None else group["seed"] + i
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            low = [p for p in params if _side(group, p) != "none"]
+            plain = [p for p in params if _side(group, p) == "none"]
+            if plain:
+                self._plain_step(group, plain)
+            if low:
+                self._apollo_step(group, low)
+        return loss
+
+    def take_refreshes(self) -> int:
+        n, self.refreshes = self.refreshes, 0
+        return n
+
+    def _inner_grads(self, grads: list[Tensor]) -> list[Tensor]:
+        """What Adam sees, in the moments' dtype."""
+        return grads if self.state_dtype is None else [g.to(self.state_dtype) for g in grads]
+
+    def _plain_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        lr, wd = group["lr"], group["weight_decay"]
+        states, grads = [self.state[p] for p in params], self._inner_grads([p.grad for p in params])
+        if not self.exact:
+            self.adam(group, params, grads, states, lr, wd)
+            return
+        updates = [torch.zeros_like(g) for g in grads]  # Adam leaves -N there (lr 1, no decay)
+        self.adam(group, updates, grads, states, 1.0, 0.0)
+        for p, u, st in zip(params, updates, states, strict=True):
+            self._add(group, p, u.float().mul_(lr), st)
+
+    def _add(self, group: dict[str, Any], p: Tensor, update: Tensor, st: dict[str, Any]) -> None:
+        """W ← W - lr·wd·W + update, the float32 sum rounded by the run's compensation."""
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd:
+            update.add_(p, alpha=-lr * wd)
+        add_update(p, update, self.compensation, st)
+
+    def _apollo_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        live, bases = [], []
+        for p in params:
+            basis = self._basis(group, p)
+            if basis is not None:  # None: a first SVD that failed; the weight waits a step
+                live.append(p)
+                bases.append(basis)
+        sides = [next(iter(b)) for b in bases]
+        states = [self.state[p] for p in live]
+        lows = self._inner_grads(
+            [project(p.grad, b, s) for p, b, s in zip(live, bases, sides, strict=True)])
+        updates = [torch.zeros_like(r) for r in lows]  # Adam leaves -Ñ there (lr 1, no decay)
+        self.adam(group, updates, lows, states, 1.0, 0.0)
+        lr, wd = group["lr"], group["weight_decay"]
+        for p, r, u, st, side in zip(live, lows, updates, states, sides, strict=True):
+            factor = self._factor(group, p.grad, r, u, st, side)
+            if self.exact:
+                self._add(group, p, (p.grad.float() * factor).mul_(-lr), st)
+                continue
+            if wd:
+                p.mul_(1 - lr * wd)
+            p.addcmul_(p.grad, factor.to(p.dtype), value=-lr)
+
+    def _basis(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor] | None:
+        """This step's projection. Due every `update_proj_gap` Adam steps from the first, as
+        the reference's `step % gap == 0`: a random one's seed advances (the first uses the
+        initial seed), an SVD one is recomputed from this gradient."""
+        st, rank, side = self.state[p], group["rank"], _side(group, p)
+        step = st.get("step", 0)
+        due = step % group["update_proj_gap"] == 0
+        self.refreshes += due
+        if group["proj"] == "random":
+            if due and step:
+                st["seed"] = next_seed(st["seed"])
+            return random_basis(p.grad, side, rank, st["seed"])
+        if due or side not in st:
+            basis = _svd_basis(p.grad, side, rank)
+            if basis is None:
+                self.svd_failures += 1
+            else:
+                st.update(basis)
+        return {side: st[side]} if side in st else None
+
+    def _factor(self, group: dict[str, Any], grad: Tensor, low: Tensor, update: Tensor,
+                st: dict[str, Any], side: str) -> Tensor:
+        """√scale · s / limiter in float32: (1, n) or (m, 1) per channel, () per tensor."""
+        dim = 0 if side == "left" else 1  # the projected dimension: channels are the other one
+        f32 = torch.float32
+        if group["scale_type"] == "channel":
+            s = (torch.linalg.vector_norm(update, dim=dim, keepdim=True, dtype=f32)
+                 / (torch.linalg.vector_norm(low, dim=dim, keepdim=True, dtype=f32) + TINY))
+            g = torch.linalg.vector_norm(grad, dim=dim, keepdim=True, dtype=f32)
+            norm = torch.linalg.vector_norm(s * g)  # ‖G·s‖ without G·s
+        else:
+            s = (torch.linalg.vector_norm(update, dtype=f32)
+                 / (torch.linalg.vector_norm(low, dtype=f32) + TINY))
+            norm = s * torch.linalg.vector_norm(grad, dtype=f32)
+        if self.limiter:  # on ‖U‖ before Adam's bias correction, as the reference measures it
+            (b1, b2), t = group["betas"], st["step"]
+            norm = norm * ((1 - b1**t) / math.sqrt(1 - b2**t))
+            prev = st.get("prev_norm")
+            if prev is None:
+                st["prev_norm"] = norm
+            else:  # ‖U‖ may grow by gamma a step at most
+                cut = torch.clamp(norm / (prev + TINY), min=self.gamma) / self.gamma
+                s = s / cut
+                prev.copy_(norm / cut)
+        return s.mul_(math.sqrt(group["scale"]))
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["svd_failures"] = self.svd_failures
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Float32 moments of bf16 weights and 8-bit states come back as saved."""
+        restore_dtypes(self, super().load_state_dict, state_dict)
+        self.svd_failures = state_dict.get("svd_failures", 0)
+
+
+def _side(group: dict[str, Any], p: Tensor) -> str:
+    """The projected side of a matrix in a `rank` group ("none": updated by plain AdamW)."""
+    if not group["rank"] or p.dim() != 2:
+        return "none"
+    return side_of(tuple(p.shape), "std", group["rank"])
+
+
+def _svd_basis(grad: Tensor, side: str, rank: int) -> dict[str, Tensor] | None:
+    """GaLore's exact SVD basis, in float32, else float64; None when both fail."""
+    for dtype in (torch.float32, torch.float64):
+        basis = compute_basis(grad, side, rank, False, 0, dtype)
+        if basis is not None and all(bool(t.isfinite().all()) for t in basis.values()):
+            return basis
+    return None

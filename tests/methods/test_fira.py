@@ -1,0 +1,255 @@
+"""Fira: the same update as the authors' `fira` package across projection refreshes, the paper's
+column-wise scaling and norm-growth limiter, exact memory, the memory modifiers and precision
+modes, data parallelism, and resume."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from conftest import SAMPLE_VOCAB, micro_run, train_losses, write_yaml
+from test_galore import TARGETS, check_estimate, rows, steps_of
+
+from harness.errors import UserError
+from harness.methods import build_method
+from harness.methods.fira import LIMITER, FiraOptimizer
+from harness.methods.galore_optim import GaLoreOptimizer
+from harness.methods.resolve import load_run
+from harness.models import param_shapes
+from harness.modifiers.compensation import KAHAN
+from harness.train import train
+from harness.trials import read_json
+
+FIRA = {"name": "fira", "rank": 8, "update_proj_gap": 2}
+SHAPES = [(24, 40), (40, 24), (32, 32), (24,)]
+
+
+def fira_run(steps: int = 4, method: dict[str, Any] | None = None, **sections: Any) -> dict:
+    """4 steps of 2 micro-batches (so accumulation runs), no clipping: layer-wise clips each
+    parameter on its own, so only unclipped steps compare with the plain run."""
+    data = micro_run(steps=steps, grad_clip=None, **sections.pop("train", {}))
+    data["eval"] = {"every": 0, "tokens": 256}
+    return {**data, "method": {**FIRA, **(method or {})}, **sections}
+
+
+def growing_grads(steps: int) -> list[list[torch.Tensor]]:
+    """Gradients that grow 1.5× a step, then shrink: the limiter must cut some residuals."""
+    return [[torch.randn(s) * 1.5 ** min(t, 4) for s in SHAPES] for t in range(steps)]
+
+
+def reference_fira(params: list[torch.Tensor], proj_type: str, gamma: float = 1.01):
+    from fira import FiraAdamW
+
+    groups = [{"params": params[:3], "rank": 6, "update_proj_gap": 3, "alpha": 0.25,
+               "proj_type": proj_type}, {"params": params[3:]}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return FiraAdamW(groups, lr=1e-2, eps=1e-12, no_deprecation_warning=True)
+
+
+def ours_fira(params: list[torch.Tensor], proj_type: str, **kwargs: Any) -> FiraOptimizer:
+    return FiraOptimizer([{"params": params[:3], "rank": 6}, {"params": params[3:]}], lr=1e-2,
+                         eps=1e-12, update_proj_gap=3, proj_type=proj_type, **kwargs)
+
+
+@pytest.mark.parametrize("proj_type", ["std", "reverse_std", "left", "right"])
+def test_matches_the_fira_package_across_projection_refreshes(proj_type):
+    """fira 1.0.2's FiraAdamW and ours on the same gradients: SVDs at steps 0, 3, 6, the
+    limiter cutting the growing residuals. eps 1e-12: the two eps conventions then agree."""
+    torch.manual_seed(0)
+    ours = [torch.randn(s, requires_grad=True) for s in SHAPES]
+    ref = [p.detach().clone().requires_grad_() for p in ours]
+    unlimited = [p.detach().clone().requires_grad_() for p in ours]
+    start = [p.detach().clone() for p in ours]
+    grads = growing_grads(8)
+    steps_of(ours, ours_fira(ours, proj_type), grads)
+    steps_of(ref, reference_fira(ref, proj_type), grads)
+    steps_of(unlimited, ours_fira(unlimited, proj_type, gamma=1e9), grads)
+    for a, b, a0 in zip(ours, ref, start, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+        assert (a - a0).abs().max() > 1e-3
+    assert all((a - f).abs().max() > 1e-3 for a, f in zip(ours[:3], unlimited[:3], strict=True))
+
+
+@pytest.mark.parametrize(("shape", "side"), [((10, 30), "left"), ((30, 10), "right")])
+def test_residual_is_scaled_per_column_by_the_adam_to_gradient_norm_ratio(shape, side):
+    """Step 1 (no limiter yet), the paper's equations: outside the subspace the update is
+    −lr·φ ⊙ (I − PPᵀ)G with φ_j = ‖N_j‖/‖R_j‖ along the rank dimension; Adam's first step is
+    N = sign(R), so ‖N_j‖ = √r."""
+    torch.manual_seed(0)
+    w, g, rank, lr = torch.zeros(shape, requires_grad=True), torch.randn(shape), 4, 1e-2
+    opt = FiraOptimizer([{"params": [w], "rank": rank}], lr=lr, eps=1e-12)
+    steps_of([w], opt, [[g]])
+    st, dim = opt.state[w], 0 if side == "left" else 1
+    if side == "left":
+        p = st["left"]
+        out, r = w.detach() - p @ (p.T @ w.detach()), p.T @ g
+        outside = g - p @ (p.T @ g)
+    else:
+        q = st["right"]
+        out, r = w.detach() - (w.detach() @ q.T) @ q, g @ q.T
+        outside = g - (g @ q.T) @ q
+    phi = rank**0.5 / r.norm(dim=dim, keepdim=True)
+    torch.testing.assert_close(out, -lr * phi * outside, atol=1e-6, rtol=1e-4)
+    assert phi.numel() == max(shape) and phi.std() > 0.05 * phi.mean()  # really per column
+
+
+def test_limiter_caps_the_residual_norm_growth_at_gamma():
+    """The gradient outside the subspace jumps 10× with R unchanged: the stored norm (before
+    bias correction) grows by γ exactly; without the limiter it would grow several times."""
+    torch.manual_seed(0)
+    norms = {}
+    for gamma in (1.01, 1e9):
+        w = torch.zeros(10, 30, requires_grad=True)
+        opt = FiraOptimizer([{"params": [w], "rank": 4}], lr=1e-2, update_proj_gap=100,
+                            gamma=gamma)
+        torch.manual_seed(1)
+        g = torch.randn(10, 30)
+        steps_of([w], opt, [[g]])
+        p = opt.state[w]["left"]
+        first = opt.state[w][LIMITER].clone()
+        steps_of([w], opt, [[g + 9 * (g - p @ (p.T @ g))]])
+        norms[gamma] = (opt.state[w][LIMITER] / first).item()
+        assert opt.state[w][LIMITER].dtype == torch.float32
+    assert norms[1.01] == pytest.approx(1.01, rel=1e-5)
+    assert norms[1e9] > 5
+
+
+def test_full_rank_weights_are_galore_s_unprojected_update():
+    """At a rank ≥ min(m, n) nothing lies outside the subspace: GaLore's update, no limiter."""
+    torch.manual_seed(0)
+    fira_w, galore_w = torch.randn(12, 20), torch.randn(12, 20)
+    galore_w.copy_(fira_w)
+    fira = FiraOptimizer([{"params": [fira_w], "rank": 12}], lr=1e-2, weight_decay=0.1)
+    galore = GaLoreOptimizer([{"params": [galore_w], "rank": 12}], lr=1e-2, weight_decay=0.1)
+    grads = [[torch.randn(12, 20)] for _ in range(3)]
+    steps_of([fira_w], fira, grads)
+    steps_of([galore_w], galore, grads)
+    assert torch.equal(fira_w, galore_w) and LIMITER not in fira.state[fira_w]
+
+
+@pytest.mark.parametrize("inner", ["adamw", "adam8bit"])
+def test_float32_path_equals_the_in_place_one(inner):
+    """bf16-true's path (update in float32, added by add_update) on float32 weights gives the
+    in-place path's weights, with decay, across a refresh; bf16 weights keep float32 moments
+    and limiter, a bf16 Kahan buffer."""
+    torch.manual_seed(0)
+    in_place = [torch.randn(s) for s in SHAPES]
+    exact = [p.clone() for p in in_place]
+    grads = growing_grads(5)
+    kwargs = {"inner": inner, "min_8bit_size": 64, "weight_decay": 0.1}
+    steps_of(in_place, ours_fira(in_place, "std", **kwargs), grads)
+    opt = ours_fira(exact, "std", state_dtype=torch.float32, **kwargs)
+    steps_of(exact, opt, grads)
+    assert opt.exact
+    for a, b in zip(in_place, exact, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    bf16 = [p.to(torch.bfloat16) for p in in_place]
+    opt = ours_fira(bf16, "std", state_dtype=torch.float32, compensation="kahan")
+    steps_of(bf16, opt, [[g.to(torch.bfloat16) for g in gs] for gs in grads])
+    states = [opt.state[p] for p in bf16[:3]]
+    assert {st["exp_avg"].dtype for st in states} == {st[LIMITER].dtype for st in states} == {
+        torch.float32}
+    assert {st[KAHAN].dtype for st in states} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("inner", ["adamw", "adam8bit"])
+def test_trains_and_counts_memory_exactly(tmp_path, inner):
+    """Estimate = bytes counted after training; the state is GaLore's plus one float32 scalar
+    per projected matrix (Fira's "mr + 2nr (+1)")."""
+    run = load_run(fira_run(12, {"optimizer": inner, "min_8bit_size": 256, "update_proj_gap": 4},
+                            train={"lr": 0.01}))
+    summary = train(run, tmp_path / "t")
+    assert summary["status"] == "ok", summary["error"]
+    loss = [r["loss"] for r in rows(tmp_path / "t", "train")]
+    assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 0.3
+    assert [e["step"] for e in rows(tmp_path / "t", "event")] == [1, 5, 9]
+    check_estimate(run, summary)
+    galore = load_run({**fira_run(12), "method": {**FIRA, "name": "galore", "optimizer": inner,
+                                                  "min_8bit_size": 256}})
+    shapes = param_shapes("llama_micro", SAMPLE_VOCAB, 32)
+    ours, theirs = (build_method(r).estimate(shapes, r) for r in (run, galore))
+    assert ours.optimizer_state_bytes - theirs.optimizer_state_bytes == 4 * TARGETS
+    assert ours.extra_bytes == theirs.extra_bytes > 0
+
+
+MODIFIERS = {  # modifier -> (run sections, how close to the plain run's losses)
+    "recompute_full": ({"memory": {"recompute": "full"}}, 0.0),
+    "layerwise": ({"memory": {"layerwise": True}}, 1e-5),  # 2 micro-batches: full G summed
+    "optimizer_offload": ({"memory": {"optimizer_offload": "host"}}, 1e-5),
+    "16-mixed": ({"train": {"precision": "16-mixed"}}, 0.02),
+    "bf16-true": ({"train": {"precision": "bf16-true", "update_compensation": "kahan"}}, 0.05),
+}
+
+
+_plain: dict[str, dict[int, float]] = {}
+
+
+def plain_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """Computed inside a test (not a module fixture, which would run before `one_thread`)."""
+    if "fira" not in _plain:
+        out = tmp_path_factory.mktemp("fira-plain")
+        assert train(load_run(fira_run()), out)["status"] == "ok"
+        _plain["fira"] = train_losses(out)
+    return _plain["fira"]
+
+
+@pytest.mark.parametrize("modifier", list(MODIFIERS))
+def test_composes_with_each_memory_modifier_and_precision(tmp_path, tmp_path_factory, modifier):
+    sections, rel = MODIFIERS[modifier]
+    run = load_run(fira_run(**sections))
+    summary = train(run, tmp_path / "t")
+    assert summary["status"] == "ok", summary["error"]
+    losses, plain = train_losses(tmp_path / "t"), plain_losses(tmp_path_factory)
+    assert losses.keys() == plain.keys() == {1, 2, 3, 4}
+    assert list(losses.values()) == pytest.approx(list(plain.values()), rel=rel, abs=0)
+    check_estimate(run, summary)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"memory": {"optimizer_offload": "paged"}}, "cannot be paged"),
+    ({"method": {"proj_type": "full"}}, "method.proj_type"),
+    ({"method": {"optimizer": "adafactor"}}, "method.optimizer"),
+    ({"method": {"gamma": 0.5}}, "method.gamma"),
+])
+def test_refuses_what_it_cannot_do_in_one_line(change, message):
+    with pytest.raises(UserError) as e:
+        load_run(fira_run(method=change.get("method"), memory=change.get("memory", {})))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_resume_gives_the_same_losses_step_for_step(tmp_path):
+    run = load_run(fira_run(6, {"optimizer": "adam8bit", "min_8bit_size": 256},
+                            train={"precision": "bf16-true", "state_dtype": "float32"}))
+    train(run, tmp_path / "straight")
+    first = train(run, tmp_path / "resumed", should_stop=lambda step: step == 3)
+    assert (first["status"], first["step"]) == ("interrupted", 3)
+    assert train(run, tmp_path / "resumed")["status"] == "ok"
+    assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "straight")
+
+
+def test_two_processes_layerwise_train_as_one(tmp_path):
+    """DDP (gloo, CPU): layer-wise, each rank accumulating 2 micro-batches of the full G, the
+    hooks all-reducing it; the same losses as one process with the same global batch."""
+    data = fira_run(4, train={"total_batch_size": 8}, memory={"layerwise": True})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(port), "-m", "harness.cli", "train",
+           str(write_yaml(tmp_path / "run.yaml", data)), "--out", str(tmp_path / "two")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    one = train(load_run(data), tmp_path / "one")
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    assert one["status"] == read_json(tmp_path / "two" / "summary.json")["status"] == "ok"
+    a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert a.keys() == b.keys() == {1, 2, 3, 4}
+    assert list(b.values()) == pytest.approx(list(a.values()), rel=1e-5, abs=0)
