@@ -2,16 +2,19 @@
 
 The CSVs keep each paper's own row names and a `source` column naming paper and table:
 galore_table2 (perplexity, memory), galore_table3 (7B), galore_table4 (GLUE), galore_table11
-(throughput), qgalore_table1 (with its 7B line), relora_table. A sweep is compared where it
-matches a paper's setting:
+(throughput), qgalore_table1 (with its 7B line), relora_table, apollo_table2 and fira_table3
+(60M-1B, GaLore's steps), apollo_table3 (7B), adam_mini_table (Adam-mini's own Llama-2 setup,
+model "Llama-2 1B": no preset maps to it, so no trial is ever compared with it). A sweep is
+compared where it matches a paper's setting:
 
 - model: the preset with the paper's size (llama_60m ↔ 60M, llama_130m ↔ 130M,
   llama_350m ↔ 350M, llama_1b ↔ 1B, llama_7b ↔ 7B); GLUE: the task (cola ↔ CoLA, …).
 - method (`method_name`, with `method.optimizer`): full → Full-rank / Full / AdamW,
   galore (AdamW inside) → GaLore, galore with adam8bit inside → 8-bit GaLore, lowrank →
-  Low-rank, lora → LoRA, relora → ReLoRA, qgalore → Q-GaLore, adam8bit → 8-bit Adam / Adam8bit.
+  Low-rank, lora → LoRA, relora → ReLoRA, qgalore → Q-GaLore, adam8bit → 8-bit Adam / Adam8bit,
+  apollo → APOLLO, apollo_mini → APOLLO-Mini, fira → Fira, adam_mini → Adam-mini.
   GLUE rows also need `method.rank` to equal the paper's (GaLore and LoRA at 4 and 8).
-- steps: only where the paper gives them per column (Table 3, Q-GaLore's 7B line); sizes
+- steps: only where the paper gives them per column (the 7B tables, Q-GaLore's 7B line); sizes
   60M–1B are matched whatever the steps, so `steps` is in the output for the reader to judge.
 - throughput (Table 11) is LLaMA-1B only; layer-wise columns match `memory.layerwise` trials.
 
@@ -45,8 +48,13 @@ PAPER_ROWS = {
     "relora": ("ReLoRA",),
     "qgalore": ("Q-GaLore",),
     "adam8bit": ("8-bit Adam", "Adam8bit"),
+    "apollo": ("APOLLO",),
+    "apollo_mini": ("APOLLO-Mini",),
+    "fira": ("Fira",),
+    "adam_mini": ("Adam-mini",),
 }
-PRETRAIN_TABLES = ("galore_table2", "galore_table3", "qgalore_table1", "relora_table")
+PRETRAIN_TABLES = ("galore_table2", "galore_table3", "qgalore_table1", "relora_table",
+                   "apollo_table2", "apollo_table3", "fira_table3", "adam_mini_table")
 COMPARE_COLUMNS = [
     "method", "memory", "precision", "model", "steps", "lr", "setting", "metric", "paper",
     "ours", "ci", "n", "difference", "differs", "unknown", "source",

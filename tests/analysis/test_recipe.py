@@ -100,6 +100,45 @@ def test_settings_a_trial_does_not_record_are_unknown(tmp_path: Path) -> None:
         "method.lazy_schedule (paper: reference)"}
 
 
+APOLLO2 = "APOLLO (Zhu et al. 2024; arXiv:2412.05270) Table 2"
+# APOLLO's and Fira's 60M scripts (zhuhanqing/APOLLO@76b3472, xichen-fy/Fira@5c28b13).
+APOLLO = {"name": "apollo", "rank": 128, "scale": 1.0, "update_proj_gap": 200, "eps": 1e-6}
+APOLLO_MINI = {"name": "apollo_mini", "scale": 128.0, "update_proj_gap": 200, "eps": 1e-6}
+FIRA = {"name": "fira", "rank": 128, "scale": 0.25, "update_proj_gap": 200, "eps": 1e-6}
+
+
+def test_apollo_and_fira_trials_meet_their_own_rows_and_are_flagged(tmp_path: Path) -> None:
+    write_trial(tmp_path, "apollo", resolved(APOLLO, 0.01), 31.0)
+    write_trial(tmp_path, "apollo_mini", resolved({**APOLLO_MINI, "scale": 64.0}, 0.01), 32.0)
+    write_trial(tmp_path, "fira", resolved({**FIRA, "optimizer": "adam8bit"}, 0.005), 31.5)
+    compared = compare_pretrain(load_runs(tmp_path)).set_index("method")
+    assert compared.loc["apollo", ["paper", "source", "differs", "unknown"]].tolist() == [
+        31.55, APOLLO2 + "; memory: as GaLore's (BF16 weights + optimizer states)", "", ""]
+    mini = compared.loc["apollo_mini"]
+    assert (mini["paper"], mini["differs"]) == (31.93, "method.scale 64≠128")
+    fira = compared.loc["fira"]
+    assert fira["paper"] == 31.06 and fira["source"].startswith("Fira (Chen et al. 2024")
+    assert set(fira["differs"].split("; ")) == {"train.lr 0.005≠0.01",
+                                                "method.optimizer adam8bit≠adamw"}
+    # One row each: no method meets another's published number.
+    assert compared.index.value_counts().to_dict() == {"apollo": 1, "apollo_mini": 1, "fira": 1}
+
+
+def test_apollo_at_7b_meets_table_3_at_its_steps_and_adam_mini_meets_nothing(
+        tmp_path: Path) -> None:
+    seven = {"steps": 150_000, "warmup_steps": 15_000, "grad_clip": None}
+    write_trial(tmp_path, "apollo", resolved({**APOLLO, "rank": 256}, 0.01, model="llama_7b",
+                                             train=seven), 13.5)
+    # Adam-mini's Llama-2 number ran its own setup: "Llama-2 1B", which no preset is.
+    recipe_1b = {"steps": 200_000, "warmup_steps": 2000, "weight_decay": 0.1}
+    write_trial(tmp_path, "adam_mini", resolved({"name": "adam_mini", "betas": [0.9, 0.95]},
+                                                2e-4, model="llama_1b", train=recipe_1b), 12.0)
+    compared = compare_pretrain(load_runs(tmp_path))
+    assert compared[["method", "setting", "paper", "differs"]].values.tolist() == [
+        ["apollo", "7B, 150K steps", 13.02, ""]]
+    assert set(load_paper("adam_mini_table")["model"]) == {"Llama-2 1B"}
+
+
 def test_departures_read_keys_that_exist_only_in_newer_runs() -> None:
     wanted = {"method.lazy_schedule": ("reference", "s"), "train.grad_clip": ("none", "s"),
               "method.warm_start_steps": (">0", "s")}
@@ -176,6 +215,12 @@ def test_every_recorded_setting_is_a_config_key_of_a_published_row_with_a_source
     ("qgalore_table1", "Q-GaLore", "60M", "method.betas", "(0.9, 0.95)"),
     ("relora_table", "ReLoRA", "130M", "method.warm_start", "reference"),
     ("relora_table", "ReLoRA", "130M", "method.prune", "random"),
+    ("apollo_table2", "APOLLO", "130M", "method.rank", "192"),  # llama_130m_apollo.sh
+    ("apollo_table2", "APOLLO-Mini", "130M", "method.scale", "192"),
+    ("apollo_table2", "APOLLO-Mini", "1B", "method.limiter", "true"),  # apollo.py disable_nl
+    ("apollo_table3", "APOLLO-Mini", "7B", "method.scale", "128"),
+    ("fira_table3", "Fira", "1B", "method.scale", "0.0625"),  # Fira's llama_1b.sh --alpha
+    ("adam_mini_table", "Adam-mini", "Llama-2 1B", "method.betas", "(0.9, 0.95)"),
 ])
 def test_recipes_hold_the_sources_values(table: str, method: str, model: str, key: str,
                                          value: str) -> None:

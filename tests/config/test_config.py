@@ -122,7 +122,10 @@ def test_shipped_sweeps_are_valid(name):
     trials = plan(load_sweep(Path(REPO / "sweeps" / f"{name}.yaml"), {}))
     names = {t.run.method_name for t in trials}
     every = {"full", "adam8bit", "lora", "relora", "lowrank", "galore", "qgalore"}
-    assert names == {"galore", "adam8bit", "qgalore"} if name == "c4_7b" else every <= names
+    if name.startswith("c4_"):
+        every |= {"apollo", "apollo_mini", "fira", "adam_mini"}
+    seven = {"galore", "adam8bit", "qgalore", "apollo", "apollo_mini"}  # APOLLO Table 3
+    assert names == seven if name == "c4_7b" else every <= names
 
 
 def test_methods_lists_the_registry_with_types_and_defaults(capsys):
