@@ -213,8 +213,8 @@ def sweep_in_background(tmp_path, checkpoint_every: int, step: int):
 def test_retry_failed_queues_a_crashed_optuna_trial_again(tmp_path):
     sweep, path, out, trial_dir = sweep_in_background(tmp_path, checkpoint_every=5, step=7)
     os.kill(read_json(trial_dir / "summary.json")["pid"], signal.SIGKILL)
-    assert sweep.wait(timeout=120) == 1  # the crash is recorded failed; the sweep says so
-    assert read_json(trial_dir / "summary.json")["status"] == "failed"
+    assert sweep.wait(timeout=120) == 1  # the kill is recorded; the sweep says so
+    assert read_json(trial_dir / "summary.json")["status"] == "killed"  # SIGKILL: issue 18
 
     again = harness("sweep", str(path), "--out", str(out), "--retry-failed")
     assert again.returncode == 0, again.stderr
