@@ -17,7 +17,7 @@ against the package step for step (tests/methods/test_adam_mini.py; docs/fidelit
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +27,7 @@ from harness.methods.base import Groups, MemoryEstimate, Method, Shapes, grad_by
 from harness.methods.full import AdamConfig
 from harness.methods.widths import widths
 from harness.models import check_preset
-from harness.modifiers.compensation import add_update, own_optimizer_kwargs, restore_dtypes
+from harness.modifiers.compensation import ParamwiseOptimizer, add_update, own_optimizer_kwargs
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
@@ -66,7 +66,7 @@ def block_count(kind: str, shape: tuple[int, ...], head_dim: int) -> int:
     return shape[0] if kind == "row" else 1
 
 
-class AdamMini(torch.optim.Optimizer):
+class AdamMini(ParamwiseOptimizer):
     """Adam-mini over groups that each name their `block` kind (KINDS) and, for heads,
     `head_dim`. Arithmetic in float32; states in `state_dtype` (None: the weight's dtype);
     the update added by `add_update` with `compensation` (bf16-true). Decoupled weight decay,
@@ -83,15 +83,6 @@ class AdamMini(torch.optim.Optimizer):
             if group["block"] not in KINDS:
                 raise ValueError(f"block {group['block']!r} is not one of {KINDS}")
         self.dtype, self.compensation = state_dtype, compensation
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None if closure is None else closure()
-        with torch.no_grad():
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        self._update(group, p)
-        return loss
 
     def _update(self, group: dict[str, Any], p: Tensor) -> None:
         (b1, b2), lr, wd, kind = group["betas"], group["lr"], group["weight_decay"], group["block"]
@@ -119,9 +110,6 @@ class AdamMini(torch.optim.Optimizer):
         if wd:
             update.add_(p, alpha=-lr * wd)
         add_update(p, update, self.compensation, st)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        restore_dtypes(self, super().load_state_dict, state_dict)
 
 
 def head_dim_of(model: nn.Module) -> int:

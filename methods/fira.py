@@ -17,23 +17,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field
 from torch import Tensor
 
-from harness.methods.base import Groups, MemoryEstimate, Shapes, grad_bytes, numel, register
-from harness.methods.galore import GaLore, ProjectionConfig, basis_numel, state_bytes
+from harness.methods.base import Groups, MemoryEstimate, Shapes, register
+from harness.methods.galore import GaLore, ProjectionConfig
 from harness.methods.galore_optim import GaLoreOptimizer
 from harness.methods.projection import (
     back_projected,
-    lowrank_shape,
     project,
     project_back_,
     side_of,
 )
-from harness.methods.widths import widths
 from harness.modifiers.compensation import add_update, own_optimizer_kwargs
 
 if TYPE_CHECKING:
@@ -69,19 +68,11 @@ class Fira(GaLore):
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         """GaLore's bytes (mr basis, 2nr moments) plus the limiter's scalar per projected matrix."""
-        c, w = self.config, widths(run)
-        sizes = [numel(s) for s in shapes.values()]
-        state, extra = w.compensation * sum(sizes), 0
-        for name, full in shapes.items():
-            shape = tuple(full)
-            if self.targeted(name, shape):  # the basis is kept in the weights' dtype
-                side = side_of(shape, c.proj_type, c.rank)
-                extra += w.weight * basis_numel(shape, side, c.rank)
-                state += LIMITER_BYTES if side != "none" else 0
-                shape = lowrank_shape(shape, side, c.rank)
-            state += state_bytes(shape, c.optimizer, c.min_8bit_size, None, w.state)
-        return MemoryEstimate(w.weight * sum(sizes), grad_bytes(sizes, run, self.steps), state,
-                              extra)
+        c, base = self.config, super().estimate(shapes, run)
+        projected = sum(1 for name, full in shapes.items() if self.targeted(name, tuple(full))
+                        and side_of(tuple(full), c.proj_type, c.rank) != "none")
+        return replace(base, optimizer_state_bytes=base.optimizer_state_bytes
+                       + LIMITER_BYTES * projected)
 
 
 class FiraOptimizer(GaLoreOptimizer):

@@ -121,7 +121,8 @@ class GaLore(Method):
                 side = side_of(shape, c.proj_type, c.rank)
                 extra += w.weight * basis_numel(shape, side, c.rank)
                 shape = lowrank_shape(shape, side, c.rank)
-            state += state_bytes(shape, c.optimizer, c.min_8bit_size, c.adafactor_beta1, w.state)
+            state += state_bytes(shape, c.optimizer, c.min_8bit_size,
+                                 getattr(c, "adafactor_beta1", None), w.state)  # Fira: none
         return MemoryEstimate(w.weight * sum(sizes), grad_bytes(sizes, run, self.steps), state,
                               extra)
 

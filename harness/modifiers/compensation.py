@@ -66,7 +66,28 @@ def restore_dtypes(optimizer: torch.optim.Optimizer, load: Callable[[dict[str, A
             st[k] = v.to(p.device)
 
 
-class AdamW(torch.optim.Optimizer):
+class ParamwiseOptimizer(torch.optim.Optimizer):
+    """An optimizer that updates each parameter with a gradient on its own (`_update`), in
+    float32 arithmetic whatever the weight's dtype, and whose saved states come back in the
+    dtype they were saved in."""
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None if closure is None else closure()
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._update(group, p)
+        return loss
+
+    def _update(self, group: dict[str, Any], p: Tensor) -> None:
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        restore_dtypes(self, super().load_state_dict, state_dict)
+
+
+class AdamW(ParamwiseOptimizer):
     """AdamW for bf16-true weights: moments in `state_dtype`, each update computed in float32
     and added by `add_update` with `compensation`. Decoupled weight decay, as torch's AdamW."""
 
@@ -77,15 +98,6 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay})
         self.dtype, self.compensation = STATE_DTYPES[state_dtype], compensation
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None if closure is None else closure()
-        with torch.no_grad():
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        self._update(group, p)
-        return loss
 
     def _update(self, group: dict[str, Any], p: Tensor) -> None:
         (b1, b2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
@@ -105,9 +117,6 @@ class AdamW(torch.optim.Optimizer):
         if wd:
             update.add_(p, alpha=-lr * wd)
         add_update(p, update, self.compensation, st)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        restore_dtypes(self, super().load_state_dict, state_dict)
 
 
 def own_optimizer_kwargs(train: Any) -> dict[str, Any]:
