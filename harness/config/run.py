@@ -79,6 +79,13 @@ class LossScaleConfig(Strict):
 # Today's names, as Lightning/Fabric users know them; the earlier names stay accepted.
 PRECISION_ALIASES = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 PURE_BF16_KEYS = {"state_dtype": "float32", "update_compensation": "none"}  # key -> default
+# Method settings added after trials had run, at the value that does what those trials did:
+# left out of a trial's id there, so that earlier sweeps' finished trials stay finished.
+LATER_METHOD_KEYS = {
+    "qgalore": {"lazy_schedule": "ours", "clip_int8": True, "simulate_mode": "fake_quant"},
+    "relora": {"prune": "magnitude"},
+}
+WARM_START_KEYS = ("warm_start", "warm_start_warmup_steps")  # ReLoRA's: idle without warm start
 
 
 class TrainConfig(Strict):
@@ -318,6 +325,7 @@ class RunConfig(Common):
         for key, default in PURE_BF16_KEYS.items():
             if data["train"][key] == default:
                 del data["train"][key]
+        data["method"] = _without_later_defaults(data["method"])
         blob = json.dumps(data, sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()[:8]
 
@@ -346,3 +354,13 @@ def memory_label(memory: dict[str, Any]) -> str:
     if memory.get("optimizer_offload", "none") != "none":
         parts.append(f"optimizer {memory['optimizer_offload']}")
     return ", ".join(parts) or "none"
+
+
+def _without_later_defaults(method: dict[str, Any]) -> dict[str, Any]:
+    """The method's settings less those LATER_METHOD_KEYS names at their old behaviour's value
+    (and ReLoRA's warm-start keys when it has no warm start): what earlier versions hashed."""
+    later = LATER_METHOD_KEYS.get(method.get("name"), {})
+    idle = WARM_START_KEYS if method.get("warm_start_steps") == 0 else ()
+    return {k: v for k, v in method.items()
+            if k not in idle and not (k in later and v == later[k])}
+
