@@ -13,6 +13,7 @@ import gzip
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -211,3 +212,36 @@ def assert_matches_one_process(trial_dir: Path, run: dict[str, Any], scratch: Pa
     assert all(abs(ddp[s] - one[s]) < 1e-5 for s in one)
     assert read_json(trial_dir / "summary.json")["eval_loss"] == pytest.approx(
         single["eval_loss"], rel=1e-5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(config: Path, out: Path) -> subprocess.Popen:
+    """`harness train` as a user starts it data-parallel: 2 processes (gloo on CPU), each on one
+    thread so that kernels sum in the same order as the 1-process reference."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), "-m", "harness.cli", "train", str(config),
+           "--out", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def assert_two_processes_train_as_one(data: dict[str, Any], tmp_path: Path) -> None:
+    """`data` under torchrun (2 processes) and here in one: both ok, the same logged steps,
+    every loss within 1e-5 relative."""
+    from harness.methods.resolve import load_run
+    from harness.train import train
+    from harness.trials import read_json
+
+    proc = torchrun(write_yaml(tmp_path / "run.yaml", data), tmp_path / "two")
+    one = train(load_run(data), tmp_path / "one")
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    assert one["status"] == read_json(tmp_path / "two" / "summary.json")["status"] == "ok"
+    a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert a.keys() == b.keys() == set(range(1, data["train"]["steps"] + 1))
+    assert [b[s] for s in a] == pytest.approx(list(a.values()), rel=1e-5, abs=0)

@@ -4,10 +4,6 @@ precisions and DDP, and why the package itself is not wrapped."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,10 +12,10 @@ import torch
 from conftest import (
     SAMPLE_VOCAB,
     assert_estimate_matches,
+    assert_two_processes_train_as_one,
     micro_model,
     micro_run,
     train_losses,
-    write_yaml,
 )
 from torch import nn
 
@@ -29,7 +25,6 @@ from harness.methods.resolve import load_run, modifier_support
 from harness.models import param_shapes
 from harness.modifiers.compensation import KAHAN
 from harness.train import train
-from harness.trials import read_json
 
 METHOD = {"name": "adam_mini"}
 
@@ -206,31 +201,13 @@ def test_resume_keeps_float32_states_of_bf16_weights(tmp_path):
     assert train_losses(tmp_path / "part") == train_losses(tmp_path / "whole")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("layerwise", [False, True], ids=["ddp", "ddp_layerwise"])
 def test_two_processes_train_as_one(tmp_path, layerwise):
     """gloo on CPU: the gradients are averaged before the step, so Adam-mini needs no
     collective of its own; 2 processes of 2 micro-batches equal 1 process of 4."""
     data = {**micro_run(steps=3, total_batch_size=8), "method": METHOD,
             "memory": {"layerwise": layerwise}}
-    config = write_yaml(tmp_path / "run.yaml", data)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), "-m", "harness.cli", "train", str(config),
-           "--out", str(tmp_path / "two")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    one = train(load_run(data), tmp_path / "one")
-    output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, output
-    assert one["status"] == read_json(tmp_path / "two" / "summary.json")["status"] == "ok"
-    a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
-    assert a.keys() == b.keys() == {1, 2, 3}
-    assert [b[s] for s in a] == pytest.approx(list(a.values()), rel=1e-5, abs=0)
+    assert_two_processes_train_as_one(data, tmp_path)
 
 
 def test_the_package_fails_outside_a_process_group_when_two_gpus_are_visible(monkeypatch):

@@ -5,16 +5,17 @@ counts, every memory modifier and precision, resume and two processes."""
 from __future__ import annotations
 
 import math
-import os
-import socket
-import subprocess
-import sys
 from itertools import pairwise
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import SAMPLE_VOCAB, micro_model, micro_run, train_losses, write_yaml
+from conftest import (
+    SAMPLE_VOCAB,
+    assert_two_processes_train_as_one,
+    micro_model,
+    micro_run,
+    train_losses,
+)
 
 from harness.errors import UserError
 from harness.methods import build_method
@@ -22,7 +23,7 @@ from harness.methods.apollo_optim import APOLLOOptimizer, next_seed
 from harness.methods.resolve import load_run
 from harness.models import param_shapes
 from harness.train import train
-from harness.trials import read_json, read_jsonl
+from harness.trials import read_jsonl
 
 TARGETS = 2 * 7  # llama_micro: 2 blocks × 7 linears
 APOLLO = {"name": "apollo", "rank": 8, "update_proj_gap": 8}
@@ -264,18 +265,4 @@ def test_two_processes_layerwise_train_as_one(tmp_path):
     the all-reduced gradient; the same losses as one process with the same global batch."""
     data = {**apollo_run(4, {**APOLLO, "update_proj_gap": 2}, total_batch_size=8),
             "memory": {"layerwise": True}}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(port), "-m", "harness.cli", "train",
-           str(write_yaml(tmp_path / "run.yaml", data)), "--out", str(tmp_path / "two")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    one = train(load_run(data), tmp_path / "one")
-    output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, output
-    assert one["status"] == read_json(Path(tmp_path / "two" / "summary.json"))["status"] == "ok"
-    a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
-    assert a.keys() == b.keys() == {1, 2, 3, 4}
-    assert list(b.values()) == pytest.approx(list(a.values()), rel=1e-5, abs=0)
+    assert_two_processes_train_as_one(data, tmp_path)

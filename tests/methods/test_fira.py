@@ -4,16 +4,12 @@ modes, data parallelism, and resume."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import warnings
 from typing import Any
 
 import pytest
 import torch
-from conftest import SAMPLE_VOCAB, micro_run, train_losses, write_yaml
+from conftest import SAMPLE_VOCAB, assert_two_processes_train_as_one, micro_run, train_losses
 from test_galore import TARGETS, check_estimate, rows, steps_of
 
 from harness.errors import UserError
@@ -24,7 +20,6 @@ from harness.methods.resolve import load_run
 from harness.models import param_shapes
 from harness.modifiers.compensation import KAHAN
 from harness.train import train
-from harness.trials import read_json
 
 FIRA = {"name": "fira", "rank": 8, "update_proj_gap": 2}
 SHAPES = [(24, 40), (40, 24), (32, 32), (24,)]
@@ -238,18 +233,4 @@ def test_two_processes_layerwise_train_as_one(tmp_path):
     """DDP (gloo, CPU): layer-wise, each rank accumulating 2 micro-batches of the full G, the
     hooks all-reducing it; the same losses as one process with the same global batch."""
     data = fira_run(4, train={"total_batch_size": 8}, memory={"layerwise": True})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(port), "-m", "harness.cli", "train",
-           str(write_yaml(tmp_path / "run.yaml", data)), "--out", str(tmp_path / "two")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    one = train(load_run(data), tmp_path / "one")
-    output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, output
-    assert one["status"] == read_json(tmp_path / "two" / "summary.json")["status"] == "ok"
-    a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
-    assert a.keys() == b.keys() == {1, 2, 3, 4}
-    assert list(b.values()) == pytest.approx(list(a.values()), rel=1e-5, abs=0)
+    assert_two_processes_train_as_one(data, tmp_path)

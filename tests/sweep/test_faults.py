@@ -134,5 +134,7 @@ def test_repeated_preemption_signals_to_a_submitit_job_make_one_requeue(tmp_path
     assert job.result() == 0
     summary = read_json(trial_dir / "summary.json")
     assert (summary["status"], summary["requeues"], summary["step"]) == ("ok", 1, 30)
-    log = Path(job.paths.stdout).read_text()
-    assert "signal SIGUSR2 ignored: a requeue is under way" in log
+    ignored = Path(job.paths.stdout).read_text().count(
+        "signal SIGUSR2 ignored: a requeue is under way")
+    # Two USR2 sent at once may reach the process as one: POSIX does not queue standard signals.
+    assert ignored == 1 if gap_s else ignored <= 1

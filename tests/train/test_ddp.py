@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from conftest import micro_run, write_yaml
+from conftest import free_port, micro_run, torchrun, write_yaml
 
 from harness.cli import main
 from harness.cost.estimate import estimate_run
@@ -34,21 +32,6 @@ def ddp_run(steps: int = 6, method: dict[str, Any] | None = None,
     """4 micro-batches of 2 per step: 2 per process, so accumulation runs under DDP too."""
     data = micro_run(steps=steps, total_batch_size=8)
     return {**data, "method": method or {"name": "full"}, "memory": {"layerwise": layerwise}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(config: Path, out: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), "-m", "harness.cli", "train", str(config),
-           "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
 
 
 def finish(proc: subprocess.Popen) -> str:
