@@ -95,9 +95,10 @@ def write_report(paths: Paths, out: PathArg | None = None) -> str:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "trials.csv", trials.to_csv(index=False))
     pretraining = trials[task_kind(trials) != "glue"]
-    blocks: list[Block] = [Paragraph(f"{len(trials)} trials in {', '.join(map(str, dirs))}. "
-                                     f"{MEMORY_NOTE}")]
-    terminal = []
+    note = [str(sweep["note"])] if sweep.get("note") else []
+    blocks: list[Block] = [*map(Paragraph, note), Paragraph(
+        f"{len(trials)} trials in {', '.join(map(str, dirs))}. {MEMORY_NOTE}")]
+    terminal = list(note)
     if not pretraining.empty or len(trials) == 0:
         table = summary_table(pretraining, order=order)
         blocks += [Heading("Methods at their best learning rate"), Table(table),

@@ -99,6 +99,9 @@ class LauncherConfig(Strict):
 
 class SweepConfig(Common):
     name: str
+    note: str | None = Field(
+        None, description="what the sweep's numbers can and cannot say: the report opens with it"
+    )
     methods: dict[str, dict[str, Any]] = Field(min_length=1)
     search: SearchConfig = Field(default_factory=SearchConfig)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)

@@ -10,9 +10,11 @@ import matplotlib.image
 import pandas as pd
 import pytest
 import yaml
+from conftest import REPO
 
 from harness.analysis import load_runs, load_steps, status_table, summary_table, write_report
 from harness.analysis.plots import trial_labels
+from harness.sweep.plan import load_sweep
 
 # label -> (method config, [(trial id, lr, status, eval ppl)]); None status = never started.
 TRIALS: dict[str, tuple[dict[str, Any], list[tuple[str, float, str | None, float | None]]]] = {
@@ -322,3 +324,16 @@ def test_write_report_on_a_sweep_the_trainer_wrote(finished_run_copy: Path) -> N
     trials = pd.read_csv(out / "trials.csv")
     assert len(trials) == 2 and set(trials["status"]) == {"ok"}
     assert "| full " in text and "| adam8bit " in text
+
+
+def test_the_sweeps_note_opens_the_report_and_the_terminal_output(runs: Path) -> None:
+    """The quickstart says its ordering is a smoke test and where a result is."""
+    note = load_sweep(REPO / "sweeps" / "quickstart.yaml", {}).note
+    assert "smoke test, not a result" in note and "sweeps/repro_small.yaml" in note
+    sweep = yaml.safe_load((runs / "sweep.yaml").read_text())
+    (runs / "sweep.yaml").write_text(yaml.safe_dump({**sweep, "note": note}, sort_keys=False))
+    assert write_report(runs).startswith(note + "\n\n")
+    assert (runs / "report" / "report.md").read_text().startswith(
+        f"# Sweep report: demo\n\n{note}\n\n6 trials in ")
+    assert (runs / "report" / "report.html").read_text().index(note.split(":")[0]) < (
+        (runs / "report" / "report.html").read_text().index("6 trials in "))
