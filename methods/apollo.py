@@ -6,6 +6,12 @@ Every weight trains. The low-rank moments and the limiter's last norm are optimi
 random projection is regenerated from its seed, so it costs no bytes, while an SVD basis is
 stored (extra bytes, as GaLore's). APOLLO-Mini (rank 1, one factor per tensor) is the same
 method with other settings, registered from methods/apollo_mini.py.
+
+`int8_weights` is the paper's 7B recipe: the scaled targets become quant.Int8Linear (INT8
+codes, no float weight, as Q-GaLore's) updated inside backward by stochastic rounding
+(methods/apollo_int8_optim.py); the other parameters train with AdamW layer-wise. Its memory
+is counted as Q-GaLore's: one byte a code plus each group's scale and zero point, and the
+gradients that exist at once (the largest one, or with accumulation every target's full G).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from harness.methods.apollo_int8_optim import APOLLOInt8Optimizer
 from harness.methods.apollo_optim import APOLLOOptimizer
 from harness.methods.base import (
     TARGETS,
@@ -23,12 +30,16 @@ from harness.methods.base import (
     MemoryEstimate,
     Shapes,
     grad_bytes,
+    grad_bytes_of,
     numel,
     register,
+    tensor_bytes,
 )
 from harness.methods.full import AdamConfig
 from harness.methods.galore import GaLore, basis_numel, state_bytes
+from harness.methods.galore_optim import BASIS_KEYS
 from harness.methods.projection import lowrank_shape, side_of
+from harness.methods.quant import Int8Linear, int8_bytes
 from harness.methods.widths import widths
 from harness.modifiers.compensation import own_optimizer_kwargs
 from harness.modifiers.optimizer import unwrap
@@ -53,6 +64,10 @@ class APOLLOCommon(AdamConfig):
     optimizer: Literal["adamw", "adam8bit"] = Field(
         "adamw", description="Adam's moments: 32-bit, or 8-bit blockwise (also off-target)")
     min_8bit_size: int = Field(4096, ge=1, description="adam8bit: smaller states stay 32-bit")
+    int8_weights: bool = Field(
+        False, description="scaled targets are INT8 codes updated in backward by stochastic "
+        "rounding (the paper's 7B recipe with apollo_mini; the rest AdamW, layer-wise)")
+    weight_group: int = Field(256, ge=1, description="int8_weights: values per quantization group")
 
 
 class APOLLOConfig(APOLLOCommon):
@@ -67,9 +82,33 @@ class APOLLO(GaLore):
     summary = "APOLLO: the gradient scaled per channel by Adam run on a rank-r random projection"
     Config = APOLLOConfig
 
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.seeds: dict[Int8Linear, int] = {}  # int8_weights: each layer's projection seed
+
+    @property
+    def linears(self) -> str:  # type: ignore[override]
+        return "quantized" if self.config.int8_weights else "float"
+
     def shape_settings(self) -> tuple[int, str]:
         """The projection's rank and the scaling's granularity."""
         return self.config.rank, self.config.scale_type
+
+    def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
+        """int8_weights: each scaled linear becomes INT8 (nearest rounding), keeping the seed
+        the float method would give it."""
+        if not self.config.int8_weights:
+            return model
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        for i, (name, p) in enumerate(named, 1):
+            if self.projects(name, tuple(p.shape)):
+                module = name.rpartition(".")[0]
+                parent, _, child = module.rpartition(".")
+                layer = Int8Linear.from_linear(model.get_submodule(module),
+                                               self.config.weight_group)
+                setattr(model.get_submodule(parent), child, layer)
+                self.seeds[layer] = i
+        return model
 
     def projects(self, name: str, shape: tuple[int, ...]) -> bool:
         """A target matrix below full rank; at a rank ≥ min(m, n) AdamW updates it."""
@@ -98,27 +137,73 @@ class APOLLO(GaLore):
             scale_type=scale_type, limiter=c.limiter, gamma=c.gamma,
             min_8bit_size=c.min_8bit_size, **own_optimizer_kwargs(run.train))
 
+    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
+        c = self.config
+        if not c.int8_weights:
+            return super().optimizer(model, run)
+        rank, scale_type = self.shape_settings()
+        layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+        return APOLLOInt8Optimizer(  # Int8Linear keeps no weight parameter: the rest are others
+            layers, [self.seeds[m] for m in layers], list(model.parameters()), lr=run.train.lr,
+            betas=c.betas, eps=c.eps, weight_decay=run.train.weight_decay, inner=c.optimizer,
+            min_8bit_size=c.min_8bit_size, rank=rank, update_proj_gap=c.update_proj_gap,
+            scale=c.scale, proj=c.proj, scale_type=scale_type, limiter=c.limiter, gamma=c.gamma,
+            clip=run.train.grad_clip, seed=run.seed, **own_optimizer_kwargs(run.train))
+
+    def refusal(self, run: RunConfig) -> str | None:
+        if self.config.int8_weights and run.memory.optimizer_offload != "none":
+            return ("with int8_weights its INT8 layers are updated inside backward on the "
+                    "training device, so the optimizer cannot move to the host")
+        if self.config.int8_weights and run.train.precision == "16-mixed":
+            return ("with int8_weights its INT8 updates run inside backward, before an overflow "
+                    "in a later gradient could skip the step; use bf16-mixed")
+        return super().refusal(run)
+
     def on_step(self, step: int, model: nn.Module,
                 optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """An event only on steps that made new projections."""
-        opts: list[APOLLOOptimizer] = unwrap(optimizer)  # type: ignore[assignment]
-        made = sum(o.take_refreshes() for o in opts)
+        scalings = [o.scaling for o in unwrap(optimizer)]  # type: ignore[attr-defined]
+        if isinstance(optimizer, APOLLOInt8Optimizer):
+            scalings.append(optimizer.scaling)
+        made = sum(s.take_refreshes() for s in scalings)
         if not made:
             return None
-        return {"apollo_projections": made, "svd_failures": sum(o.svd_failures for o in opts)}
+        return {"apollo_projections": made,
+                "svd_failures": sum(s.svd_failures for s in scalings)}
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         c, w, rank = self.config, widths(run), self.shape_settings()[0]
         sizes = [numel(s) for s in shapes.values()]
-        state, extra = w.compensation * sum(sizes), 0
+        weights, state, extra = w.weight * sum(sizes), w.compensation * sum(sizes), 0
         for name, full in shapes.items():
             shape = tuple(full)
             if self.projects(name, shape):
                 side = side_of(shape, "std", rank)
                 if c.proj == "svd":  # stored in the weights' dtype; a random one is not stored
                     extra += w.weight * basis_numel(shape, side, rank)
+                if c.int8_weights:  # codes, each group's scale and zero; no compensation
+                    weights -= (w.weight - 1) * numel(shape)
+                    state -= w.compensation * numel(shape)
+                    extra += int8_bytes(shape, c.weight_group) - numel(shape)
                 shape = lowrank_shape(shape, side, rank)
                 state += LIMITER_BYTES if c.limiter else 0
             state += state_bytes(shape, c.optimizer, c.min_8bit_size, None, w.state)
-        return MemoryEstimate(w.weight * sum(sizes), grad_bytes(sizes, run, self.steps), state,
-                              extra)
+        grads = (grad_bytes_of(sizes, True, self.steps.accumulation, w.grad) if c.int8_weights
+                 else grad_bytes(sizes, run, self.steps))
+        return MemoryEstimate(weights, grads, state, extra)
+
+    def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
+        if not isinstance(optimizer, APOLLOInt8Optimizer):
+            return super().measure(model, optimizer)
+        params, layers = list(model.parameters()), optimizer.layers
+        inner = [st for o in optimizer.inner.values() for st in o.state.values()]
+        states = [optimizer.layer_state[m] for m in layers] + inner
+        return MemoryEstimate(
+            weight_bytes=tensor_bytes(params) + tensor_bytes([m.codes for m in layers]),
+            grad_bytes=grad_bytes_of([p.numel() for p in params] + [m.codes.numel()
+                                     for m in layers], True, self.steps.accumulation,
+                                     max(p.element_size() for p in params)),
+            optimizer_state_bytes=tensor_bytes([{k: v for k, v in st.items() if k not in BASIS_KEYS}
+                                                for st in states]),
+            extra_bytes=tensor_bytes([[m.scale, m.zero] for m in layers])
+            + tensor_bytes([[st.get(k) for k in BASIS_KEYS] for st in states]))

@@ -50,112 +50,56 @@ def random_basis(grad: Tensor, side: str, rank: int, seed: int) -> dict[str, Ten
     return {side: (p / math.sqrt(rank)).to(grad.dtype)}
 
 
-class APOLLOOptimizer(torch.optim.Optimizer):
-    """Groups with a `rank` are scaled APOLLO's way; the others get AdamW. A group's `seed` is
-    its first parameter's first projection seed (the next ones count up); None: the
-    reference's numbering, 1, 2, … over every parameter of every group."""
+class APOLLOScaling:
+    """APOLLO's rule for one group's gradients: each one's projection, Adam on it (the moments
+    in the states given) and the factor its gradient is scaled by. Shared by APOLLOOptimizer
+    (float weights) and APOLLOInt8Optimizer (INT8 weights updated in backward)."""
 
-    def __init__(self, params: Iterable[Any], *, lr: float,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, inner: str = "adamw", update_proj_gap: int = 200,
-                 scale: float = 1.0, proj: str = "random", scale_type: str = "channel",
-                 limiter: bool = True, gamma: float = 1.01, min_8bit_size: int = 4096,
-                 state_dtype: torch.dtype | None = None, compensation: str = "none") -> None:
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
-                    "rank": None, "seed": None, "update_proj_gap": update_proj_gap,
-                    "scale": scale, "proj": proj, "scale_type": scale_type}
-        super().__init__(params, defaults)
-        self.limiter, self.gamma = limiter, gamma
+    def __init__(self, inner: str, min_8bit_size: int, limiter: bool, gamma: float,
+                 state_dtype: torch.dtype | None) -> None:
         self.adam = AdamKernel(inner == "adam8bit", min_8bit_size)
-        self.state_dtype, self.compensation = state_dtype, compensation
-        self.exact = state_dtype is not None or compensation != "none"
+        self.limiter, self.gamma, self.state_dtype = limiter, gamma, state_dtype
         self.refreshes = 0  # projections (re)made since the last `take_refreshes`
         self.svd_failures = 0  # SVDs that failed in float32 and float64: the basis was kept
-        index = 0
-        for group in self.param_groups:
-            for i, p in enumerate(group["params"]):
-                index += 1
-                self.state[p]["seed"] = index if group["seed"] is None else group["seed"] + i
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            low = [p for p in params if _side(group, p) != "none"]
-            plain = [p for p in params if _side(group, p) == "none"]
-            if plain:
-                self._plain_step(group, plain)
-            if low:
-                self._apollo_step(group, low)
-        return loss
 
     def take_refreshes(self) -> int:
         n, self.refreshes = self.refreshes, 0
         return n
 
-    def _inner_grads(self, grads: list[Tensor]) -> list[Tensor]:
+    def inner_grads(self, grads: list[Tensor]) -> list[Tensor]:
         """What Adam sees, in the moments' dtype."""
         return grads if self.state_dtype is None else [g.to(self.state_dtype) for g in grads]
 
-    def _plain_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        lr, wd = group["lr"], group["weight_decay"]
-        states, grads = [self.state[p] for p in params], self._inner_grads([p.grad for p in params])
-        if not self.exact:
-            self.adam(group, params, grads, states, lr, wd)
-            return
-        updates = [torch.zeros_like(g) for g in grads]  # Adam leaves -N there (lr 1, no decay)
-        self.adam(group, updates, grads, states, 1.0, 0.0)
-        for p, u, st in zip(params, updates, states, strict=True):
-            self._add(group, p, u.float().mul_(lr), st)
-
-    def _add(self, group: dict[str, Any], p: Tensor, update: Tensor, st: dict[str, Any]) -> None:
-        """W ← W - lr·wd·W + update, the float32 sum rounded by the run's compensation."""
-        lr, wd = group["lr"], group["weight_decay"]
-        if wd:
-            update.add_(p, alpha=-lr * wd)
-        add_update(p, update, self.compensation, st)
-
-    def _apollo_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        live, bases = [], []
-        for p in params:
-            basis = self._basis(group, p)
-            if basis is not None:  # None: a first SVD that failed; the weight waits a step
-                live.append(p)
-                bases.append(basis)
-        sides = [next(iter(b)) for b in bases]
-        states = [self.state[p] for p in live]
-        lows = self._inner_grads(
-            [project(p.grad, b, s) for p, b, s in zip(live, bases, sides, strict=True)])
+    def factors(self, group: dict[str, Any], grads: list[Tensor],
+                states: list[dict[str, Any]]) -> list[Tensor | None]:
+        """√scale · s / limiter of each gradient; None where a first SVD failed (that weight
+        waits a step)."""
+        bases = [self._basis(group, st, g) for g, st in zip(grads, states, strict=True)]
+        live = [i for i, b in enumerate(bases) if b is not None]
+        sides = {i: next(iter(bases[i])) for i in live}
+        lows = self.inner_grads([project(grads[i], bases[i], sides[i]) for i in live])
         updates = [torch.zeros_like(r) for r in lows]  # Adam leaves -Ñ there (lr 1, no decay)
-        self.adam(group, updates, lows, states, 1.0, 0.0)
-        lr, wd = group["lr"], group["weight_decay"]
-        for p, r, u, st, side in zip(live, lows, updates, states, sides, strict=True):
-            factor = self._factor(group, p.grad, r, u, st, side)
-            if self.exact:
-                self._add(group, p, (p.grad.float() * factor).mul_(-lr), st)
-                continue
-            if wd:
-                p.mul_(1 - lr * wd)
-            p.addcmul_(p.grad, factor.to(p.dtype), value=-lr)
+        self.adam(group, updates, lows, [states[i] for i in live], 1.0, 0.0)
+        out: list[Tensor | None] = [None] * len(grads)
+        for i, r, u in zip(live, lows, updates, strict=True):
+            out[i] = self._factor(group, grads[i], r, u, states[i], sides[i])
+        return out
 
-    def _basis(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor] | None:
+    def _basis(self, group: dict[str, Any], st: dict[str, Any],
+               grad: Tensor) -> dict[str, Tensor] | None:
         """This step's projection. Due every `update_proj_gap` Adam steps from the first, as
         the reference's `step % gap == 0`: a random one's seed advances (the first uses the
         initial seed), an SVD one is recomputed from this gradient."""
-        st, rank, side = self.state[p], group["rank"], _side(group, p)
+        rank, side = group["rank"], _side(group, grad)
         step = st.get("step", 0)
         due = step % group["update_proj_gap"] == 0
         self.refreshes += due
         if group["proj"] == "random":
             if due and step:
                 st["seed"] = next_seed(st["seed"])
-            return random_basis(p.grad, side, rank, st["seed"])
+            return random_basis(grad, side, rank, st["seed"])
         if due or side not in st:
-            basis = _svd_basis(p.grad, side, rank)
+            basis = _svd_basis(grad, side, rank)
             if basis is None:
                 self.svd_failures += 1
             else:
@@ -188,15 +132,89 @@ class APOLLOOptimizer(torch.optim.Optimizer):
                 prev.copy_(norm / cut)
         return s.mul_(math.sqrt(group["scale"]))
 
+
+class APOLLOOptimizer(torch.optim.Optimizer):
+    """Groups with a `rank` are scaled APOLLO's way; the others get AdamW. A group's `seed` is
+    its first parameter's first projection seed (the next ones count up); None: the
+    reference's numbering, 1, 2, … over every parameter of every group."""
+
+    def __init__(self, params: Iterable[Any], *, lr: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, inner: str = "adamw", update_proj_gap: int = 200,
+                 scale: float = 1.0, proj: str = "random", scale_type: str = "channel",
+                 limiter: bool = True, gamma: float = 1.01, min_8bit_size: int = 4096,
+                 state_dtype: torch.dtype | None = None, compensation: str = "none") -> None:
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                    "rank": None, "seed": None, "update_proj_gap": update_proj_gap,
+                    "scale": scale, "proj": proj, "scale_type": scale_type}
+        super().__init__(params, defaults)
+        self.scaling = APOLLOScaling(inner, min_8bit_size, limiter, gamma, state_dtype)
+        self.compensation = compensation
+        self.exact = state_dtype is not None or compensation != "none"
+        index = 0
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                index += 1
+                self.state[p]["seed"] = index if group["seed"] is None else group["seed"] + i
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            low = [p for p in params if _side(group, p) != "none"]
+            plain = [p for p in params if _side(group, p) == "none"]
+            if plain:
+                self._plain_step(group, plain)
+            if low:
+                self._apollo_step(group, low)
+        return loss
+
+    def _plain_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        lr, wd = group["lr"], group["weight_decay"]
+        states = [self.state[p] for p in params]
+        grads = self.scaling.inner_grads([p.grad for p in params])
+        if not self.exact:
+            self.scaling.adam(group, params, grads, states, lr, wd)
+            return
+        updates = [torch.zeros_like(g) for g in grads]  # Adam leaves -N there (lr 1, no decay)
+        self.scaling.adam(group, updates, grads, states, 1.0, 0.0)
+        for p, u, st in zip(params, updates, states, strict=True):
+            self._add(group, p, u.float().mul_(lr), st)
+
+    def _add(self, group: dict[str, Any], p: Tensor, update: Tensor, st: dict[str, Any]) -> None:
+        """W ← W - lr·wd·W + update, the float32 sum rounded by the run's compensation."""
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd:
+            update.add_(p, alpha=-lr * wd)
+        add_update(p, update, self.compensation, st)
+
+    def _apollo_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        states = [self.state[p] for p in params]
+        factors = self.scaling.factors(group, [p.grad for p in params], states)
+        lr, wd = group["lr"], group["weight_decay"]
+        for p, factor, st in zip(params, factors, states, strict=True):
+            if factor is None:
+                continue
+            if self.exact:
+                self._add(group, p, (p.grad.float() * factor).mul_(-lr), st)
+                continue
+            if wd:
+                p.mul_(1 - lr * wd)
+            p.addcmul_(p.grad, factor.to(p.dtype), value=-lr)
+
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        sd["svd_failures"] = self.svd_failures
+        sd["svd_failures"] = self.scaling.svd_failures
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Float32 moments of bf16 weights and 8-bit states come back as saved."""
         restore_dtypes(self, super().load_state_dict, state_dict)
-        self.svd_failures = state_dict.get("svd_failures", 0)
+        self.scaling.svd_failures = state_dict.get("svd_failures", 0)
 
 
 def _side(group: dict[str, Any], p: Tensor) -> str:

@@ -97,7 +97,9 @@ class QGaLoreOptimizer(LayerwiseOptimizer):
         self.group: dict[str, Any] = {"params": [], "lr": lr, "betas": betas, "eps": eps,
                                       "weight_decay": weight_decay, "rank": rank, "scale": scale}
         self.adam = AdamKernel(inner == "adam8bit", min_8bit_size)  # the low-rank moments' update
-        self.state_dtype = state_dtype  # INT8 codes take stochastic rounding, never `compensation`
+        # G is float32 (no float weight to follow): moments in state_dtype, else the weights'
+        # dtype. The INT8 codes take stochastic rounding, never `compensation`.
+        self.state_dtype = state_dtype or next((p.dtype for p in params), None)
         self.layers, self.proj_group, self.base_gap = layers, proj_group, lazy["base_gap"]
         self.int8_clip = clip if clip_int8 else None  # the reference's: None
         self.sides = {m: side_of((m.out_features, m.in_features), proj_type, rank)
@@ -158,7 +160,7 @@ class QGaLoreOptimizer(LayerwiseOptimizer):
         self.adam(group, [scratch], [low], [st["moments"]], 1.0, 0.0)
         lr, wd = group["lr"], group["weight_decay"]
         delta = torch.zeros(m.out_features, m.in_features, device=low.device)
-        project_back_(delta, scratch, basis, side, lr * group["scale"])
+        project_back_(delta, scratch.float(), basis, side, lr * group["scale"])
         if wd:  # decoupled, on the full weight
             delta.add_(m.dequantized(), alpha=-lr * wd)
         m.apply_update(delta, self.generator)
@@ -203,21 +205,21 @@ class QGaLoreOptimizer(LayerwiseOptimizer):
         self.group.update(state_dict["group"])
         for m, st, lazy in zip(self.layers, state_dict["layers"], state_dict["lazy"],
                                strict=True):
-            self.layer_state[m] = _to(st, m.codes.device)
-            self.gaps[m].load_state_dict(_to(lazy, m.codes.device))
+            self.layer_state[m] = on_device(st, m.codes.device)
+            self.gaps[m].load_state_dict(on_device(lazy, m.codes.device))
         self.generator.set_state(state_dict["generator"])
         counts = state_dict["svd_counts"]
         self.svd_retries, self.svd_failures = counts["retries"], counts["failures"]
 
 
-def _to(v: Any, device: torch.device) -> Any:
+def on_device(v: Any, device: torch.device) -> Any:
     """Checkpoints load on the CPU: every tensor inside goes back to its layer's device."""
     if isinstance(v, Tensor):
         return v.to(device)
     if isinstance(v, dict):
-        return {k: _to(x, device) for k, x in v.items()}
+        return {k: on_device(x, device) for k, x in v.items()}
     if isinstance(v, list):
-        return [_to(x, device) for x in v]
+        return [on_device(x, device) for x in v]
     return v
 
 

@@ -84,6 +84,8 @@ PURE_BF16_KEYS = {"state_dtype": "float32", "update_compensation": "none"}  # ke
 LATER_METHOD_KEYS = {
     "qgalore": {"lazy_schedule": "ours", "clip_int8": True, "simulate_mode": "fake_quant"},
     "relora": {"prune": "magnitude"},
+    "apollo": {"int8_weights": False, "weight_group": 256},
+    "apollo_mini": {"int8_weights": False, "weight_group": 256},
 }
 WARM_START_KEYS = ("warm_start", "warm_start_warmup_steps")  # ReLoRA's: idle without warm start
 

@@ -59,8 +59,10 @@ DEVICE = Device()
 PAPER_RANKS = {"llama_60m": 128, "llama_130m": 256, "llama_350m": 256, "llama_1b": 512,
                "llama_7b": 1024}  # fmt: skip
 # Method entries beyond each registered method at its defaults: label -> (method, settings).
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"galore_8bit": ("galore",
-                                                                   {"optimizer": "adam8bit"})}
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "galore_8bit": ("galore", {"optimizer": "adam8bit"}),
+    "apollo_mini_int8": ("apollo_mini", {"int8_weights": True}),  # APOLLO's 7B recipe
+}
 # Precision label -> train keys; bf16 states are the GaLore and Q-GaLore reference code's choice.
 PRECISIONS: dict[str, dict[str, str]] = {
     "bf16-true": {"precision": "bf16-true"},

@@ -122,6 +122,9 @@ def test_own_optimizers_honour_state_dtype_and_compensation(tmp_path, method, st
     for _ in range(2):
         assert math.isfinite(trainer.train_step().item())
     states = [s for o in unwrap(trainer.optimizer) for s in o.state.values()]
+    int8 = getattr(trainer.optimizer, "layer_state", {})  # Q-GaLore's INT8 layers' moments
+    assert bool(int8) == (method == "qgalore")
+    states += [st["moments"] for st in int8.values()]
     moments = {v.dtype for s in states for k, v in s.items() if k.startswith("exp_avg")}
     assert moments == {getattr(torch, state_dtype)}
     kahan = [s[KAHAN] for s in states if KAHAN in s]
