@@ -1,8 +1,9 @@
 """Q-GaLore's optimizers (Zhang et al., 2024): GaLore on INT8 weights with INT4 projections and
 lazy, similarity-driven subspace updates.
 
-`QGaLoreOptimizer` is the fused, layer-wise form of the paper. Each INT8 layer's weight gradient
-G reaches `_receive` inside backward (quant.Int8Linear's grad hook) and is dropped after it.
+`QGaLoreOptimizer` is the fused, layer-wise form of the paper, on methods/int8_optim.py's base.
+Each INT8 layer's weight gradient G reaches `_receive` inside backward (quant.Int8Linear's grad
+hook) and is dropped after it.
 Under gradient accumulation it is summed until the last micro-batch (the trainer's `sync`,
 fixing Q-GaLore#13): in projected form (r×n or m×r) when no SVD is due, since projection is
 linear, and in full only when the step needs an SVD. On the last micro-batch: the SVD (with
@@ -34,9 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from harness import distributed
 from harness.methods.adam_kernel import AdamKernel
 from harness.methods.galore_optim import GaLoreOptimizer
+from harness.methods.int8_optim import Int8LayerwiseOptimizer, on_device
 from harness.methods.projection import compute_basis, project, project_back_, side_of
 from harness.methods.quant import (
     Int8Linear,
@@ -45,7 +46,6 @@ from harness.methods.quant import (
     quantize_int4_packed,
     snap_int8_,
 )
-from harness.modifiers.layerwise import LayerwiseOptimizer
 
 INT4_KEYS = ("packed", "scale", "zero")
 
@@ -79,7 +79,7 @@ def lazy_stats(gaps: list[LazyGap], steps: list[int], base_gap: int) -> dict[str
             "gap_mean": sum(g.gap for g in gaps) / max(1, len(gaps))}
 
 
-class QGaLoreOptimizer(LayerwiseOptimizer):
+class QGaLoreOptimizer(Int8LayerwiseOptimizer):
     """INT8 layers updated in their backward; the other parameters layer-wise at full rank."""
 
     def __init__(self, layers: list[Int8Linear], params: list[nn.Parameter], *, lr: float,
@@ -93,48 +93,28 @@ class QGaLoreOptimizer(LayerwiseOptimizer):
                                    eps=eps, inner=inner, min_8bit_size=min_8bit_size,
                                    state_dtype=state_dtype, compensation=compensation)
 
-        super().__init__(params, make, clip)
-        self.group: dict[str, Any] = {"params": [], "lr": lr, "betas": betas, "eps": eps,
-                                      "weight_decay": weight_decay, "rank": rank, "scale": scale}
+        group = {"params": [], "lr": lr, "betas": betas, "eps": eps,
+                 "weight_decay": weight_decay, "rank": rank, "scale": scale}
+        super().__init__(layers, {m: {"updates": 0, "moments": {}} for m in layers}, params,
+                         make, group=group, clip=clip, seed=seed, state_dtype=state_dtype)
         self.adam = AdamKernel(inner == "adam8bit", min_8bit_size)  # the low-rank moments' update
-        # G is float32 (no float weight to follow): moments in state_dtype, else the weights'
-        # dtype. The INT8 codes take stochastic rounding, never `compensation`.
-        self.state_dtype = state_dtype or next((p.dtype for p in params), None)
-        self.layers, self.proj_group, self.base_gap = layers, proj_group, lazy["base_gap"]
+        self.proj_group, self.base_gap = proj_group, lazy["base_gap"]
         self.int8_clip = clip if clip_int8 else None  # the reference's: None
         self.sides = {m: side_of((m.out_features, m.in_features), proj_type, rank)
                       for m in layers}
         self.gaps = {m: LazyGap(**lazy) for m in layers}
-        self.layer_state: dict[Int8Linear, dict[str, Any]] = {
-            m: {"updates": 0, "moments": {}} for m in layers}
-        self.pending: dict[Int8Linear, Tensor] = {}  # accumulated gradients, full or projected
-        device = layers[0].codes.device if layers else torch.device("cpu")
-        self.generator = torch.Generator(device).manual_seed(seed)
         self.svd_attempts = self.svd_retries = self.svd_failures = 0
-        for m in layers:
-            m.grad_hook = self._receive
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return [self.group, *super().param_groups]
-
-    @property
-    def state(self) -> dict[Any, Any]:  # type: ignore[override]
-        return {**super().state, **self.layer_state}
 
     def _needs_svd(self, m: Int8Linear) -> bool:
         return self.sides[m] != "none" and self.gaps[m].due(self.layer_state[m]["updates"])
 
-    def _receive(self, m: Int8Linear, g: Tensor) -> None:
-        """Inside backward: accumulate G (full when an SVD is due or nothing is projected,
-        else projected) and update once the gradient is complete."""
-        side, full = self.sides[m], self._needs_svd(m)
-        part = g if full or side == "none" else project(g, self.dequantized_basis(m), side)
-        acc = self.pending.get(m)
-        self.pending[m] = part if acc is None else acc.add_(part)
-        if self.sync:  # under DDP the (linear) projection commutes with the ranks' average
-            g = distributed.all_sum(self.pending.pop(m)).div_(distributed.world_size())
-            self._step_layer(m, g, full)
+    def _part(self, m: Int8Linear, g: Tensor) -> Tensor:
+        """G in full when an SVD is due or nothing is projected, else projected (r×n or m×r):
+        neither changes until the step's update."""
+        side = self.sides[m]
+        if side == "none" or self._needs_svd(m):
+            return g
+        return project(g, self.dequantized_basis(m), side)
 
     def dequantized_basis(self, m: Int8Linear) -> dict[str, Tensor]:
         """The INT4 basis, dequantized for this use only."""
@@ -144,8 +124,8 @@ class QGaLoreOptimizer(LayerwiseOptimizer):
                 for k, q in st.get("basis", {}).items()}
 
     @torch.no_grad()
-    def _step_layer(self, m: Int8Linear, g: Tensor, full: bool) -> None:
-        side, st, group = self.sides[m], self.layer_state[m], self.group
+    def _step_layer(self, m: Int8Linear, g: Tensor) -> None:
+        side, st, group, full = self.sides[m], self.layer_state[m], self.group, self._needs_svd(m)
         if full:
             self._refresh(m, g)
             if "basis" not in st:
@@ -188,39 +168,17 @@ class QGaLoreOptimizer(LayerwiseOptimizer):
                              [self.layer_state[m]["updates"] for m in projected], self.base_gap),
                 "svd_retries": self.svd_retries, "svd_failures": self.svd_failures}
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        self.pending.clear()
-
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(),
-                "group": {k: v for k, v in self.group.items() if k != "params"},
-                "layers": [self.layer_state[m] for m in self.layers],
                 "lazy": [self.gaps[m].state_dict() for m in self.layers],
-                "generator": self.generator.get_state(),
                 "svd_counts": {"retries": self.svd_retries, "failures": self.svd_failures}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self.group.update(state_dict["group"])
-        for m, st, lazy in zip(self.layers, state_dict["layers"], state_dict["lazy"],
-                               strict=True):
-            self.layer_state[m] = on_device(st, m.codes.device)
+        for m, lazy in zip(self.layers, state_dict["lazy"], strict=True):
             self.gaps[m].load_state_dict(on_device(lazy, m.codes.device))
-        self.generator.set_state(state_dict["generator"])
         counts = state_dict["svd_counts"]
         self.svd_retries, self.svd_failures = counts["retries"], counts["failures"]
-
-
-def on_device(v: Any, device: torch.device) -> Any:
-    """Checkpoints load on the CPU: every tensor inside goes back to its layer's device."""
-    if isinstance(v, Tensor):
-        return v.to(device)
-    if isinstance(v, dict):
-        return {k: on_device(x, device) for k, x in v.items()}
-    if isinstance(v, list):
-        return [on_device(x, device) for x in v]
-    return v
 
 
 class QGaLoreSimOptimizer(GaLoreOptimizer):

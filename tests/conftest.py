@@ -245,3 +245,15 @@ def assert_two_processes_train_as_one(data: dict[str, Any], tmp_path: Path) -> N
     a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
     assert a.keys() == b.keys() == set(range(1, data["train"]["steps"] + 1))
     assert [b[s] for s in a] == pytest.approx(list(a.values()), rel=1e-5, abs=0)
+
+
+def assert_resumes_exactly(run: Any, tmp_path: Path, stop: int = 3) -> None:
+    """`run` stopped after step `stop` and resumed ends ok with every logged loss equal to the
+    same run never stopped."""
+    from harness.train import train
+
+    train(run, tmp_path / "straight")
+    first = train(run, tmp_path / "resumed", should_stop=lambda step: step == stop)
+    assert (first["status"], first["step"]) == ("interrupted", stop)
+    assert train(run, tmp_path / "resumed")["status"] == "ok"
+    assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "straight")

@@ -12,6 +12,7 @@ import torch
 from conftest import (
     SAMPLE_VOCAB,
     assert_estimate_matches,
+    assert_resumes_exactly,
     assert_two_processes_train_as_one,
     micro_model,
     micro_run,
@@ -194,11 +195,7 @@ def test_bf16_true_honours_state_dtype_and_compensation(tmp_path, monkeypatch, s
 
 def test_resume_keeps_float32_states_of_bf16_weights(tmp_path):
     data = mini_run(steps=4, precision="bf16-true", update_compensation="kahan")
-    train(load_run(data), tmp_path / "whole")
-    stopped = train(load_run(data), tmp_path / "part", should_stop=lambda step: step == 2)
-    assert stopped["status"] == "interrupted"
-    assert train(load_run(data), tmp_path / "part")["status"] == "ok"
-    assert train_losses(tmp_path / "part") == train_losses(tmp_path / "whole")
+    assert_resumes_exactly(load_run(data), tmp_path, stop=2)
 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["ddp", "ddp_layerwise"])

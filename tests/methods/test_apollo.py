@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import (
     SAMPLE_VOCAB,
+    assert_resumes_exactly,
     assert_two_processes_train_as_one,
     micro_model,
     micro_run,
@@ -242,11 +243,7 @@ def test_refuses_what_it_cannot_do_in_one_line(change, message):
 @pytest.mark.parametrize("method", [APOLLO, {**MINI, "proj": "svd"}], ids=["apollo", "mini_svd"])
 def test_resume_gives_the_same_losses_step_for_step(tmp_path, method):
     run = load_run(apollo_run(6, {**method, "update_proj_gap": 2}))
-    train(run, tmp_path / "straight")
-    first = train(run, tmp_path / "resumed", should_stop=lambda step: step == 3)
-    assert (first["status"], first["step"]) == ("interrupted", 3)
-    assert train(run, tmp_path / "resumed")["status"] == "ok"
-    assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "straight")
+    assert_resumes_exactly(run, tmp_path)
 
 
 def test_bench_memory_counts_what_it_estimates(monkeypatch):

@@ -10,9 +10,9 @@ import torch
 from conftest import (
     SAMPLE_VOCAB,
     assert_estimate_matches,
+    assert_resumes_exactly,
     assert_two_processes_train_as_one,
     micro_run,
-    train_losses,
 )
 from torch import nn
 
@@ -138,11 +138,7 @@ def test_trains_logs_projections_and_counts_memory_exactly(tmp_path, method):
 def test_resume_gives_the_same_losses_step_for_step(tmp_path):
     """The codes, the moments, each layer's seed and limiter, and the rounding generator."""
     run = load_run(int8_run(6, {**MINI_INT8, "update_proj_gap": 2}))
-    train(run, tmp_path / "straight")
-    first = train(run, tmp_path / "resumed", should_stop=lambda step: step == 3)
-    assert (first["status"], first["step"]) == ("interrupted", 3)
-    assert train(run, tmp_path / "resumed")["status"] == "ok"
-    assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "straight")
+    assert_resumes_exactly(run, tmp_path)
 
 
 @pytest.mark.parametrize("train_keys", [{"precision": "bf16-true"},

@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SAMPLE_VOCAB, assert_two_processes_train_as_one, micro_run, train_losses
+from conftest import (
+    SAMPLE_VOCAB,
+    assert_resumes_exactly,
+    assert_two_processes_train_as_one,
+    micro_run,
+    train_losses,
+)
 from test_galore import TARGETS, check_estimate, rows, steps_of
 
 from harness.errors import UserError
@@ -222,11 +228,7 @@ def test_refuses_what_it_cannot_do_in_one_line(change, message):
 def test_resume_gives_the_same_losses_step_for_step(tmp_path):
     run = load_run(fira_run(6, {"optimizer": "adam8bit", "min_8bit_size": 256},
                             train={"precision": "bf16-true", "state_dtype": "float32"}))
-    train(run, tmp_path / "straight")
-    first = train(run, tmp_path / "resumed", should_stop=lambda step: step == 3)
-    assert (first["status"], first["step"]) == ("interrupted", 3)
-    assert train(run, tmp_path / "resumed")["status"] == "ok"
-    assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "straight")
+    assert_resumes_exactly(run, tmp_path)
 
 
 def test_two_processes_layerwise_train_as_one(tmp_path):
