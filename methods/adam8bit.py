@@ -19,12 +19,12 @@ if TYPE_CHECKING:
     from harness.config import RunConfig
 
 
-
-def adam8bit_state_bytes(n: int, min_8bit_size: int) -> int:
-    """bitsandbytes' 8-bit Adam moments of an n-value tensor: two uint8 states, each with its
-    float32 quantization map and a float32 absmax per block; smaller tensors stay 32-bit."""
+def adam8bit_state_bytes(n: int, min_8bit_size: int, width: int = 4) -> int:
+    """8-bit Adam moments of an n-value tensor: two uint8 states, each with its float32
+    quantization map and a float32 absmax per block; smaller tensors keep two moments of
+    `width` bytes (bitsandbytes: float32; GaLore's kernel: train.state_dtype)."""
     if n < min_8bit_size:
-        return 8 * n
+        return 2 * width * n
     return 2 * (n + 4 * QMAP + 4 * math.ceil(n / BLOCK))
 
 
@@ -54,6 +54,6 @@ class Adam8bit(Method):
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         sizes, w = [numel(s) for s in shapes.values()], widths(run)
-        states = sum(adam8bit_state_bytes(n, self.config.min_8bit_size) for n in sizes)
+        states = sum(adam8bit_state_bytes(n, self.config.min_8bit_size, w.state) for n in sizes)
         states += w.compensation * sum(sizes)
         return MemoryEstimate(w.weight * sum(sizes), grad_bytes(sizes, run, self.steps), states)

@@ -31,6 +31,7 @@ from harness.methods.base import (
     Shapes,
     grad_bytes,
     grad_bytes_of,
+    live_grad_bytes,
     numel,
     register,
     tensor_bytes,
@@ -188,8 +189,12 @@ class APOLLO(GaLore):
                 shape = lowrank_shape(shape, side, rank)
                 state += LIMITER_BYTES if c.limiter else 0
             state += state_bytes(shape, c.optimizer, c.min_8bit_size, None, w.state)
-        grads = (grad_bytes_of(sizes, True, self.steps.accumulation, w.grad) if c.int8_weights
-                 else grad_bytes(sizes, run, self.steps))
+        if c.int8_weights:  # every update runs in backward; the INT8 layers' G is float32
+            int8 = [numel(s) for n, s in shapes.items() if self.projects(n, tuple(s))]
+            floats = [numel(s) for n, s in shapes.items() if not self.projects(n, tuple(s))]
+            grads = grad_bytes_of(floats, True, self.steps.accumulation, w.grad, int8)
+        else:
+            grads = grad_bytes(sizes, run, self.steps)
         return MemoryEstimate(weights, grads, state, extra)
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
@@ -200,9 +205,7 @@ class APOLLO(GaLore):
         states = [optimizer.layer_state[m] for m in layers] + inner
         return MemoryEstimate(
             weight_bytes=tensor_bytes(params) + tensor_bytes([m.codes for m in layers]),
-            grad_bytes=grad_bytes_of([p.numel() for p in params] + [m.codes.numel()
-                                     for m in layers], True, self.steps.accumulation,
-                                     max(p.element_size() for p in params)),
+            grad_bytes=live_grad_bytes(params),
             optimizer_state_bytes=tensor_bytes([{k: v for k, v in st.items() if k not in BASIS_KEYS}
                                                 for st in states]),
             extra_bytes=tensor_bytes([[m.scale, m.zero] for m in layers])

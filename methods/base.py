@@ -98,31 +98,31 @@ class Method:
         raise NotImplementedError
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
-        """Bytes counted from the real tensors, after a step, while gradients still exist."""
+        """Bytes counted from the real tensors after a step: gradient bytes are those in `.grad`
+        now (a trial counts its peak over the step: harness/cost/grad_peak.py)."""
         params = list(model.parameters())
         return MemoryEstimate(
             weight_bytes=sum(tensor_bytes(p) for p in params),
-            grad_bytes=self.held_grad_bytes(params, optimizer),
+            grad_bytes=live_grad_bytes(params),
             optimizer_state_bytes=tensor_bytes(list(optimizer.state.values())),
         )
 
-    def held_grad_bytes(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> int:
-        """Layer-wise updates freed each gradient inside backward: count what existed."""
-        if getattr(optimizer, "layerwise", False):
-            trained = [p for p in params if p.requires_grad]
-            return grad_bytes_of([p.numel() for p in trained], True, self.steps.accumulation,
-                                 max(p.element_size() for p in trained))
-        return sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
+
+def live_grad_bytes(params: list[nn.Parameter]) -> int:
+    return tensor_bytes([p.grad for p in params])
 
 
-def grad_bytes_of(sizes: list[int], layerwise: bool, accumulation: int, width: int = 4) -> int:
-    """Gradients of the trained tensors, `width` bytes an element (fp32: 4; bf16-true: 2).
-    Layer-wise without accumulation (`accumulation`: micro-batches per step on one process)
-    holds one at a time: the largest is the peak. With accumulation every one lives until the
-    last micro-batch's backward."""
+def grad_bytes_of(sizes: list[int], layerwise: bool, accumulation: int, width: int = 4,
+                  float32: Collection[int] = ()) -> int:
+    """Gradients of the trained tensors of `sizes`, `width` bytes an element (fp32: 4; bf16-true:
+    2), and of INT8 layers (`float32`: their G is float32 whatever the precision). Layer-wise
+    without accumulation (`accumulation`: micro-batches per step on one process) holds one at a
+    time: the largest is the peak. With accumulation every one lives until the last
+    micro-batch's backward."""
+    grads = [width * n for n in sizes] + [4 * n for n in float32]
     if layerwise and accumulation == 1:
-        return width * max(sizes)
-    return width * sum(sizes)
+        return max(grads)
+    return sum(grads)
 
 
 def grad_bytes(sizes: list[int], run: RunConfig, steps: Steps) -> int:

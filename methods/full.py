@@ -25,10 +25,12 @@ class AdamConfig(Strict):
 def adam_bytes(float_numel: int, trainable: list[int], run: RunConfig, steps: Steps,
                other_bytes: int = 0) -> MemoryEstimate:
     """AdamW's bytes: `float_numel` float weights (and `other_bytes` of codes) at the run's
-    width, its gradients, two moments in the state dtype, a float32 step per trained tensor
-    and, with Kahan summation, a bf16 compensation per trained element (methods/widths.py)."""
+    width, its gradients, two moments in the state dtype, torch's float32 step per trained
+    tensor (bf16-true's AdamW counts steps in a Python int) and, with Kahan summation, a bf16
+    compensation per trained element (methods/widths.py)."""
     w, n = widths(run), sum(trainable)
-    states = (2 * w.state + w.compensation) * n + 4 * len(trainable)
+    step = 0 if run.train.precision == "bf16-true" else 4  # `adamw` below picks the optimizer
+    states = (2 * w.state + w.compensation) * n + step * len(trainable)
     return MemoryEstimate(w.weight * float_numel + other_bytes,
                           grad_bytes(trainable, run, steps), states)
 

@@ -23,6 +23,7 @@ from harness.methods.base import (
     Shapes,
     grad_bytes,
     is_target,
+    live_grad_bytes,
     numel,
     register,
     tensor_bytes,
@@ -132,7 +133,7 @@ class GaLore(Method):
         moments = [{k: v for k, v in s.items() if k not in BASIS_KEYS} for s in states]
         return MemoryEstimate(
             weight_bytes=sum(tensor_bytes(p) for p in params),
-            grad_bytes=self.held_grad_bytes(params, optimizer),
+            grad_bytes=live_grad_bytes(params),
             optimizer_state_bytes=tensor_bytes(moments),
             extra_bytes=tensor_bytes([s.get(k) for s in states for k in BASIS_KEYS]),
         )
@@ -152,5 +153,5 @@ def state_bytes(shape: tuple[int, ...], inner: str, min_8bit_size: int,
         sq = width * (n // shape[-1] + n // shape[-2]) if len(shape) >= 2 else width * n
         return sq + (width * n if beta1 is not None else 0)
     if inner == "adam8bit":
-        return adam8bit_state_bytes(n, min_8bit_size)
+        return adam8bit_state_bytes(n, min_8bit_size, width)
     return 2 * width * n

@@ -33,6 +33,17 @@ def on_device(v: Any, device: torch.device) -> Any:
     return v
 
 
+def per_parameter(cls: Callable[..., torch.optim.Optimizer], weight_decay: float,
+                  **settings: Any) -> Callable[[nn.Parameter], torch.optim.Optimizer]:
+    """`make` for the parameters that stay float: one `cls` each, weight decay on matrices
+    only."""
+    def make(p: nn.Parameter) -> torch.optim.Optimizer:
+        decay = weight_decay if p.dim() >= 2 else 0.0
+        return cls([{"params": [p], "weight_decay": decay}], **settings)
+
+    return make
+
+
 class Int8LayerwiseOptimizer(LayerwiseOptimizer):
     """INT8 layers updated in their backward by `_step_layer`; the rest layer-wise by `make`'s
     optimizers. `layer_state`: each layer's initial state, checkpointed with the group."""
@@ -80,6 +91,10 @@ class Int8LayerwiseOptimizer(LayerwiseOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self.pending.clear()
+
+    def held_gradients(self) -> dict[Int8Linear, Tensor]:
+        """This step's gradients summed so far, by layer (harness/cost/grad_peak.py)."""
+        return dict(self.pending)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(),

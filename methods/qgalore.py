@@ -38,6 +38,7 @@ from harness.methods.base import (
     Shapes,
     grad_bytes,
     grad_bytes_of,
+    live_grad_bytes,
     numel,
     register,
     target_linears,
@@ -212,9 +213,12 @@ class QGaLore(GaLore):
                 extra += int8_bytes(shape, c.weight_group) - n + prev + sum(
                     int4_packed_bytes(s, c.proj_group)
                     for s in basis_shapes(shape, side, c.rank).values())
-        sizes = [numel(s) for s in shapes.values()]
-        grads = grad_bytes(sizes, run, self.steps) if c.simulate else grad_bytes_of(
-            sizes, True, self.steps.accumulation, w.grad)
+        if c.simulate:
+            grads = grad_bytes([numel(s) for s in shapes.values()], run, self.steps)
+        else:  # every update runs in backward; the INT8 layers' G is float32
+            int8 = [numel(s) for n, s in shapes.items() if self.targeted(n, tuple(s))]
+            floats = [numel(s) for n, s in shapes.items() if not self.targeted(n, tuple(s))]
+            grads = grad_bytes_of(floats, True, self.steps.accumulation, w.grad, int8)
         return MemoryEstimate(weights, grads, state, extra)
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
@@ -225,7 +229,7 @@ class QGaLore(GaLore):
             skip = (*BASIS_KEYS, "lazy")
             return MemoryEstimate(
                 weight_bytes=floats,
-                grad_bytes=self.held_grad_bytes(params, optimizer),
+                grad_bytes=live_grad_bytes(params),
                 optimizer_state_bytes=tensor_bytes(
                     [{k: v for k, v in s.items() if k not in skip} for s in states]),
                 extra_bytes=tensor_bytes([[s.get(k) for k in BASIS_KEYS] + [s["lazy"]["prev"]]
@@ -233,11 +237,9 @@ class QGaLore(GaLore):
         assert isinstance(optimizer, QGaLoreOptimizer)
         layers = optimizer.layers
         layer_states = [optimizer.layer_state[m] for m in layers]
-        sizes = [p.numel() for p in params] + [m.codes.numel() for m in layers]
         return MemoryEstimate(
             weight_bytes=floats + sum(tensor_bytes(m.codes) for m in layers),
-            grad_bytes=grad_bytes_of(sizes, True, self.steps.accumulation,
-                                     max(p.element_size() for p in params)),
+            grad_bytes=live_grad_bytes(params),
             optimizer_state_bytes=tensor_bytes([st["moments"] for st in layer_states])
             + tensor_bytes([list(o.state.values()) for o in optimizer.inner.values()]),
             extra_bytes=tensor_bytes([[m.scale, m.zero, optimizer.gaps[m].prev] for m in layers])

@@ -10,8 +10,9 @@ model (harness/cost/activations.py) multiply element counts by, in one place.
   bf16 compensation buffer per trained weight element (counted as optimizer state);
   stochastic rounding keeps nothing. GaLore's SVD runs in fp32, the basis is stored in the
   weight's dtype (bf16, as the reference code does).
-8-bit optimizer states stay 8-bit in every mode (bitsandbytes' small-tensor fallback keeps
-fp32 states, whatever the parameter dtype), and INT8/INT4 codes stay what they are.
+8-bit optimizer states stay 8-bit in every mode; tensors below `min_8bit_size` keep 32-bit
+moments at the state width (bitsandbytes: float32; the harness's 8-bit kernel under bf16-true:
+train.state_dtype). INT8/INT4 codes stay what they are.
 """
 
 from __future__ import annotations

@@ -84,15 +84,15 @@ def peak_memory(device: torch.device) -> dict[str, int]:
     return rss
 
 
-
-
-def breakdown(method: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """The method's own count of the real tensors, plus parameter counts."""
+def breakdown(method: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+              grad_bytes: int) -> dict[str, int]:
+    """The method's own count of the real tensors, the gradient bytes a GradPeak counted over
+    the step (harness/cost/grad_peak.py), and parameter counts."""
     counted = method.measure(model, optimizer)
     trained, total = weight_counts(model)
     return {
         "param_bytes": counted.weight_bytes,
-        "grad_bytes": counted.grad_bytes,
+        "grad_bytes": grad_bytes,
         "optimizer_state_bytes": counted.optimizer_state_bytes,
         "extra_bytes": counted.extra_bytes,
         "trainable_params": trained,

@@ -18,15 +18,17 @@ from harness import distributed
 from harness.config import RunConfig
 from harness.config.steps import Steps
 from harness.cost import meter
+from harness.cost.grad_peak import GradPeak
 from harness.distributed import pick_device
 from harness.methods import build_method
 from harness.methods.rank import rank_warning
 from harness.models import describe
-from harness.modifiers import recompute as memory
+from harness.modifiers import recompute
 from harness.modifiers.precision import Precision, pure_bf16
 from harness.train import finetune, pretrain
 from harness.train.hooks import Hooks, Interrupted, NonFinite, Pruned, Step
 from harness.trials import Records, Status, rng_state, set_rng_state
+from harness.trials.events import event_text
 
 Prune = Callable[[int, dict[str, float]], bool]  # (step, eval metrics) -> cut the trial?
 
@@ -67,7 +69,7 @@ class Trainer:
             distributed.say(f"warning: {line}")
         model = pure_bf16(model.to(self.device), t)  # bf16-true: before and after `prepare`
         self.model = pure_bf16(self.method.prepare(model, run), t)
-        self.offloader = memory.apply(self.model, run.memory, self.device)
+        self.offloader = recompute.apply(self.model, run.memory, self.device)
         # forward and loss in one graph; the model itself, its state_dict and hooks unchanged
         self.loss = torch.compile(self.data.loss) if t.compile else self.data.loss
         self.precision = Precision(t, self.device)
@@ -86,6 +88,8 @@ class Trainer:
         self._resume()
         self.layerwise = getattr(self.optimizer, "layerwise", False)
         self._wrap()
+        # the first step's gradient bytes, counted as they arrive (layer-wise frees them early)
+        self.grad_peak = None if self.costs else GradPeak(self.model, self.optimizer)
         self.meter = meter.Meter(self.device)
         self.flops_per_token = meter.flops_per_token(self.model, run.task.seq_len)
         self.first_step = self.step
@@ -196,11 +200,12 @@ class Trainer:
         events = self.method.on_step(step.number, self.model, self.optimizer)
         if events:
             self.rec.log({"kind": "event", "step": step.number, **events})
-            distributed.say(f"step {step.number}: {events}")
+            distributed.say(f"step {step.number}: {event_text(events)}")
 
     def _count_costs(self, step: Step) -> None:
-        if not self.costs:  # gradients and states exist now: count them once
-            self.costs = meter.breakdown(self.method, self.model, self.optimizer)
+        if self.grad_peak is not None:  # gradients and states exist now: count them once
+            grads, self.grad_peak = self.grad_peak.close(), None
+            self.costs = meter.breakdown(self.method, self.model, self.optimizer, grads)
 
     def _keep_loss(self, step: Step) -> None:
         self.window.append(step.loss)  # read at the next log line: no host sync before it

@@ -11,6 +11,7 @@ from conftest import SAMPLE_VOCAB, micro_run
 from torch import nn
 
 from harness.cost import meter
+from harness.cost.grad_peak import GradPeak
 from harness.cost.meter import (
     Meter,
     breakdown,
@@ -94,11 +95,12 @@ def test_breakdown_counts_full_adamw_after_a_step(tiny_model):
     method = build_method(run)
     optimizer = method.optimizer(tiny_model, run)
     ids = torch.randint(0, SAMPLE_VOCAB, (1, 8))
+    watch = GradPeak(tiny_model, optimizer)
     tiny_model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     n = sum(p.numel() for p in tiny_model.parameters())
     tensors = len(list(tiny_model.parameters()))
-    assert breakdown(method, tiny_model, optimizer) == {
+    assert breakdown(method, tiny_model, optimizer, watch.close()) == {
         "param_bytes": 4 * n, "grad_bytes": 4 * n,
         "optimizer_state_bytes": 8 * n + 4 * tensors,  # two fp32 moments and a step each
         "extra_bytes": 0, "trainable_params": n, "total_params": n}

@@ -4,42 +4,32 @@ accumulation, grows the SVD gap lazily, counts its memory exactly, and resumes s
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import SAMPLE_VOCAB, micro_model, micro_run
+from test_galore import rows
 from torch import nn
 
+from harness.cost.grad_peak import GradPeak
 from harness.methods import build_method
 from harness.methods.qgalore_optim import QGaLoreOptimizer
 from harness.methods.quant import Int8Linear, dequantize_int8, quantize_int8
 from harness.methods.resolve import load_run
 from harness.models import param_shapes
 from harness.train import Trainer, train
-from harness.trials import Records, read_jsonl
+from harness.trials import Records
 
 VOCAB = SAMPLE_VOCAB  # the sample tokenizer's
 TARGETS = 2 * 7  # llama_micro: 2 blocks × 7 linears
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two cores shared by parallel tests: LAPACK's spinning threads would stall the SVDs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def qgalore_run(steps: int, **method) -> dict:
     data = micro_run(steps=steps, lr=0.01)
     data["eval"] = {"every": 0, "tokens": 256}
     return {**data, "method": {"name": "qgalore", "rank": 8, "update_proj_gap": 5, **method}}
-
-
-def rows(out: Path, kind: str) -> list[dict]:
-    return [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == kind]
 
 
 def fit(run, out: Path) -> Trainer:
@@ -257,8 +247,9 @@ def test_estimate_equals_measure_on_llama_60m():
     model = method.prepare(base, run)
     opt = method.optimizer(model, run)
     ids = torch.randint(0, VOCAB, (1, 8))
+    watch = GradPeak(model, opt)  # G is dropped in backward: counted while it is alive
     model(input_ids=ids, labels=ids).loss.backward()
-    counted = method.measure(model, opt)
+    counted = replace(method.measure(model, opt), grad_bytes=watch.close())
     assert counted == method.estimate(shapes, run)
     codes = sum(m.codes.numel() for m in model.modules() if isinstance(m, Int8Linear))
     assert counted.weight_bytes == codes + 4 * sum(p.numel() for p in model.parameters())
