@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from harness.bench.loop import optim_verdict
 from harness.methods import build_method
 from harness.methods.resolve import load_run
 from harness.models import build_model
@@ -103,8 +104,9 @@ def bench_optim(preset: str = "llama_60m", gap: int = 200, steps: int = 20, rank
     (rank, micro-batches per update) in `e2e_settings` (default: `rank` and one).
 
     Records: name, ms_per_step (SVD amortised over `gap`), ratio_to_adamw, and for ours
-    ratio_to_galore_torch. "adamw" is torch AdamW as the `full` method builds it (fused);
-    "galore_rsvd" is ours with `svd: randomized`.
+    ratio_to_galore_torch; a record with a `target` also has its `verdict` (met or missed).
+    "adamw" is torch AdamW as the `full` method builds it (fused); "galore_rsvd" is ours with
+    `svd: randomized`.
     """
     galore = {"name": "galore", "rank": rank, "update_proj_gap": gap}
     rsvd = {**galore, "svd": "randomized"}
@@ -131,6 +133,9 @@ def bench_optim(preset: str = "llama_60m", gap: int = 200, steps: int = 20, rank
             r["target"] = TARGET_VS_REFERENCE
     for e2e_rank, accumulation in (e2e_settings or ((rank, 1),)) if e2e_preset else ():
         records.append(_end_to_end(e2e_preset, gap, steps, e2e_rank, accumulation))
+    for r in records:
+        if "target" in r:
+            r["verdict"] = optim_verdict(r)
     return records
 
 

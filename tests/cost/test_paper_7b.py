@@ -49,18 +49,50 @@ def test_8bit_galore_saves_what_the_paper_says_against_8bit_adam(records):
     assert abs(saved_grads / 13.5e9 - 1) <= TOLERANCE
 
 
-def test_q_galore_stays_below_its_published_figure_by_the_documented_gap(records):
-    """INT8 weights + 8-bit low-rank states + INT4 bases + activations sum to 13.3 GB against the
-    15.08 G the reference script states: docs/estimate.md lists the terms that could differ."""
-    ratio = parts_bytes(records["qgalore"]) / (PAPER_7B["Q-GaLore"][0] * 1e9)
-    assert 0.85 < ratio < 1 - TOLERANCE
+def test_q_galore_weights_and_gradient_are_the_bytes_counted_by_hand(records):
+    """LLaMA-7B with t5-base's 32,100 entries, from the preset: a layer's q, k, v, o
+    4 x 4096^2 = 67,108,864 and gate, up, down 3 x 11008 x 4096 = 135,266,304, x 32 layers =
+    6,476,005,376 INT8 codes, 1 byte each; embedding and head 2 x 32100 x 4096 = 262,963,200
+    and 65 norms x 4096 = 266,240 in bfloat16, 2 bytes each. Layer-wise, one gradient at a
+    time: the largest, the embedding's (or the head's) 131,481,600 in bfloat16."""
+    r = records["qgalore"]
+    assert r["weight_bytes"] == 6_476_005_376 + 2 * (262_963_200 + 266_240)  # 7.00 GB
+    assert r["grad_bytes"] == 2 * 32_100 * 4096
+
+
+def qgalore_ratio(records) -> float:
+    return parts_bytes(records["qgalore"]) / (PAPER_7B["Q-GaLore"][0] * 1e9)
+
+
+def test_q_galore_is_no_further_below_its_published_figure_than_documented(records):
+    """The sum of the tensors Q-GaLore keeps, 13.34 GB, is 11.5% below the 15.08 G its script
+    states (docs/estimate.md: what the gap could be is not in the shapes). Bounded on both
+    sides of 'better': a term lost (further below 0.88) or overshooting the paper by more
+    than the 10% allowed to the other rows fails; closing the gap passes here and turns the
+    strict xfail below into a failure that says to remove it."""
+    assert 0.88 < qgalore_ratio(records) <= 1 + TOLERANCE  # 13.34 / 15.08 = 0.885 today
+
+
+@pytest.mark.xfail(strict=True, reason="known miss, docs/estimate.md: 13.34 GB against Q-GaLore's "
+                   "15.08 G (-11.5%); when the estimate comes within 10%, remove this mark")
+def test_q_galore_is_within_10_percent_of_its_published_figure(records):
+    """The target every other row meets. Written as the expectation, not as a pass at the
+    current gap: a strict xfail fails the suite as soon as the estimate reaches it."""
+    assert abs(qgalore_ratio(records) - 1) <= TOLERANCE
 
 
 def test_the_comparison_prints_every_row_and_flags_what_is_more_than_10_percent_off(records):
+    """Each row's diff cells carry '!' exactly when that figure is more than 10% from the
+    paper's: checked against the row's own bytes, so it holds whichever rows miss."""
     text = comparison_7b(list(records.values()), load_sweep(SWEEP, {}))
     lines = {line.split()[0]: line for line in text.splitlines()[2:] if line.split()}
     assert set(ROWS) <= set(lines)
-    assert lines["qgalore"].count("!") == 2 and "!" not in lines["full"]
+    for label, row in ROWS.items():
+        paper = PAPER_7B[row][0] * 1e9
+        off = [abs(ours / paper - 1) > TOLERANCE
+               for ours in (parts_bytes(records[label]), records[label]["peak_bytes"])]
+        assert lines[label].count("!") == sum(off), lines[label]
+    assert "!" not in lines["full"]  # -4.2% summed, -7.0% as a peak
     assert "activations" in est.format_table(list(records.values()))
 
 
@@ -81,10 +113,11 @@ def test_a_method_s_own_train_keys_win_over_the_sweep_s():
 ])  # fmt: skip
 def test_bf16_true_bytes_per_parameter(overrides, states_per_param):
     """Weights and gradients 2 bytes; Adam's two moments in the state dtype, plus a bf16 Kahan
-    compensation; a float32 step per tensor."""
+    compensation; no step tensor: bf16-true's AdamW counts steps in a Python int (its state on
+    llama_micro after a real step holds exp_avg, exp_avg_sq and the Kahan buffer, and an int)."""
     run = method_run("full", "llama_7b", 3, 256, 1, {"train.precision": "bf16-true", **overrides})
     shapes = param_shapes("llama_7b", 32100, 256)
     n = sum(s.numel() for s in shapes.values())
     e = build_method(run).estimate(shapes, run)
     assert (e.weight_bytes, e.grad_bytes) == (2 * n, 2 * n)
-    assert e.optimizer_state_bytes == states_per_param * n + 4 * len(shapes)
+    assert e.optimizer_state_bytes == states_per_param * n

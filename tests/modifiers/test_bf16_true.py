@@ -5,8 +5,6 @@ summation; exact resume with each compensation; refusals; the old precision name
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from typing import Any
 
@@ -15,6 +13,7 @@ import torch
 from conftest import micro_run, train_losses
 from test_modifiers import METHODS
 
+from harness.config import RunConfig
 from harness.errors import UserError
 from harness.methods.resolve import load_run
 from harness.modifiers.compensation import KAHAN, AdamW, add_update, pure_adamw
@@ -188,19 +187,40 @@ def test_pure_bf16_keys_are_refused_under_other_precisions(key):
         load_run({**micro_run(precision="bf16-mixed", **{name: value}), "method": {"name": "full"}})
 
 
+# Trial ids the harness wrote before the precision modes (be503c6^: `fp32`, `bf16`, `fp16`, no
+# state_dtype or update_compensation), measured by running that version's RunConfig.identity()
+# on LEGACY_RUN: a finished trial of that version stays finished only if today's id is the same.
+LEGACY_RUN: dict[str, Any] = {
+    "name": "test", "model": "llama_micro",
+    "task": {"dataset": "sample", "tokenizer": "sample", "seq_len": 32, "shuffle_buffer": 32},
+    "train": {"lr": 0.003, "steps": 6, "batch_size": 2, "total_batch_size": 4,
+              "warmup_steps": 1, "log_every": 1},
+    "eval": {"every": 3, "tokens": 256}, "method": {"name": "full"},
+}  # fmt: skip
+LEGACY_IDS = {"fp32": "06a073d7", "bf16": "0fb84120", "fp16": "eb41ea0b"}
+
+
+def legacy_run(precision: str, name: str = "test", **train_keys: Any) -> RunConfig:
+    return load_run({**LEGACY_RUN, "name": name,
+                     "train": {**LEGACY_RUN["train"], "precision": precision, **train_keys}})
+
+
 @pytest.mark.parametrize(("old", "new"), [("fp32", "32-true"), ("bf16", "bf16-mixed"),
                                           ("fp16", "16-mixed")])
 def test_old_names_load_as_aliases_with_the_trial_ids_they_had(old, new):
     """Trial ids hash what earlier versions wrote: the old name, without the new keys."""
-    legacy, today = (load_run({**micro_run(precision=p), "method": {"name": "full"}})
-                     for p in (old, new))
+    legacy, today = legacy_run(old), legacy_run(new)
     assert legacy.train.precision == today.train.precision == new
-    assert legacy.identity() == today.identity()
-    data = today.model_dump(exclude={"name", "label", "provenance", "wandb"})
-    data["train"].pop("log_every")
-    data["train"].pop("keep_checkpoints")
-    data["train"].pop("state_dtype")
-    data["train"].pop("update_compensation")
-    data["train"]["precision"] = old
-    blob = json.dumps(data, sort_keys=True, default=str)
-    assert today.identity() == hashlib.sha1(blob.encode()).hexdigest()[:8]
+    assert legacy.identity() == today.identity() == LEGACY_IDS[old]
+    renamed = legacy_run(new, name="other", log_every=5, keep_checkpoints=3)
+    assert renamed.identity() == LEGACY_IDS[old]  # bookkeeping is not in the id
+
+
+def test_what_changes_results_changes_the_trial_id():
+    """bf16-true is no old precision's alias, and the pure-bf16 keys away from their defaults,
+    or another learning rate, are another trial."""
+    ids = {legacy_run("bf16-true").identity(),
+           legacy_run("bf16-true", state_dtype="bfloat16").identity(),
+           legacy_run("bf16-true", update_compensation="kahan").identity(),
+           legacy_run("fp32", lr=0.001).identity(), *LEGACY_IDS.values()}
+    assert len(ids) == 7
