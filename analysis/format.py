@@ -12,8 +12,6 @@ import pandas as pd
 VARIANT_DEFAULTS = {"method": "unknown", "memory": "none", "precision": "32-true"}
 
 
-
-
 def text_table(table: pd.DataFrame) -> str:
     """Markdown (github) table; numbers are pre-formatted, so tabulate must not re-parse them."""
     return table.fillna("").to_markdown(index=False, disable_numparse=True)
@@ -28,6 +26,11 @@ def ordered(labels: pd.Series, order: Sequence[str]) -> list[str]:
 def cell(value: Any, spec: str, unit: str = "") -> str:
     """A number formatted for a table cell; blank where it is missing."""
     return "" if pd.isna(value) else f"{value:{spec}}{unit}"
+
+
+def whole(value: Any, missing: str) -> str:
+    """A count (a step, a seed, requeues) as a whole number; `missing` where there is none."""
+    return missing if pd.isna(value) else str(int(value))
 
 
 def fill_variants(trials: pd.DataFrame) -> pd.DataFrame:

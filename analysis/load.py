@@ -81,8 +81,6 @@ def flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-
-
 def _trials(paths: Paths) -> Iterator[tuple[TrialDir, dict[str, Any]]]:
     """Yield (trial dir, row) for every trial, run dirs in the given order, trials by id."""
     for run_dir in run_dirs(paths):

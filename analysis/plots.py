@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -14,6 +13,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, LogFormatter
 
 from harness.trials import atomic_write
+
+from .format import whole
 
 # Stacked segments of the memory chart: summary field -> legend text.
 SEGMENTS = {
@@ -85,12 +86,12 @@ def trial_labels(trials: pd.DataFrame) -> dict[tuple[str, str], str]:
     for (run_dir, trial, method, lr, seed), mem in zip(rows, memory, strict=False):
         label = f"{method} lr={'?' if pd.isna(lr) else format(lr, 'g')}"
         label += f" [{mem}]" if several_memories else ""
-        labels[(run_dir, trial)] = label + (f" seed={_int(seed, '?')}" if several_seeds else "")
+        labels[(run_dir, trial)] = label + (f" seed={whole(seed, '?')}" if several_seeds else "")
     return labels
 
 def memory_chart(trials: pd.DataFrame, name: str) -> tuple[Figure, str]:
     """Stacked bars per trial: parameters, gradients, optimizer state and extras as the method
-    counted them, and the rest of the peak (activations, buffers, the runtime) as "other".
+    counted them, and the rest of the peak of live tensors (activations, temporaries) as "other".
     States kept on the host by `optimizer_offload: host` leave a CUDA device's bar."""
     done = trials[trials["param_bytes"].notna()].reset_index(drop=True)
     labels = trial_labels(done)
@@ -119,11 +120,8 @@ def memory_chart(trials: pd.DataFrame, name: str) -> tuple[Figure, str]:
     ax.set_yticks(y, [labels[(r, t)] for r, t in zip(done["run_dir"], done["trial"], strict=True)],
                   fontsize="small")
     ax.invert_yaxis()
-    ax.set_xlabel("GB (peak: allocated on CUDA, resident set on CPU)")
+    # the bars add up to peak_memory_bytes (harness/cost/tensor_peak.py), not peak_rss_bytes
+    ax.set_xlabel("GB (peak of live tensors: allocated on CUDA, profiled on CPU)")
     figure.legend(fontsize="small", loc="outside lower center", ncol=3)
     ax.grid(True, axis="x", alpha=0.3)
     return figure, caption
-
-
-def _int(value: Any, missing: str) -> str:
-    return missing if pd.isna(value) else str(int(value))

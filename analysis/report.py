@@ -31,6 +31,7 @@ from .format import (
     ordered,
     text_table,
     variant_label,
+    whole,
 )
 from .html import Block, Heading, Image, Paragraph, Preformatted, Table, write_html
 from .load import PathArg, Paths, load_runs, load_steps, read_sweep, run_dirs
@@ -68,7 +69,7 @@ def status_table(trials: pd.DataFrame) -> str:
             "memory": trials["memory"].fillna("none"),
             "status": trials["status"],
             "step": [
-                f"{_int(step, '0')}/{_int(steps, '?')}"
+                f"{whole(step, '0')}/{whole(steps, '?')}"
                 for step, steps in zip(trials["step"], trials["steps"], strict=True)
             ],
             "loss": trials["last_loss"].map(lambda v: cell(v, ".4f")),
@@ -76,7 +77,7 @@ def status_table(trials: pd.DataFrame) -> str:
             "tok/s": trials["tokens_per_s"].map(lambda v: cell(v, ",.0f")),
             "peak memory": trials["peak_memory_bytes"].map(human_bytes),
             "peak RSS": trials["peak_rss_bytes"].map(human_bytes),
-            "requeues": trials["requeues"].map(lambda v: _int(v, "0")),
+            "requeues": trials["requeues"].map(lambda v: whole(v, "0")),
         }
     )
     return text_table(table)
@@ -159,8 +160,6 @@ def best_lr_line(table: pd.DataFrame) -> str:
     return "Best LR per method: " + ", ".join(picks)
 
 
-
-
 def _method_row(variant: dict[str, str], group: pd.DataFrame) -> dict[str, str]:
     """Best LR by mean eval ppl over seeds, among ok trials; blanks if none finished."""
     row = dict.fromkeys(SUMMARY_COLUMNS, "")
@@ -191,11 +190,6 @@ def _status_counts(status: pd.Series) -> str:
     return f"{text} ({others})" if others else text
 
 
-
 def _sweep_methods(sweep: dict[str, Any]) -> list[str]:
     methods = sweep.get("methods")
     return [str(label) for label in methods] if isinstance(methods, dict) else []
-
-
-def _int(value: Any, missing: str) -> str:
-    return missing if pd.isna(value) else str(int(value))

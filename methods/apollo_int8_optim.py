@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from harness.methods.apollo_optim import APOLLOOptimizer, APOLLOScaling
-from harness.methods.int8_optim import Int8LayerwiseOptimizer
+from harness.methods.int8_optim import Int8LayerwiseOptimizer, per_parameter
 from harness.methods.quant import Int8Linear
 
 
@@ -31,12 +31,9 @@ class APOLLOInt8Optimizer(Int8LayerwiseOptimizer):
                  proj: str, scale_type: str, limiter: bool, gamma: float, clip: float | None,
                  seed: int, state_dtype: torch.dtype | None = None,
                  compensation: str = "none") -> None:
-        def make(p: nn.Parameter) -> APOLLOOptimizer:  # decay on matrices only
-            decay = weight_decay if p.dim() >= 2 else 0.0
-            return APOLLOOptimizer([{"params": [p], "weight_decay": decay}], lr=lr, betas=betas,
-                                   eps=eps, inner=inner, min_8bit_size=min_8bit_size,
-                                   state_dtype=state_dtype, compensation=compensation)
-
+        make = per_parameter(APOLLOOptimizer, weight_decay, lr=lr, betas=betas, eps=eps,
+                             inner=inner, min_8bit_size=min_8bit_size, state_dtype=state_dtype,
+                             compensation=compensation)
         group = {"params": [], "lr": lr, "betas": betas, "eps": eps,
                  "weight_decay": weight_decay, "rank": rank, "update_proj_gap": update_proj_gap,
                  "scale": scale, "proj": proj, "scale_type": scale_type}

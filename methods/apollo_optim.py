@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from harness.methods.adam_kernel import AdamKernel
-from harness.methods.projection import compute_basis, project, side_of
+from harness.methods.projection import project, safe_basis, side_of
 from harness.modifiers.compensation import add_update, restore_dtypes
 
 TINY = 1e-8  # the reference's guard in the scaling factor's and the limiter's denominators
@@ -99,7 +99,7 @@ class APOLLOScaling:
                 st["seed"] = next_seed(st["seed"])
             return random_basis(grad, side, rank, st["seed"])
         if due or side not in st:
-            basis = _svd_basis(grad, side, rank)
+            basis, _ = safe_basis(grad, side, rank)
             if basis is None:
                 self.svd_failures += 1
             else:
@@ -222,12 +222,3 @@ def _side(group: dict[str, Any], p: Tensor) -> str:
     if not group["rank"] or p.dim() != 2:
         return "none"
     return side_of(tuple(p.shape), "std", group["rank"])
-
-
-def _svd_basis(grad: Tensor, side: str, rank: int) -> dict[str, Tensor] | None:
-    """GaLore's exact SVD basis, in float32, else float64; None when both fail."""
-    for dtype in (torch.float32, torch.float64):
-        basis = compute_basis(grad, side, rank, False, 0, dtype)
-        if basis is not None and all(bool(t.isfinite().all()) for t in basis.values()):
-            return basis
-    return None

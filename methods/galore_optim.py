@@ -29,6 +29,7 @@ from torch import Tensor
 from harness.methods.adafactor import adafactor
 from harness.methods.adam_kernel import BLOCK, AdamKernel
 from harness.methods.projection import (
+    SVDCounts,
     back_projected,
     compute_basis,
     project,
@@ -44,7 +45,7 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col",
                "state1", "state2", "absmax1", "absmax2")
 
 
-class GaLoreOptimizer(torch.optim.Optimizer):
+class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
     """Groups with a `rank` are projected; the others get the inner optimizer at full rank."""
 
     def __init__(self, params: Iterable[Any], *, lr: float,
@@ -59,9 +60,6 @@ class GaLoreOptimizer(torch.optim.Optimizer):
                     "scale": scale, "moments": moments, "svd": svd}
         super().__init__(params, defaults)
         self.inner, self.min_8bit_size, self.beta1 = inner, min_8bit_size, adafactor_beta1
-        self.svd_attempts = 0  # since the last `take_svd_attempts`
-        self.svd_retries = 0  # float32 failed, float64 worked
-        self.svd_failures = 0  # both failed: the previous basis was kept
         self.adam = AdamKernel(inner == "adam8bit", min_8bit_size)
         # state_dtype: the moments' dtype when it is not the gradients' (None: theirs)
         self.state_dtype, self.compensation = state_dtype, compensation
@@ -81,10 +79,6 @@ class GaLoreOptimizer(torch.optim.Optimizer):
             elif params:
                 self._plain_step(group, params)
         return loss
-
-    def take_svd_attempts(self) -> int:
-        n, self.svd_attempts = self.svd_attempts, 0
-        return n
 
     @torch.no_grad()
     def fold(self, p: Tensor, last: bool) -> Tensor | None:
@@ -106,6 +100,10 @@ class GaLoreOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         for st in self.state.values():
             st.pop("folded", None)
+
+    def held_gradients(self) -> dict[Tensor, Tensor]:
+        """The low-rank sums `fold` keeps between micro-batches (harness/cost/grad_peak.py)."""
+        return {p: st["folded"] for p, st in self.state.items() if "folded" in st}
 
     # -- full-rank parameters -------------------------------------------------------------
     def _plain_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
@@ -235,16 +233,14 @@ class GaLoreOptimizer(torch.optim.Optimizer):
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        sd["svd_counts"] = {"retries": self.svd_retries, "failures": self.svd_failures}
+        sd["svd_counts"] = self.svd_counts()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch casts every state tensor to its parameter's dtype: 8-bit states and float32
         moments of bf16 weights come back as saved."""
         restore_dtypes(self, super().load_state_dict, state_dict)
-        counts = state_dict.get("svd_counts", {})
-        self.svd_retries = counts.get("retries", 0)
-        self.svd_failures = counts.get("failures", 0)
+        self.load_svd_counts(state_dict)
 
 
 def _has_basis(st: dict[str, Any]) -> bool:

@@ -1,5 +1,6 @@
 """The projection maths GaLore and Q-GaLore share: which side of a weight is projected, its
-basis by (randomized) SVD, a gradient brought into the subspace and an update brought back."""
+basis by (randomized) SVD, a gradient brought into the subspace and an update brought back,
+and the counts of SVDs that were retried or failed."""
 
 from __future__ import annotations
 
@@ -59,6 +60,39 @@ def compute_basis(grad: Tensor, side: str, rank: int, randomized: bool, seed: in
     if side in ("right", "full"):
         out["right"] = vh.to(grad.dtype).contiguous()
     return out
+
+
+def safe_basis(grad: Tensor, side: str, rank: int) -> tuple[dict[str, Tensor] | None, bool]:
+    """(basis, retried): the exact SVD in float32, else in float64 (GaLore#7, #26, #58), else
+    None, and the caller keeps its previous basis."""
+    for dtype in (torch.float32, torch.float64):
+        basis = compute_basis(grad, side, rank, False, 0, dtype)
+        if basis is not None and all(bool(t.isfinite().all()) for t in basis.values()):
+            return basis, dtype == torch.float64
+    return None, False
+
+
+class SVDCounts:
+    """An optimizer's SVD counters: attempts since the last `take_svd_attempts` (what a step's
+    event reports), and retries in float64 and failures since the trial began, checkpointed so
+    that a resumed trial's events go on counting."""
+
+    svd_attempts = 0
+    svd_retries = 0  # float32 failed, float64 worked
+    svd_failures = 0  # both failed: the previous basis was kept
+
+    def take_svd_attempts(self) -> int:
+        n, self.svd_attempts = self.svd_attempts, 0
+        return n
+
+    def svd_counts(self) -> dict[str, int]:
+        """The counters a checkpoint keeps, under its "svd_counts" key."""
+        return {"retries": self.svd_retries, "failures": self.svd_failures}
+
+    def load_svd_counts(self, state_dict: dict[str, Any]) -> None:
+        counts = state_dict.get("svd_counts", {})
+        self.svd_retries = counts.get("retries", 0)
+        self.svd_failures = counts.get("failures", 0)
 
 
 def project(grad: Tensor, st: dict[str, Any], side: str) -> Tensor:

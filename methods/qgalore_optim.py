@@ -37,8 +37,8 @@ from torch import Tensor, nn
 
 from harness.methods.adam_kernel import AdamKernel
 from harness.methods.galore_optim import GaLoreOptimizer
-from harness.methods.int8_optim import Int8LayerwiseOptimizer, on_device
-from harness.methods.projection import compute_basis, project, project_back_, side_of
+from harness.methods.int8_optim import Int8LayerwiseOptimizer, on_device, per_parameter
+from harness.methods.projection import SVDCounts, project, project_back_, safe_basis, side_of
 from harness.methods.quant import (
     Int8Linear,
     LazyGap,
@@ -61,25 +61,26 @@ def first_vector(basis: dict[str, Tensor]) -> Tensor:
     return basis["left"][:, 0] if "left" in basis else basis["right"][0]
 
 
-def safe_basis(grad: Tensor, side: str, rank: int) -> tuple[dict[str, Tensor] | None, bool]:
-    """(basis, retried): float32 SVD, else float64, else None (keep the previous basis)."""
-    for dtype in (torch.float32, torch.float64):
-        basis = compute_basis(grad, side, rank, False, 0, dtype)
-        if basis is not None and all(bool(t.isfinite().all()) for t in basis.values()):
-            return basis, dtype == torch.float64
-    return None, False
+class LazySVDCounts(SVDCounts):
+    """The SVD counts Q-GaLore's event reports, for its fused and its simulated form."""
+
+    def lazy_schedule(self) -> tuple[list[LazyGap], list[int], int]:
+        """Each projected weight's LazyGap, its updates so far, and the base gap."""
+        raise NotImplementedError
+
+    def svd_stats(self) -> dict[str, Any]:
+        """SVDs done, those the lazy gap skipped against GaLore's fixed schedule (an SVD at every
+        multiple of the base gap: ceil(steps / gap) of them), the mean current gap, and the
+        retries and failures so far."""
+        gaps, steps, base_gap = self.lazy_schedule()
+        total = sum(g.svd_count for g in gaps)
+        fixed = sum(math.ceil(s / base_gap) for s in steps)
+        return {"svd_total": total, "svd_skipped": fixed - total,
+                "gap_mean": sum(g.gap for g in gaps) / max(1, len(gaps)),
+                "svd_retries": self.svd_retries, "svd_failures": self.svd_failures}
 
 
-def lazy_stats(gaps: list[LazyGap], steps: list[int], base_gap: int) -> dict[str, Any]:
-    """SVDs done, those the lazy gap skipped against GaLore's fixed schedule (an SVD at every
-    multiple of the base gap: ceil(steps / gap) of them), and the mean current gap."""
-    total = sum(g.svd_count for g in gaps)
-    fixed = sum(math.ceil(s / base_gap) for s in steps)
-    return {"svd_total": total, "svd_skipped": fixed - total,
-            "gap_mean": sum(g.gap for g in gaps) / max(1, len(gaps))}
-
-
-class QGaLoreOptimizer(Int8LayerwiseOptimizer):
+class QGaLoreOptimizer(LazySVDCounts, Int8LayerwiseOptimizer):
     """INT8 layers updated in their backward; the other parameters layer-wise at full rank."""
 
     def __init__(self, layers: list[Int8Linear], params: list[nn.Parameter], *, lr: float,
@@ -87,12 +88,9 @@ class QGaLoreOptimizer(Int8LayerwiseOptimizer):
                  min_8bit_size: int, rank: int, proj_type: str, scale: float, proj_group: int,
                  lazy: dict[str, Any], clip: float | None, clip_int8: bool, seed: int,
                  state_dtype: torch.dtype | None = None, compensation: str = "none") -> None:
-        def make(p: nn.Parameter) -> GaLoreOptimizer:  # decay on matrices only
-            decay = weight_decay if p.dim() >= 2 else 0.0
-            return GaLoreOptimizer([{"params": [p], "weight_decay": decay}], lr=lr, betas=betas,
-                                   eps=eps, inner=inner, min_8bit_size=min_8bit_size,
-                                   state_dtype=state_dtype, compensation=compensation)
-
+        make = per_parameter(GaLoreOptimizer, weight_decay, lr=lr, betas=betas, eps=eps,
+                             inner=inner, min_8bit_size=min_8bit_size, state_dtype=state_dtype,
+                             compensation=compensation)
         group = {"params": [], "lr": lr, "betas": betas, "eps": eps,
                  "weight_decay": weight_decay, "rank": rank, "scale": scale}
         super().__init__(layers, {m: {"updates": 0, "moments": {}} for m in layers}, params,
@@ -103,7 +101,6 @@ class QGaLoreOptimizer(Int8LayerwiseOptimizer):
         self.sides = {m: side_of((m.out_features, m.in_features), proj_type, rank)
                       for m in layers}
         self.gaps = {m: LazyGap(**lazy) for m in layers}
-        self.svd_attempts = self.svd_retries = self.svd_failures = 0
 
     def _needs_svd(self, m: Int8Linear) -> bool:
         return self.sides[m] != "none" and self.gaps[m].due(self.layer_state[m]["updates"])
@@ -158,30 +155,24 @@ class QGaLoreOptimizer(Int8LayerwiseOptimizer):
         st["basis"] = {k: dict(zip(INT4_KEYS, quantize_int4_packed(v, self.proj_group),
                                    strict=True)) for k, v in basis.items()}
 
-    def take_svd_attempts(self) -> int:
-        n, self.svd_attempts = self.svd_attempts, 0
-        return n
-
-    def svd_stats(self) -> dict[str, Any]:
+    def lazy_schedule(self) -> tuple[list[LazyGap], list[int], int]:
         projected = [m for m in self.layers if self.sides[m] != "none"]
-        return {**lazy_stats([self.gaps[m] for m in projected],
-                             [self.layer_state[m]["updates"] for m in projected], self.base_gap),
-                "svd_retries": self.svd_retries, "svd_failures": self.svd_failures}
+        return ([self.gaps[m] for m in projected],
+                [self.layer_state[m]["updates"] for m in projected], self.base_gap)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(),
                 "lazy": [self.gaps[m].state_dict() for m in self.layers],
-                "svd_counts": {"retries": self.svd_retries, "failures": self.svd_failures}}
+                "svd_counts": self.svd_counts()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         for m, lazy in zip(self.layers, state_dict["lazy"], strict=True):
             self.gaps[m].load_state_dict(on_device(lazy, m.codes.device))
-        counts = state_dict["svd_counts"]
-        self.svd_retries, self.svd_failures = counts["retries"], counts["failures"]
+        self.load_svd_counts(state_dict)
 
 
-class QGaLoreSimOptimizer(GaLoreOptimizer):
+class QGaLoreSimOptimizer(LazySVDCounts, GaLoreOptimizer):
     """GaLore with INT4-rounded bases and the lazy schedule, on float weights (`simulate`);
     `snap`: the INT8 group size to which targeted weights are snapped after each step."""
 
@@ -228,11 +219,10 @@ class QGaLoreSimOptimizer(GaLoreOptimizer):
                    for k, v in basis.items()}
         super()._switch(policy, st, rounded)
 
-    def svd_stats(self) -> dict[str, Any]:
+    def lazy_schedule(self) -> tuple[list[LazyGap], list[int], int]:
         states = [st for st in self.state.values() if "lazy" in st]
-        return {**lazy_stats([self._gap(st) for st in states],
-                             [st["proj_step"] for st in states], self.lazy["base_gap"]),
-                "svd_retries": self.svd_retries, "svd_failures": self.svd_failures}
+        return ([self._gap(st) for st in states], [st["proj_step"] for st in states],
+                self.lazy["base_gap"])
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()

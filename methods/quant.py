@@ -110,14 +110,6 @@ def quantize_int8(
     return _trim(codes, w.shape), scale, zero.to(torch.uint8)
 
 
-def stochastic_round_int8(
-    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, generator: torch.Generator,
-    group: int = GROUP,
-) -> torch.Tensor:
-    """Codes of `w` on a given grid, rounded up with probability frac(w / scale): unbiased."""
-    return _trim(_codes(_groups(w, group), scale.float(), zero, INT8_MAX, generator), w.shape)
-
-
 def dequantize_int8(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int = GROUP
 ) -> torch.Tensor:

@@ -332,18 +332,6 @@ class RunConfig(Common):
         return hashlib.sha1(blob.encode()).hexdigest()[:8]
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def memory_label(memory: dict[str, Any]) -> str:
     """The memory modifiers in a few words ("recompute attention, offload mlp"; "none")."""
     parts = []

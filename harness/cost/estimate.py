@@ -68,8 +68,6 @@ def _shapes(model: str, vocab: int, seq_len: int) -> dict[str, torch.Size]:
     return param_shapes(model, vocab, seq_len)
 
 
-
-
 def estimate_run(run: RunConfig, world: int = 1) -> dict[str, Any]:
     """The method's predicted bytes for one run on `world` data-parallel processes (each holds
     them), by kind and in total, and its peak."""

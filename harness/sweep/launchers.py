@@ -22,7 +22,6 @@ from harness.config import LauncherConfig
 from harness.errors import last_line
 from harness.sweep.process import (
     allocated_cpus,
-    mark_unfinished,
     record_end,
     trial_command,
     trial_env,
@@ -217,10 +216,10 @@ def _collect(source: Source, job: Any) -> None:
         oom = _state(job) == "OUT_OF_MEMORY"  # Slurm saw the job's memory limit kill it
         for _, trial_dir in source.assigned:
             if oom:
-                mark_unfinished(trial_dir, Status.OOM, f"job {job.job_id}: Slurm state "
-                                "OUT_OF_MEMORY (killed at its memory limit)")
+                TrialDir(trial_dir).mark_end(Status.OOM, f"job {job.job_id}: Slurm state "
+                                             "OUT_OF_MEMORY (killed at its memory limit)")
             else:
-                TrialDir(trial_dir).mark_failed(f"job {job.job_id}: {last_line(e)}")
+                TrialDir(trial_dir).mark_end(Status.FAILED, f"job {job.job_id}: {last_line(e)}")
         if not source.assigned:
             print(f"worker {job.job_id} failed: {last_line(e)} (log: {job.paths.stderr})",
                   flush=True)

@@ -62,20 +62,9 @@ def record_end(trial_dir: Path, code: int) -> None:
     kernel's (the OOM killer) or an admin's, so `killed`; any other death or exit code
     without a final summary is `failed`."""
     if code == -signal.SIGKILL:
-        mark_unfinished(trial_dir, Status.KILLED, "trial process killed by signal 9 (SIGKILL)")
+        TrialDir(trial_dir).mark_end(Status.KILLED, "trial process killed by signal 9 (SIGKILL)")
     else:
         TrialDir(trial_dir).record_crash(code)
-
-
-def mark_unfinished(trial_dir: Path, status: Status, error: str) -> None:
-    """`status` with its reason, for a trial whose folder records no end yet; an end already
-    written (ok, interrupted, ...) came first and stands."""
-    trial = TrialDir(trial_dir)
-    summary = trial.read_summary()
-    if summary is not None and summary.status not in (Status.PENDING, Status.RUNNING):
-        return
-    base = summary.to_dict() if summary is not None else {"trial": trial.name}
-    trial.write_summary({**base, "status": str(status), "error": error})
 
 
 def rank_env() -> dict[str, str]:

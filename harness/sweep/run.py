@@ -105,8 +105,9 @@ def pretrain_first(sweep: SweepConfig, show: Show | None = None) -> None:
 
 
 def run_grid(sweep: SweepConfig, out: Path, retry_failed: bool) -> bool:
-    """Run the plan's unfinished trials; True if any trial ended failed, oom or nan. Trials
-    whose Slurm job is still queued or running are left to it (a sweep run again collects)."""
+    """Run the plan's unfinished trials; True if any trial ended failed, oom, nan or killed.
+    Trials whose Slurm job is still queued or running are left to it (a sweep run again
+    collects)."""
     trials = plan(sweep)
     skip = set(FINISHED) - (set(FAILED) if retry_failed else set())
     todo, live = [], 0

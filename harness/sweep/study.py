@@ -225,7 +225,7 @@ def recover(study: optuna.Study, out: Path, metric: str) -> None:
 
 
 def retry_failures(study: optuna.Study, out: Path) -> None:
-    """`--retry-failed`: failed, oom and nan trials are queued again, each once."""
+    """`--retry-failed`: failed, oom, nan and killed trials are queued again, each once."""
     trials = counted(study.get_trials(deepcopy=False))
     statuses = trial_statuses([RunsDir(out).trial(t.user_attrs.get("trial_id", ""))
                                for t in trials])

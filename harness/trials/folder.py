@@ -101,18 +101,19 @@ class TrialDir(Folder):
     def write_summary(self, summary: Summary | dict[str, Any]) -> None:
         write_json(self.summary, summary.to_dict() if isinstance(summary, Summary) else summary)
 
-    def mark_failed(self, error: str) -> None:
-        """Record a failure the trial could not record itself; a final status already written
-        (ok, interrupted, failed, ...) is left as it is."""
+    def mark_end(self, status: Status, error: str) -> None:
+        """Record an end the trial could not record itself (failed, killed, oom) with its
+        reason; a final status already written (ok, interrupted, failed, ...) came first and
+        is left as it is."""
         summary = self.read_summary() or Summary.parse({"trial": self.name})
         if summary.get("status") in (None, Status.PENDING, Status.RUNNING):
-            self.write_summary(summary.update(status=Status.FAILED, error=error))
+            self.write_summary(summary.update(status=status, error=error))
 
     def record_crash(self, code: int) -> None:
         """A child that died without its final summary (killed, segfault) ends `failed`."""
         if code != 0:
             reason = f"signal {-code}" if code < 0 else f"exit code {code}"
-            self.mark_failed(f"trial process ended with {reason}")
+            self.mark_end(Status.FAILED, f"trial process ended with {reason}")
 
     def count_requeue(self) -> None:
         """One more preemption or time limit survived (Slurm requeued the trial's job)."""

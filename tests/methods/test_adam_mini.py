@@ -1,6 +1,6 @@
 """Adam-mini: the same updates as the authors' package (adam-mini 1.1.1) on the same gradients,
-its partition of a LLaMA, exact state bytes (mn + one value per block), the memory modifiers,
-precisions and DDP, and why the package itself is not wrapped."""
+its partition of a LLaMA, exact state bytes (mn + one value per block), precisions and DDP, and
+why the package itself is not wrapped (the memory modifiers: tests/method_matrix.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from conftest import (
     assert_two_processes_train_as_one,
     micro_model,
     micro_run,
-    train_losses,
 )
 from torch import nn
 
@@ -122,40 +121,6 @@ def test_bench_memory_counts_what_it_estimates(monkeypatch):
     states = {r["name"].split("/")[2]: r["value"] for r in records
               if r["name"].endswith("optimizer_state_bytes")}
     assert states["adam_mini"] == states["adam_mini_layerwise"] == 4 * (1_149_248 + 17_485)
-
-
-MODIFIERS: dict[str, dict[str, Any]] = {
-    "recompute_full": {"memory": {"recompute": "full"}},
-    "offload_mlp": {"memory": {"offload": ["mlp"], "offload_min_bytes": 0}},
-    "layerwise": {"memory": {"layerwise": True}},
-    "optimizer_offload": {"memory": {"optimizer_offload": "host"}},
-    "16-mixed": {"train": {"precision": "16-mixed"}},
-}
-
-
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    out = tmp_path_factory.mktemp("plain")
-    assert train(load_run(mini_run()), out)["status"] == "ok"
-    return train_losses(out)
-
-
-@pytest.mark.parametrize("modifier", list(MODIFIERS))
-def test_with_every_memory_modifier(tmp_path, plain, modifier):
-    extra = MODIFIERS[modifier]
-    run = load_run(mini_run(memory=extra.get("memory"), **extra.get("train", {})))
-    summary = train(run, tmp_path / "t")
-    assert summary["status"] == "ok", summary["error"]
-    losses = train_losses(tmp_path / "t")
-    assert losses.keys() == plain.keys() == {1, 2, 3, 4}
-    if modifier in ("recompute_full", "offload_mlp"):
-        assert losses == plain
-    elif modifier == "16-mixed":
-        assert [losses[s] for s in plain] == pytest.approx(list(plain.values()), rel=0.02)
-    else:  # per-parameter optimizers, or the same update on host copies
-        assert [losses[s] for s in plain] == pytest.approx(list(plain.values()), rel=1e-5)
-        estimate = build_method(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB, 32), run)
-        assert_estimate_matches(estimate, summary)
 
 
 def test_paged_states_are_refused_with_the_reason():

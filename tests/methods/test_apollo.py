@@ -1,6 +1,6 @@
 """APOLLO and APOLLO-Mini: the same updates as apollo-torch (random projections from the same
 seeds, SVD ones, the limiter) across projection refreshes, the paper's equations, exact memory
-counts, every memory modifier and precision, resume and two processes."""
+counts, resume and two processes (every memory modifier and precision: tests/method_matrix.py)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,13 @@ from conftest import (
     assert_two_processes_train_as_one,
     micro_model,
     micro_run,
-    train_losses,
 )
+from test_galore import assert_steps_like_adamw, check_estimate, steps_of
 
 from harness.errors import UserError
 from harness.methods import build_method
 from harness.methods.apollo_optim import APOLLOOptimizer, next_seed
 from harness.methods.resolve import load_run
-from harness.models import param_shapes
 from harness.train import train
 from harness.trials import read_jsonl
 
@@ -35,20 +34,6 @@ def apollo_run(steps: int, method: dict, **train_keys) -> dict:
     data = micro_run(steps=steps, lr=0.01, **train_keys)
     data["eval"] = {"every": 0, "tokens": 256}
     return {**data, "method": method}
-
-
-def steps_of(params: list[torch.Tensor], opt: torch.optim.Optimizer, grads: list[list]) -> None:
-    for gs in grads:
-        for p, g in zip(params, gs, strict=True):
-            p.grad = g.clone()
-        opt.step()
-
-
-def check_estimate(run, summary: dict) -> None:
-    estimate = build_method(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB, 32), run)
-    assert (estimate.weight_bytes, estimate.grad_bytes, estimate.optimizer_state_bytes,
-            estimate.extra_bytes) == (summary["param_bytes"], summary["grad_bytes"],
-                                      summary["optimizer_state_bytes"], summary["extra_bytes"])
 
 
 @pytest.mark.parametrize(("proj", "scale_type", "limiter"),
@@ -133,18 +118,10 @@ def test_limiter_caps_the_norm_growth_at_gamma():
 
 
 def test_full_rank_targets_and_other_parameters_get_plain_adamw():
-    torch.manual_seed(0)
-    shapes = [(12, 40), (8, 8), (12,)]
-    ours = [torch.randn(s, requires_grad=True) for s in shapes]
-    ref = [p.detach().clone().requires_grad_() for p in ours]
-    opt = APOLLOOptimizer([{"params": ours[:2], "rank": 12}, {"params": ours[2:]}], lr=1e-2,
-                          weight_decay=0.1)
-    adamw = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
-    grads = [[torch.randn(s) for s in shapes] for _ in range(4)]
-    steps_of(ours, opt, grads)
-    steps_of(ref, adamw, grads)
-    for a, b in zip(ours, ref, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert_steps_like_adamw(
+        [(12, 40), (8, 8), (12,)], 4,
+        lambda ours: APOLLOOptimizer([{"params": ours[:2], "rank": 12}, {"params": ours[2:]}],
+                                     lr=1e-2, weight_decay=0.1))
 
 
 @pytest.mark.parametrize("method", [APOLLO, {**APOLLO, "proj": "svd", "optimizer": "adam8bit",
@@ -184,48 +161,6 @@ def test_state_bytes_of_each_matrix_are_2_r_max_side_plus_the_limiters_norm(meth
         assert counted == 4 * 2 * rank * max(p.shape) + 4
     assert m.measure(model, opt) == m.estimate({n: p.shape for n, p in
                                                 model.named_parameters()}, run)
-
-
-MODIFIERS = {
-    "layerwise": ({"layerwise": True}, {}),
-    "optimizer_offload": ({"optimizer_offload": "host"}, {}),
-    "recompute_full": ({"recompute": "full"}, {}),
-    "16-mixed": ({}, {"precision": "16-mixed"}),
-    "bf16_true_kahan": ({}, {"precision": "bf16-true", "update_compensation": "kahan"}),
-    "bf16_true_bf16_states": ({"layerwise": True}, {"precision": "bf16-true",
-                                                    "state_dtype": "bfloat16"}),
-}
-
-
-_plain: dict[str, dict[int, float]] = {}
-
-
-def plain_losses(base: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    name = base["method"]["name"]
-    if name not in _plain:
-        out = tmp_path_factory.mktemp(f"{name}-plain")
-        assert train(load_run(base), out)["status"] == "ok"
-        _plain[name] = train_losses(out)
-    return _plain[name]
-
-
-@pytest.mark.parametrize("modifier", list(MODIFIERS))
-@pytest.mark.parametrize("method", [APOLLO, MINI], ids=["apollo", "apollo_mini"])
-def test_composes_with_each_memory_modifier_and_precision(tmp_path, tmp_path_factory, method,
-                                                          modifier):
-    memory, precision = MODIFIERS[modifier]
-    base = apollo_run(4, {**method, "update_proj_gap": 2}, grad_clip=None)
-    data = {**base, "memory": memory, "train": {**base["train"], **precision}}
-    run = load_run(data)
-    summary = train(run, tmp_path / "t")
-    assert summary["status"] == "ok", summary["error"]
-    plain, losses = plain_losses(base, tmp_path_factory), train_losses(tmp_path / "t")
-    assert losses.keys() == plain.keys() == {1, 2, 3, 4}
-    if precision:  # fp16 autocast or bf16 weights: close to the float32 run, not equal
-        assert list(losses.values()) == pytest.approx(list(plain.values()), rel=0.02)
-    else:  # per-parameter optimizers, host copies, recomputation: the same update
-        assert list(losses.values()) == pytest.approx(list(plain.values()), rel=1e-5)
-    check_estimate(run, summary)
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -1,6 +1,6 @@
 """Fira: the same update as the authors' `fira` package across projection refreshes, the paper's
-column-wise scaling and norm-growth limiter, exact memory, the memory modifiers and precision
-modes, data parallelism, and resume."""
+column-wise scaling and norm-growth limiter, exact memory, data parallelism, and resume (the
+memory modifiers and precisions: tests/method_matrix.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from conftest import (
     assert_resumes_exactly,
     assert_two_processes_train_as_one,
     micro_run,
-    train_losses,
 )
 from test_galore import TARGETS, check_estimate, rows, steps_of
 
@@ -178,39 +177,6 @@ def test_trains_and_counts_memory_exactly(tmp_path, inner):
     ours, theirs = (build_method(r).estimate(shapes, r) for r in (run, galore))
     assert ours.optimizer_state_bytes - theirs.optimizer_state_bytes == 4 * TARGETS
     assert ours.extra_bytes == theirs.extra_bytes > 0
-
-
-MODIFIERS = {  # modifier -> (run sections, how close to the plain run's losses)
-    "recompute_full": ({"memory": {"recompute": "full"}}, 0.0),
-    "layerwise": ({"memory": {"layerwise": True}}, 1e-5),  # 2 micro-batches: full G summed
-    "optimizer_offload": ({"memory": {"optimizer_offload": "host"}}, 1e-5),
-    "16-mixed": ({"train": {"precision": "16-mixed"}}, 0.02),
-    "bf16-true": ({"train": {"precision": "bf16-true", "update_compensation": "kahan"}}, 0.05),
-}
-
-
-_plain: dict[str, dict[int, float]] = {}
-
-
-def plain_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    """Computed inside a test (not a module fixture, which would run before `one_thread`)."""
-    if "fira" not in _plain:
-        out = tmp_path_factory.mktemp("fira-plain")
-        assert train(load_run(fira_run()), out)["status"] == "ok"
-        _plain["fira"] = train_losses(out)
-    return _plain["fira"]
-
-
-@pytest.mark.parametrize("modifier", list(MODIFIERS))
-def test_composes_with_each_memory_modifier_and_precision(tmp_path, tmp_path_factory, modifier):
-    sections, rel = MODIFIERS[modifier]
-    run = load_run(fira_run(**sections))
-    summary = train(run, tmp_path / "t")
-    assert summary["status"] == "ok", summary["error"]
-    losses, plain = train_losses(tmp_path / "t"), plain_losses(tmp_path_factory)
-    assert losses.keys() == plain.keys() == {1, 2, 3, 4}
-    assert list(losses.values()) == pytest.approx(list(plain.values()), rel=rel, abs=0)
-    check_estimate(run, summary)
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -4,6 +4,7 @@ reprojects moments correctly, counts its memory exactly, and resumes step for st
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,25 @@ def steps_of(params: list[torch.Tensor], opt: torch.optim.Optimizer, grads: list
         for p, g in zip(params, gs, strict=True):
             p.grad = g.clone()
         opt.step()
+
+
+def assert_steps_like_adamw(
+    shapes: list[tuple[int, ...]], steps: int,
+    make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+) -> torch.optim.Optimizer:
+    """`make`'s optimizer on random weights of `shapes` takes the steps torch's AdamW (lr 1e-2,
+    decay 0.1) takes on the same gradients; returned for what else the test checks."""
+    torch.manual_seed(0)
+    ours = [torch.randn(s, requires_grad=True) for s in shapes]
+    ref = [p.detach().clone().requires_grad_() for p in ours]
+    opt = make(ours)
+    adamw = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    grads = [[torch.randn(s) for s in shapes] for _ in range(steps)]
+    steps_of(ours, opt, grads)
+    steps_of(ref, adamw, grads)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    return opt
 
 
 def check_estimate(run, summary: dict, model: str = "llama_micro") -> None:
@@ -74,18 +94,10 @@ def test_std_projects_the_smaller_side():
 
 @pytest.mark.parametrize("rank", [12, 64])
 def test_full_projection_at_full_rank_is_plain_adamw(rank):
-    torch.manual_seed(0)
-    shapes = [(12, 40), (40, 12), (12, 12)]
-    ours = [torch.randn(s, requires_grad=True) for s in shapes]
-    ref = [p.detach().clone().requires_grad_() for p in ours]
-    opt = GaLoreOptimizer([{"params": ours, "rank": rank}], lr=1e-2, weight_decay=0.1,
-                          proj_type="full", scale=1.0, update_proj_gap=2)
-    adamw = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
-    grads = [[torch.randn(s) for s in shapes] for _ in range(5)]
-    steps_of(ours, opt, grads)
-    steps_of(ref, adamw, grads)
-    for a, b in zip(ours, ref, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    opt = assert_steps_like_adamw(
+        [(12, 40), (40, 12), (12, 12)], 5,
+        lambda ours: GaLoreOptimizer([{"params": ours, "rank": rank}], lr=1e-2, weight_decay=0.1,
+                                     proj_type="full", scale=1.0, update_proj_gap=2))
     assert opt.take_svd_attempts() == 0 and not any("left" in s for s in opt.state.values())
 
 

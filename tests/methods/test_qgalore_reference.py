@@ -21,14 +21,6 @@ from harness.train import train
 STEPS = 70
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def gradients(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(x, c) per step: G = cᵀx is rank 1, its first left singular vector ∝ c. constant: one
     direction; signs: that direction with a random sign (which the reference reads as cosine

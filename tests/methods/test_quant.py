@@ -10,8 +10,13 @@ from torch import nn
 
 from harness.methods.base import tensor_bytes
 from harness.methods.quant import (
+    GROUP,
+    INT8_MAX,
     Int8Linear,
     LazyGap,
+    _codes,
+    _groups,
+    _trim,
     dequantize_int4_packed,
     dequantize_int8,
     int4_packed_bytes,
@@ -19,7 +24,6 @@ from harness.methods.quant import (
     pack_int4,
     quantize_int4_packed,
     quantize_int8,
-    stochastic_round_int8,
     unpack_int4,
 )
 
@@ -28,6 +32,15 @@ SHAPES = [(64, 512), (3, 100), (7,), (1, 1), (5, 257)]
 
 def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def stochastic_round_int8(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, generator: torch.Generator,
+    group: int = GROUP,
+) -> torch.Tensor:
+    """Codes of `w` on a given grid, rounded up with probability frac(w / scale): the rounding
+    quantize_int8 does with a generator, here on a grid held fixed across draws."""
+    return _trim(_codes(_groups(w, group), scale.float(), zero, INT8_MAX, generator), w.shape)
 
 
 def per_element(v: torch.Tensor, n: int, group: int = 256) -> torch.Tensor:

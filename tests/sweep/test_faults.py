@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO, micro_run, wait_for_step, write_yaml
+from conftest import micro_run, start_sweep, wait_for_step, write_yaml
 
 from harness.config import LauncherConfig
 from harness.sweep.launchers import TrialJob, submit
@@ -27,14 +25,6 @@ def sweep_file(tmp_path: Path, steps: int, lrs: list[float]) -> Path:
     data["eval"] = {"every": 0, "tokens": 64}
     data.update(name="faults", methods={"full": {}}, search={"space": {"train.lr": lrs}})
     return write_yaml(tmp_path / "faults.yaml", data)
-
-
-def start_sweep(path: Path, out: Path, *sets: str) -> subprocess.Popen:
-    args = [a for s in sets for a in ("--set", s)]
-    return subprocess.Popen(
-        [sys.executable, "-m", "harness.cli", "sweep", str(path), "--out", str(out), *args],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
 
 
 def running_trial(out: Path, timeout_s: float = 120) -> Path:

@@ -9,14 +9,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
+from functools import partial
 from pathlib import Path
 
+import conftest
 import psutil
 import pytest
 from conftest import (
-    REPO,
     assert_matches_one_process,
     micro_run,
     require_service,
@@ -44,12 +44,7 @@ def sweep_file(tmp_path: Path, steps: int, lrs: list[float], **train_keys) -> Pa
     return write_yaml(tmp_path / "slurm.yaml", data)
 
 
-def start_sweep(path: Path, out: Path, *sets: str) -> subprocess.Popen:
-    args = [a for s in sets for a in ("--set", s)]
-    return subprocess.Popen(
-        [sys.executable, "-m", "harness.cli", "sweep", str(path), "--out", str(out), *args],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+start_sweep = partial(conftest.start_sweep, stderr=subprocess.STDOUT)  # one stream, in order
 
 
 def finish(proc: subprocess.Popen, timeout_s: float = 600) -> str:
@@ -72,6 +67,18 @@ def only_trial(out: Path) -> Path:
         time.sleep(0.2)
     (trial_dir,) = (out / "trials").iterdir()
     return trial_dir
+
+
+def wait_past_requeue(trial_dir: Path, steps: int, why: str) -> int:
+    """Until the trial's first requeue is recorded (`why` if none is within 300 s), then until
+    it has trained `steps` more steps: it resumed and goes on. Returns the step it stopped at."""
+    deadline = time.time() + 300
+    while (read_json(trial_dir / "summary.json") or {}).get("requeues", 0) < 1:
+        assert time.time() < deadline, why
+        time.sleep(0.5)
+    stopped_at = read_json(trial_dir / "summary.json")["step"]
+    wait_for_step(trial_dir, stopped_at + steps)
+    return stopped_at
 
 
 def test_grid_sweep_runs_as_one_job_array(tmp_path):
@@ -122,12 +129,7 @@ def test_a_trial_at_its_time_limit_is_requeued_and_resumes(tmp_path):
     proc = start_sweep(path, out, "launcher.timeout_min=2", "launcher.signal_delay_s=30")
     trial_dir = only_trial(out)
     job = job_of(trial_dir)
-    deadline = time.time() + 300
-    while (read_json(trial_dir / "summary.json") or {}).get("requeues", 0) < 1:
-        assert time.time() < deadline, "no requeue at the time limit"
-        time.sleep(1)
-    stopped_at = read_json(trial_dir / "summary.json")["step"]
-    wait_for_step(trial_dir, stopped_at + 20)
+    stopped_at = wait_past_requeue(trial_dir, 20, "no requeue at the time limit")
     subprocess.run(["scancel", job], check=True)
     proc.terminate()
     finish(proc)
@@ -226,12 +228,7 @@ def test_a_signal_during_a_checkpoint_write_and_a_second_preemption_after_the_re
         assert time.time() < deadline, "never saw a checkpoint being written"
         time.sleep(0.002)
     preempt(job)
-    deadline = time.time() + 300
-    while (read_json(trial_dir / "summary.json") or {}).get("requeues", 0) < 1:
-        assert time.time() < deadline, "no requeue"
-        time.sleep(0.5)
-    stopped_at = read_json(trial_dir / "summary.json")["step"]
-    wait_for_step(trial_dir, stopped_at + 3)
+    wait_past_requeue(trial_dir, 3, "no requeue")
     preempt(job)
     assert_requeued_ok(proc, trial_dir, 2, 40)
 

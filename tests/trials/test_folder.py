@@ -141,9 +141,9 @@ def test_an_odd_summary_is_read_as_it_is(tmp_path):
     assert summary.to_dict() == {"status": "someday", "steps": "many", "x": 1}
 
 
-def test_mark_failed_only_an_unfinished_trial(tmp_path):
+def test_mark_end_only_an_unfinished_trial(tmp_path):
     trial = TrialDir(tmp_path / "t1")
-    trial.mark_failed("cancelled")
+    trial.mark_end(Status.FAILED, "cancelled")
     assert read_json(trial.summary) == {"trial": "t1", "status": "failed", "error": "cancelled"}
     write_json(trial.summary, {"trial": "t1", "status": "running", "pid": 1})
     trial.record_crash(-9)
@@ -152,7 +152,7 @@ def test_mark_failed_only_an_unfinished_trial(tmp_path):
     }  # fmt: skip
     write_json(trial.summary, {"status": "ok"})
     trial.record_crash(1)
-    trial.mark_failed("late")
+    trial.mark_end(Status.FAILED, "late")
     assert read_json(trial.summary) == {"status": "ok"}
 
 
