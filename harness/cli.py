@@ -283,7 +283,7 @@ def build_parser() -> Parser:
     s.add_argument("--jobs", type=positive_int, help="trials run at once (default launcher.jobs)")
     s.add_argument("--dry-run", action="store_true", help="print the trial plan, run nothing")
     s.add_argument("--retry-failed", action="store_true",
-                   help="also re-run trials that ended failed, oom or nan")
+                   help="also re-run trials that ended failed, oom, nan or killed")
 
     st = command(sub, "status", cmd_status, "one row per trial", "Show every trial's status, "
                  "step, eval perplexity, tok/s and peak memory.")
@@ -303,8 +303,9 @@ def build_parser() -> Parser:
                 "alternating rounds. optim: the optimizer step alone on a preset's shapes, GaLore "
                 "against AdamW and galore-torch (SVD amortised over the gap), plus GaLore's "
                 "end-to-end step on llama_tiny (--e2e). memory: each method's weight, gradient, "
-                "optimizer-state and extra bytes after a few steps of --preset, against the "
-                "estimator (target: equal), and the peak of step 3 (target: within 5%). "
+                "optimizer-state and extra bytes after --steps steps of --preset (default 20; 3 or "
+                "more), against the estimator (target: equal), and the peak of step 3 (CUDA: of "
+                "steps 3 on; target: within 5%). "
                 "launch: the time from a trial's launch to its first training step, minus its "
                 "model build, under the local and "
                 "submitit-local launchers (--rounds trials each). syncs: reads of tensor values "
