@@ -172,15 +172,22 @@ def assert_estimate_matches(estimate: Any, summary: dict[str, Any]) -> None:
     assert estimate.extra_bytes == summary["extra_bytes"]
 
 
-def require_service(env: str, what: str, start: str) -> str:
-    """Tests on a real cluster or database: skipped (with the reason) on a developer's machine
-    where it is not running, but never in CI, where `.ci/run` starts it."""
-    value = os.environ.get(env)
-    if value:
-        return value
+def missing(what: str, how: str) -> None:
+    """A test that needs a service or a privilege this machine lacks: skipped with `how` to get
+    it on a developer's machine, a failure in CI (CI=true, which .ci/run sets), where it must
+    be there."""
     if os.environ.get("CI"):
-        pytest.fail(f"{what} is required in CI but {env} is unset (.ci/run starts it)")
-    pytest.skip(f"needs {what}: `{start}`, then set {env}")
+        pytest.fail(f"{what} is required in CI ({how})")
+    pytest.skip(f"needs {what}: {how}")
+
+
+def require_service(env: str, what: str, start: str) -> str:
+    """Tests on a real cluster or database: the service's address from `env`, which `.ci/run`
+    sets after starting it."""
+    value = os.environ.get(env)
+    if not value:
+        missing(what, f"`{start}`, then set {env}")
+    return value  # type: ignore[return-value]
 
 
 def train_losses(trial_dir: Path) -> dict[int, float]:
@@ -212,6 +219,17 @@ def assert_matches_one_process(trial_dir: Path, run: dict[str, Any], scratch: Pa
     assert all(abs(ddp[s] - one[s]) < 1e-5 for s in one)
     assert read_json(trial_dir / "summary.json")["eval_loss"] == pytest.approx(
         single["eval_loss"], rel=1e-5)
+
+
+def start_sweep(path: Path, out: Path, *sets: str,
+                stderr: int = subprocess.PIPE) -> subprocess.Popen:
+    """`harness sweep PATH --out OUT --set ...` in a child process, as a user starts it
+    (`stderr=subprocess.STDOUT`: one stream, read in order)."""
+    args = [a for s in sets for a in ("--set", s)]
+    return subprocess.Popen(
+        [sys.executable, "-m", "harness.cli", "sweep", str(path), "--out", str(out), *args],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True,
+    )
 
 
 def free_port() -> int:
@@ -257,3 +275,84 @@ def assert_resumes_exactly(run: Any, tmp_path: Path, stop: int = 3) -> None:
     assert (first["status"], first["step"]) == ("interrupted", stop)
     assert train(run, tmp_path / "resumed")["status"] == "ok"
     assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "straight")
+
+
+# -- the integration tier ------------------------------------------------------------------------
+# Tests that start processes (the CLI in a child, torchrun, a sweep's trials, Slurm jobs,
+# Chromium), use a service, or run a sweep's worth of trainings (a sweep, a benchmark, the
+# method x modifier grid) carry the `integration` marker, applied here, so that
+# `pytest -m "not integration"` is a quick loop for an edit. A grid keeps some cases quick: a
+# test module's `QUICK` maps a test's name to the parameter tuples that stay (the matrix's
+# diagonal: every method once, every modifier at least once). A test that starts a process
+# without the marker fails (`unmarked_processes` below), so these lists cannot fall behind.
+INTEGRATION_FILES = {  # every test in these files
+    "sweep/test_faults.py", "sweep/test_launchers.py", "sweep/test_postgres.py",
+    "sweep/test_run.py", "sweep/test_slurm.py", "sweep/test_study.py", "sweep/test_sweep.py",
+    "train/test_ddp.py", "test_distributed.py", "analysis/test_html.py", "trials/test_wandb.py",
+    "bench/test_bench.py",  # `harness bench`: many trainings (every method, every config)
+}
+INTEGRATION_FIXTURES = {"finished_run", "finished_run_copy"}  # a sweep through the CLI
+INTEGRATION_TESTS = {  # test names (parameters left out) in other files
+    "test_two_processes_train_as_one", "test_two_processes_layerwise_train_as_one",  # torchrun
+    "test_bench_launch_times_each_launcher", "test_bench_loop_json_pipes_into_a_json_reader",
+    "test_user_error_from_the_real_command", "test_llama_7b_in_24gb",
+    "test_one_command_pretrains_then_fine_tunes_and_reports",
+    "test_resume_skips_a_torn_checkpoint_for_the_one_before",
+    "test_a_full_disk_while_checkpointing_fails_the_trial_and_keeps_the_previous",
+    "test_a_finished_trial_with_torn_checkpoints_trains_again_or_ends_failed",
+    "test_a_save_the_disk_cannot_hold_leaves_the_previous_whole",
+    "test_a_kill_mid_save_leaves_the_previous_whole",
+    "test_wandb_logs_offline_into_the_run_folder",  # wandb's service process
+    "test_compile_trains_the_same_model",  # torch.compile runs the C++ compiler
+    # a benchmark or a real pretrained model in one test: a sweep's worth of training
+    "test_bench_syncs_json", "test_bench_memory_counts_what_it_estimates",
+    "test_bench_loop_precision_trains_in_that_precision",
+    "test_encoder_from_a_local_folder_fine_tunes",
+}
+QUICK_TOOLS = {"git"}  # run by the code under test in every tier (the commit in config.yaml)
+
+
+def is_integration(item: pytest.Item) -> bool:
+    file = item.path.relative_to(REPO / "tests").as_posix()
+    name = item.name.split("[")[0]
+    quick = getattr(item.module, "QUICK", {}).get(name)  # a grid: these cases stay quick
+    if quick is not None:
+        return tuple(item.callspec.params.values()) not in quick  # type: ignore[attr-defined]
+    return (file in INTEGRATION_FILES or name in INTEGRATION_TESTS
+            or bool(INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))))
+
+
+# One service, one test at a time: pytest-xdist (`--dist loadgroup`) runs each group on one
+# worker, so two sweeps never compete for the one Slurm node's CPUs or the same database.
+SERVICE_GROUPS = {"sweep/test_slurm.py": "slurm", "sweep/test_postgres.py": "postgres"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_integration(item):
+            item.add_marker(pytest.mark.integration)
+        group = SERVICE_GROUPS.get(item.path.relative_to(REPO / "tests").as_posix())
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(autouse=True)
+def unmarked_processes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Fails a test outside the integration tier that starts a process."""
+    if request.node.get_closest_marker("integration"):
+        yield
+        return
+    started: list[str] = []
+    start = subprocess.Popen.__init__
+
+    def watched(self: subprocess.Popen, args: Any, *rest: Any, **kw: Any) -> None:
+        argv = [args] if isinstance(args, str | os.PathLike) else list(args)
+        if Path(str(argv[0]).split()[0]).name not in QUICK_TOOLS:
+            started.append(" ".join(map(str, argv))[:120])
+        start(self, args, *rest, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", watched)
+    yield
+    if started:
+        pytest.fail(f"started a process ({started[0]}) without the integration marker: "
+                    "add the test to INTEGRATION_TESTS in tests/conftest.py")

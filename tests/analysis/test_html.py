@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -14,6 +13,7 @@ import matplotlib.image
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import missing
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from test_plots import write_runs
@@ -56,11 +56,9 @@ class Page(HTMLParser):
 def chromium() -> str:
     """Skipped on a developer's machine without it, but never in CI, where .ci/run installs it."""
     path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path:
-        return path
-    if os.environ.get("CI"):
-        pytest.fail("chromium is required in CI but not on PATH (.ci/run: scripts/chromium.sh)")
-    pytest.skip("needs chromium: `sudo bash scripts/chromium.sh`")
+    if not path:
+        missing("chromium", "`sudo bash scripts/chromium.sh`")
+    return path  # type: ignore[return-value]
 
 
 def headless(browser: str, page: Path, profile: Path, *flags: str) -> str:
