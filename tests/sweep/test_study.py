@@ -193,11 +193,13 @@ def test_median_pruner_cuts_a_bad_trial_from_real_statistics(tmp_path):
 
 
 def sweep_in_background(tmp_path, checkpoint_every: int, step: int):
-    """A one-trial random-search sweep of 60 steps, started and watched until `step`."""
+    """A one-trial random-search sweep of 300 steps, started and watched until `step`. The
+    trial runs 30 steps a second on an idle core: 60 steps could end before a test starved of
+    CPU (CI runs tests in parallel) sends its signal, as seen in CI."""
     path = search_file(tmp_path, sampler="random", n_trials=1,
                        space={"train.lr": {"low": 1e-3, "high": 1e-2, "log": True}})
     data = read_json_yaml(path)
-    data["train"].update(steps=60, checkpoint_every=checkpoint_every)
+    data["train"].update(steps=300, checkpoint_every=checkpoint_every)
     write_yaml(path, data)
     out = tmp_path / "runs"
     sweep = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", str(path),
