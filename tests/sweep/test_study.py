@@ -193,18 +193,19 @@ def test_median_pruner_cuts_a_bad_trial_from_real_statistics(tmp_path):
 
 
 def sweep_in_background(tmp_path, checkpoint_every: int, step: int):
-    """A one-trial random-search sweep of 300 steps, started and watched until `step`. The
-    trial runs 30 steps a second on an idle core: 60 steps could end before a test starved of
-    CPU (CI runs tests in parallel) sends its signal, as seen in CI."""
+    """A one-trial random-search sweep of 60 steps, started as a terminal starts it (SIGINT at
+    its default: a pytest launched in the background inherits it ignored, and so would the
+    sweep, which then never sees a Ctrl-C) and watched until `step`."""
     path = search_file(tmp_path, sampler="random", n_trials=1,
                        space={"train.lr": {"low": 1e-3, "high": 1e-2, "log": True}})
     data = read_json_yaml(path)
-    data["train"].update(steps=300, checkpoint_every=checkpoint_every)
+    data["train"].update(steps=60, checkpoint_every=checkpoint_every)
     write_yaml(path, data)
     out = tmp_path / "runs"
     sweep = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", str(path),
                               "--out", str(out)], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+                             stderr=subprocess.DEVNULL,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     while not (out / "trials").is_dir() or not any((out / "trials").iterdir()):
         time.sleep(0.2)
     (trial_dir,) = (out / "trials").iterdir()
