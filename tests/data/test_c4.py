@@ -58,6 +58,44 @@ def test_order_is_deterministic_from_the_seed_and_resumes_exactly(sample_tokeniz
     assert take(resumed, 30) == tail
 
 
+class CountingTokenizer:
+    """The sample tokenizer, counting the documents it is asked to tokenize."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.documents = tok, 0
+        self.eos_token_id, self.pad_token_id = tok.eos_token_id, tok.pad_token_id
+
+    def __call__(self, text, **kwargs):
+        self.documents += 1 if isinstance(text, str) else len(text)
+        return self.tok(text, **kwargs)
+
+
+def test_a_full_shuffle_buffer_tokenizes_only_the_documents_drawn(sample_tokenizer):
+    """1000 documents held (the default; the whole 963-document sample), yet the first block
+    tokenizes only what it packs: a trial's first step does not wait for the whole buffer."""
+    tok = CountingTokenizer(sample_tokenizer)
+    stream = BlockStream(TaskConfig(seq_len=64, shuffle_buffer=1000), tok, seed=0)
+    stream.next_block()
+    assert len(stream.buffer) > 900 and 1 <= tok.documents <= 3
+
+
+def test_a_buffer_of_token_arrays_from_an_older_checkpoint_resumes_the_same_blocks(
+        sample_tokenizer):
+    """Checkpoints written before the buffer held texts hold token arrays: restored, the stream
+    goes on with exactly the blocks a text buffer gives."""
+    tok = sample_tokenizer
+    task = TaskConfig(seq_len=64, shuffle_buffer=16)
+    stream = BlockStream(task, tok, seed=0)
+    take(stream, 5)
+    state = stream.state()
+    tail = take(stream, 40)
+    state["buffer"] = [np.asarray(tok(t, add_special_tokens=False)["input_ids"], np.int32)
+                       for t in state["buffer"]]
+    old = BlockStream(task, tok, seed=0)
+    old.restore(state)
+    assert take(old, 40) == tail
+
+
 def test_small_corpus_wraps_into_a_new_epoch(tmp_path, sample_tokenizer):
     tok = sample_tokenizer
     write_c4_shards(tmp_path, {"train": ["one two three four five"] * 3, "validation": ["six"]})
