@@ -29,6 +29,9 @@ class AdamKernel:
     def __init__(self, eight_bit: bool, min_8bit_size: int) -> None:
         self.eight_bit, self.min_8bit_size = eight_bit, min_8bit_size
         self._qmaps: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        if eight_bit:  # imported now, not in the first step: its 2 s import (torch.compile's
+            import bitsandbytes.functional  # noqa: F401  set-up) would be timed and, on a CPU,
+            # profiled there: 1.9M events, 45 s of torch's memory-timeline analysis
 
     def __call__(self, group: dict[str, Any], targets: list[Tensor], grads: list[Tensor],
               states: list[dict[str, Any]], lr: float, wd: float) -> None:

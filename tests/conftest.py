@@ -308,6 +308,7 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_a_kill_mid_save_leaves_the_previous_whole",
     "test_wandb_logs_offline_into_the_run_folder",  # wandb's service process
     "test_compile_trains_the_same_model",  # torch.compile runs the C++ compiler
+    "test_an_8bit_kernel_is_loaded_before_the_first_step",  # a fresh process
     # a benchmark or a real pretrained model in one test: a sweep's worth of training
     "test_bench_syncs_json", "test_bench_memory_counts_what_it_estimates",
     "test_bench_loop_precision_trains_in_that_precision",

@@ -3,6 +3,10 @@ tensors in a steady step (as `harness bench memory` measures it), the process's 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 from conftest import micro_run
 
@@ -67,3 +71,27 @@ def test_a_failing_timeline_leaves_the_trial_ok_without_a_live_tensor_peak(tmp_p
     assert summary["status"] == "ok"
     assert summary.get("peak_memory_bytes") is None and summary["peak_rss_bytes"] > 0
     assert "peak of live tensors not recorded" in capsys.readouterr().out
+
+
+BEFORE_THE_FIRST_STEP = """
+import json, sys
+from pathlib import Path
+from harness.methods.resolve import load_run
+from harness.train import Trainer
+from harness.trials import Records
+run = load_run(json.loads(sys.argv[1]))
+trainer = Trainer(run, Records(Path(sys.argv[2]), run), lambda step: False)
+print(sorted(m for m in sys.modules if m.startswith("bitsandbytes"))[:1])
+"""
+
+
+def test_an_8bit_kernel_is_loaded_before_the_first_step(tmp_path):
+    """A one-step run profiles its first step. Q-GaLore's 8-bit kernel once imported
+    bitsandbytes there, in the step (the import sets up torch.compile: 1.9M profiler events,
+    45 s of timeline analysis on 2 cores). A fresh process, as a trial is: no test has
+    imported it already."""
+    run = {**micro_run(steps=1), "method": {"name": "qgalore", "rank": 8}}
+    done = subprocess.run([sys.executable, "-c", BEFORE_THE_FIRST_STEP, json.dumps(run),
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "['bitsandbytes']"
