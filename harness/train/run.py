@@ -23,6 +23,10 @@ from harness.train.loop import NonFinite, Prune, Pruned, Trainer
 from harness.train.prune import pruner_for
 from harness.trials import CheckpointError, Records, Status, Summary
 
+# torch's CPU allocator reports a failed allocation (the host out of memory, or a ulimit) as a
+# RuntimeError, not MemoryError: "DefaultCPUAllocator: can't allocate memory: you tried to..."
+CPU_OOM = "DefaultCPUAllocator: can't allocate memory"
+
 
 class _StopFlag:
     """SIGINT, SIGTERM and USR2 (Slurm: preemption or time limit) ask for a clean stop: the
@@ -82,8 +86,11 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
         summary.update(status=Status.FAILED, error=str(e))
         raise
     except Exception as e:
-        traceback.print_exc(file=sys.stderr)
-        summary.update(status=Status.FAILED, error=f"{type(e).__name__}: {e}")
+        if isinstance(e, RuntimeError) and CPU_OOM in str(e):
+            summary.update(status=Status.OOM, error=first_line(e))
+        else:
+            traceback.print_exc(file=sys.stderr)
+            summary.update(status=Status.FAILED, error=f"{type(e).__name__}: {e}")
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

@@ -1,6 +1,7 @@
 """Faults a real run meets, each ending as a status with its reason: a torn checkpoint (the one
 before is used, or the trial ends `failed`, never a stale `ok`), a full disk while
-checkpointing (`failed`, the previous checkpoint whole), a NaN or Inf loss (`nan` at its step).
+checkpointing (`failed`, the previous checkpoint whole), a NaN or Inf loss (`nan` at its step),
+a host allocation that fails (`oom`).
 """
 
 from __future__ import annotations
@@ -149,6 +150,17 @@ def test_nan_is_recorded_at_the_step_it_happened_not_at_the_next_log_line(tmp_pa
     assert sparse["nan_step"] == every["nan_step"] == every["step"] < sparse["step"] == 4
     assert sparse["error"] == every["error"]
     assert sparse["error"].endswith(f" at step {every['nan_step']}")
+
+
+def test_a_host_allocation_that_fails_ends_the_trial_oom(tmp_path, monkeypatch):
+    """torch's CPU allocator raises a RuntimeError, not MemoryError, when the host (or a
+    ulimit) has no room: `oom` all the same, with its one line."""
+    import torch
+
+    monkeypatch.setattr(Trainer, "train_step",
+                        lambda self: torch.empty(1 << 62, dtype=torch.uint8))  # 4 EiB
+    summary = train(load_run(micro_run(steps=2)), tmp_path / "t")
+    assert summary["status"] == "oom" and "can't allocate memory" in summary["error"]
 
 
 def test_an_inf_loss_ends_the_loop_at_its_step(tmp_path):
