@@ -14,6 +14,7 @@ from harness.methods.full import AdamConfig
 from harness.methods.galore_optim import GaLoreOptimizer
 from harness.methods.widths import widths
 from harness.modifiers.compensation import own_optimizer_kwargs
+from harness.modifiers.offload import repaged_on_load
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
@@ -48,9 +49,10 @@ class Adam8bit(Method):
                                    min_8bit_size=c.min_8bit_size, **own_optimizer_kwargs(t))
         import bitsandbytes as bnb
 
-        paged = run.memory.optimizer_offload == "paged"
-        return (bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit)(
-            groups, lr=t.lr, betas=c.betas, eps=c.eps, min_8bit_size=c.min_8bit_size)
+        kwargs = {"lr": t.lr, "betas": c.betas, "eps": c.eps, "min_8bit_size": c.min_8bit_size}
+        if run.memory.optimizer_offload == "paged":
+            return repaged_on_load(bnb.optim.PagedAdamW8bit(groups, **kwargs))
+        return bnb.optim.AdamW8bit(groups, **kwargs)
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         sizes, w = [numel(s) for s in shapes.values()], widths(run)

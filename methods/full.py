@@ -11,6 +11,7 @@ from harness.config import Strict
 from harness.methods.base import Groups, MemoryEstimate, Method, Shapes, grad_bytes, numel, register
 from harness.methods.widths import widths
 from harness.modifiers.compensation import pure_adamw
+from harness.modifiers.offload import repaged_on_load
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
@@ -45,7 +46,7 @@ def adamw(groups: Groups, run: RunConfig, config: AdamConfig) -> torch.optim.Opt
     if run.memory.optimizer_offload == "paged":
         import bitsandbytes as bnb
 
-        return bnb.optim.PagedAdamW(groups, **common)
+        return repaged_on_load(bnb.optim.PagedAdamW(groups, **common))
     return torch.optim.AdamW(groups, **common, fused=True)
 
 

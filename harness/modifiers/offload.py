@@ -49,7 +49,10 @@ class ActivationOffloader:
 
     def pack(self, layer: int, t: Tensor) -> Any:
         nbytes = t.numel() * t.element_size()
-        if nbytes < self.min_bytes or t.untyped_storage().data_ptr() in self.keep:
+        # off the device (CUDA attention's host-side seed and offset): no device memory, and
+        # backward needs it where it is
+        if (nbytes < self.min_bytes or t.device.type != self.device.type
+                or t.untyped_storage().data_ptr() in self.keep):
             return t
         self.current = None  # a forward is running: the next backward starts afresh
         host = torch.empty(t.size(), dtype=t.dtype, pin_memory=self.cuda)
@@ -171,3 +174,24 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
             self.host[p].copy_(p)
         for group, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             group.update({k: v for k, v in inner.items() if k != "params"})
+
+
+def repaged_on_load(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """bitsandbytes' paged optimizer, whose moments loaded from a checkpoint are paged again.
+    bitsandbytes pages them as it creates them (`get_state_buffer`: CUDA unified memory from
+    1e5 entries), but its `load_state_dict` moves the saved ones to the parameter's device, so
+    that a resumed run would hold every moment in device memory. Here they load on the host
+    and go into new buffers (paged where bitsandbytes pages); `step` moves the rest (quantization
+    maps and scales) to the device as it starts."""
+    load = optimizer.load_state_dict
+
+    def load_paged(state_dict: dict[str, Any]) -> None:
+        load(state_dict, move_to_device=False)  # type: ignore[call-arg]
+        for param, state in optimizer.state.items():
+            for key in ("state1", "state2"):
+                if key in state:
+                    buffer = optimizer.get_state_buffer(param, state[key].dtype)  # type: ignore[attr-defined]
+                    state[key] = buffer.copy_(state[key])
+
+    optimizer.load_state_dict = load_paged  # type: ignore[method-assign]
+    return optimizer

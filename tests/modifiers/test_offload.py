@@ -47,6 +47,14 @@ def test_small_tensors_and_parameters_stay_large_activations_move():
     assert "_Saved" not in kept and small.take_bytes() == 0
 
 
+def test_a_tensor_off_the_training_device_stays_where_it_is():
+    """CUDA's memory-efficient attention saves 0-dim seed and offset tensors on the host: no
+    device memory to free, and backward needs them there (the "device" is meta here)."""
+    offloader = ActivationOffloader(torch.device("meta"), min_bytes=0, keep=set())
+    host = torch.ones(2)
+    assert offloader.pack(0, host) is host and offloader.take_bytes() == 0
+
+
 def three_layers(x: torch.Tensor, w: torch.Tensor, offloader=None) -> torch.Tensor:
     for layer in range(3):
         with offloader.hooks(layer) if offloader else nullcontext():
@@ -128,3 +136,36 @@ def test_host_offload_state_dict_resumes_exactly():
     again.load_state_dict(saved)
     run_steps(resumed, again, 3)
     assert all(torch.equal(a, b) for a, b in zip(ref, resumed, strict=True))
+
+
+def test_paged_states_loaded_from_a_checkpoint_go_into_new_state_buffers(tmp_path):
+    """A resumed paged optimizer's moments are the buffers bitsandbytes makes for them (paged on
+    CUDA), not the loaded tensors moved to the device: each holds the saved values, and
+    training goes on as it would have without the stop."""
+    import bitsandbytes as bnb
+
+    from harness.modifiers.offload import repaged_on_load
+
+    made = []
+
+    def paged(params):
+        opt = repaged_on_load(bnb.optim.PagedAdamW8bit(params, lr=0.1, min_8bit_size=16))
+        buffer = opt.get_state_buffer
+        opt.get_state_buffer = lambda p, dtype: made.append(buffer(p, dtype)) or made[-1]
+        return opt
+
+    ref = make_params()
+    run_steps(ref, paged(ref), 4)
+    params = make_params()
+    opt = paged(params)
+    run_steps(params, opt, 2)
+    torch.save(opt.state_dict(), tmp_path / "state.pt")
+    saved = {(p, k): opt.state[p][k].clone() for p in params for k in ("state1", "state2")}
+    made.clear()
+    again = paged(params)
+    again.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False))
+    loaded = [again.state[p][k] for p, k in saved]
+    assert len(made) == len(loaded) == 4 and all(a is b for a, b in zip(made, loaded, strict=True))
+    assert all(torch.equal(t, saved[pk]) for t, pk in zip(loaded, saved, strict=True))
+    run_steps(params, again, 2)
+    assert all(torch.equal(a, b) for a, b in zip(ref, params, strict=True))
