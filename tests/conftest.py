@@ -294,6 +294,7 @@ INTEGRATION_FILES = {  # every test in these files
     "sweep/test_run.py", "sweep/test_slurm.py", "sweep/test_study.py", "sweep/test_sweep.py",
     "train/test_ddp.py", "test_distributed.py", "analysis/test_html.py", "trials/test_wandb.py",
     "bench/test_bench.py",  # `harness bench`: many trainings (every method, every config)
+    "gpu/test_gpu.py",  # the CUDA checks (`pytest -m gpu`): a grid of trainings and a sweep
 }
 INTEGRATION_FIXTURES = {"finished_run", "finished_run_copy"}  # a sweep through the CLI
 INTEGRATION_TESTS = {  # test names (parameters left out) in other files
@@ -309,6 +310,9 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_wandb_logs_offline_into_the_run_folder",  # wandb's service process
     "test_compile_trains_the_same_model",  # torch.compile runs the C++ compiler
     "test_an_8bit_kernel_is_loaded_before_the_first_step",  # a fresh process
+    # `harness bench gpu`: its smoke run and a part killed at its cap
+    "test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left",
+    "test_a_part_past_its_cap_is_killed_and_says_so",
     # a benchmark or a real pretrained model in one test: a sweep's worth of training
     "test_bench_syncs_json", "test_bench_memory_counts_what_it_estimates",
     "test_bench_loop_precision_trains_in_that_precision",
@@ -328,8 +332,10 @@ def is_integration(item: pytest.Item) -> bool:
 
 
 # One service, one test at a time: pytest-xdist (`--dist loadgroup`) runs each group on one
-# worker, so two sweeps never compete for the one Slurm node's CPUs or the same database.
-SERVICE_GROUPS = {"sweep/test_slurm.py": "slurm", "sweep/test_postgres.py": "postgres"}
+# worker, so two sweeps never compete for the one Slurm node's CPUs or the same database, and
+# no GPU check shares the device (an over-budget batch fills it before it fails).
+SERVICE_GROUPS = {"sweep/test_slurm.py": "slurm", "sweep/test_postgres.py": "postgres",
+                  "gpu/test_gpu.py": "gpu"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
