@@ -33,6 +33,16 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got '{text}'")
+    return value
+
+
 def rank_and_micro(text: str) -> tuple[int, int]:
     rank, _, micro = text.partition(":")
     if not (rank.isdigit() and micro.isdigit() and int(rank) > 0 and int(micro) > 0):
@@ -243,6 +253,15 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "gpu":
+        from harness.bench.gpu import bench_gpu
+
+        if not args.out:
+            raise UserError("bench gpu: --out DIR is required (the kit's gpu.json and gpu.md; "
+                            "run again with the same DIR to go on with the parts left)")
+        text, status = bench_gpu(Path(args.out), args.budget_min, args.smoke)
+        print(text)
+        return status
     from harness.bench import measure
 
     with logs_to_stderr(args.json):
@@ -310,11 +329,15 @@ def build_parser() -> Parser:
                 "model build, under the local and "
                 "submitit-local launchers (--rounds trials each). syncs: reads of tensor values "
                 "by the host (each a device sync on a GPU) per training step, per method and "
-                "modifier, with where they are (target: none).")
-    b.add_argument("what", choices=["loop", "optim", "memory", "launch", "syncs"],
+                "modifier, with where they are (target: none). gpu: every CUDA check in "
+                "priority order within --budget-min, each part in its own process under its own "
+                "cap, into --out's gpu.json and gpu.md; run again with the same --out to go on "
+                "(docs/bench.md)")
+    b.add_argument("what", choices=["loop", "optim", "memory", "launch", "syncs", "gpu"],
                    help="loop: harness vs bare loop; optim: optimizer step per method vs AdamW "
                    "and galore-torch; memory: estimator vs measured bytes per method; launch: "
-                   "each launcher's per-trial overhead; syncs: host reads per training step")
+                   "each launcher's per-trial overhead; syncs: host reads per training step; "
+                   "gpu: the CUDA kit")
     b.add_argument("--model", default="llama_tiny", help="model preset (default llama_tiny)")
     b.add_argument("--steps", type=positive_int, default=20, help="steps per run (default 20)")
     b.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
@@ -333,6 +356,11 @@ def build_parser() -> Parser:
                    "with MICRO micro-batches of 4x128 tokens per update (repeatable; default "
                    "--rank with one)")
     b.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
+    b.add_argument("--out", help="gpu: the folder of gpu.json and gpu.md (required)")
+    b.add_argument("--budget-min", type=positive_float, default=25.0, metavar="MINUTES",
+                   help="gpu: start a part only if its time cap fits in what is left (default 25)")
+    b.add_argument("--smoke", action="store_true",
+                   help="gpu: the same parts on the CPU at llama_micro, in about a minute")
     b.add_argument("--json", action="store_true", help="print JSON records instead of a table")
 
     e = command(sub, "estimate", cmd_estimate, "predict each trial's memory", "Predict each "

@@ -59,20 +59,24 @@ def method_run(label: str, preset: str, steps: int, seq_len: int, batch_size: in
 
 
 def bench_memory(preset: str, steps: int, seq_len: int, batch_size: int) -> list[dict[str, Any]]:
-    records = []
-    for label in METHODS:
-        run = method_run(label, preset, steps, seq_len, batch_size)
-        summary, peak = _measure(run)
-        method = build_method(run)
-        shapes = param_shapes(preset, vocab_size(run.task.tokenizer), seq_len)
-        estimate = method.estimate(shapes, run)
-        acts = activations(run, shapes, method, pick_device(run.device).type)
-        predicted_peak = peak_bytes(estimate, acts, run, shapes)
-        for key, field in PARTS.items():
-            records.append(_record(f"memory/{preset}/{label}/{key}", summary[key],
-                                   getattr(estimate, field)))
-        records.append({**_record(f"memory/{preset}/{label}/peak_bytes", peak, predicted_peak),
-                        "tolerance": PEAK_TOLERANCE})
+    return [record for label in METHODS
+            for record in method_records(label, preset, steps, seq_len, batch_size)]
+
+
+def method_records(label: str, preset: str, steps: int, seq_len: int,
+                   batch_size: int) -> list[dict[str, Any]]:
+    """One METHODS entry's counted bytes and steady-step peak against its estimate."""
+    run = method_run(label, preset, steps, seq_len, batch_size)
+    summary, peak = measure_run(run)
+    method = build_method(run)
+    shapes = param_shapes(preset, vocab_size(run.task.tokenizer), seq_len)
+    estimate = method.estimate(shapes, run)
+    acts = activations(run, shapes, method, pick_device(run.device).type)
+    predicted_peak = peak_bytes(estimate, acts, run, shapes)
+    records = [_record(f"memory/{preset}/{label}/{key}", summary[key], getattr(estimate, field))
+               for key, field in PARTS.items()]
+    records.append({**_record(f"memory/{preset}/{label}/peak_bytes", peak, predicted_peak),
+                    "tolerance": PEAK_TOLERANCE})
     return records
 
 
@@ -81,8 +85,8 @@ def _record(name: str, counted: int, predicted: int) -> dict[str, Any]:
     return {"name": name, "value": counted, "estimate": predicted, "ratio": ratio, "target": 1.0}
 
 
-def _measure(run: RunConfig) -> tuple[dict[str, Any], int]:
-    """The trial's summary, and the peak of its steady steps."""
+def measure_run(run: RunConfig) -> tuple[dict[str, Any], int]:
+    """The trial's results (tok/s, MFU, counted bytes), and the peak of its steady steps."""
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(run, Records(Path(out), run), lambda step: False)
         try:

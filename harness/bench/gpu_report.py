@@ -1,0 +1,124 @@
+"""gpu.md from gpu.json: one section per part, tables in docs/benchmarks.md's form, each part
+saying the machine, versions and command that measured it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from harness.bench.memory import met
+
+Record = dict[str, Any]
+TITLES = {
+    "tests": "`pytest -m gpu`: every method × modifier × precision on the device",
+    "estimate": "Estimate against the measured bytes and steady-step peak, every method",
+    "table11": "GaLore Table 11: LLaMA-1B, token batch 256, bf16-true; MFU of full AdamW",
+    "loop": "`harness bench loop`: the harness's loop against a bare PyTorch loop",
+    "llama7b": "LLaMA-7B optimizer steps, bf16-true, 1 × 256 tokens",
+}
+
+
+def _gb(value: Any) -> str:
+    return "" if value is None else f"{value / 1e9:.2f}"
+
+
+def _num(value: Any, spec: str = ",.0f") -> str:
+    return "" if value is None else format(value, spec)
+
+
+def _yes(ok: Any) -> str:
+    return "" if ok is None else ("yes" if ok else "**no**")
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    return [f"| {' | '.join(headers)} |", f"|{'---|' * len(headers)}",
+            *(f"| {' | '.join(row)} |" for row in rows)]
+
+
+def _tests(records: list[Record]) -> list[str]:
+    lines = []
+    for r in records:
+        lines.append(f"passed {r['value']}, failed {r['failed']}, skipped {r['skipped']}")
+        lines += [f"- {failure}" for failure in r["failures"]]
+    return lines
+
+
+def _estimate(records: list[Record]) -> list[str]:
+    rows = [[r["name"].removeprefix("gpu/memory/"), _num(r.get("value")),
+             _num(r.get("estimate")), _num(r.get("ratio"), ".4f"),
+             f"1 ± {r['tolerance']}" if "tolerance" in r else "exact",
+             _yes(met(r)) if "value" in r else r.get("status", "")] for r in records]
+    return _table(["record", "measured", "estimated", "ratio", "target", "met?"], rows)
+
+
+def _table11(records: list[Record]) -> list[str]:
+    runs = [r for r in records if "/table11/" in r["name"]]
+    mfu = [r for r in records if "/mfu/" in r["name"] and not r["name"].endswith("/best")]
+    lines = _table(
+        ["configuration", "peak GB", "estimate GB", "paper GB", "tok/s", "paper tok/s", "MFU"],
+        [[r["name"].rsplit("/", 1)[1], _gb(r.get("peak_bytes")) or r["status"],
+          _gb(r.get("estimate_peak_bytes")), _num(r.get("paper_gb"), ".2f"),
+          _num(r.get("tokens_per_s")), _num(r.get("paper_tokens_per_s")),
+          _num(r.get("mfu"), ".1%")] for r in runs])  # fmt: skip
+    lines += ["", *_table(["full AdamW micro-batch", "tok/s", "MFU", "peak GB"],
+                          [[r["name"].rsplit("batch", 1)[1], _num(r.get("tokens_per_s")),
+                            _num(r.get("mfu"), ".1%"), _gb(r.get("peak_bytes")) or r["status"]]
+                           for r in mfu])]  # fmt: skip
+    for r in records:
+        if r["name"].endswith("/best") and r["value"] is None:
+            lines += ["", "MFU: no peak FLOP/s is known for this device (harness/cost/meter.py)."]
+        elif r["name"].endswith("/best"):
+            lines += ["", f"Best MFU {_num(r['value'], '.1%')} at micro-batch {r['batch']}, "
+                          f"target ≥ {r['target']:.0%}: {'met' if r['met'] else 'missed'}."]
+    return lines
+
+
+def _loop(records: list[Record]) -> list[str]:
+    lines = []
+    for r in records:
+        lines += _table(["round", "harness tok/s", "bare tok/s", "ratio"],
+                        [[str(x["round"]), _num(x["harness_tok_s"]), _num(x["bare_tok_s"]),
+                          f"{x['ratio']:.3f}"] for x in r["rounds"]])
+        lines += ["", f"{r['name']}: median ratio {r['value']:.3f}, target ≥ {r['target']}: "
+                      f"{'met' if r['met'] else 'missed'}."]
+    return lines
+
+
+def _llama7b(records: list[Record]) -> list[str]:
+    rows = [[r["name"].rsplit("/", 1)[1], _gb(r.get("peak_bytes")) or r["status"],
+             _gb(r.get("estimate_peak_bytes")), _num(r.get("ratio"), ".3f"), _yes(r.get("met")),
+             _num(r.get("paper_gb"), ".2f"), _gb(r.get("estimate_at_paper_vocab_bytes")),
+             r.get("paper_source", "")] for r in records]
+    return _table(["configuration", "peak GB", "estimate GB", "ratio", "within 5%?",
+                   "paper GB", "estimate at 32K vocab GB", "paper's figure"], rows)
+
+
+SECTIONS: dict[str, Callable[[list[Record]], list[str]]] = {
+    "tests": _tests, "estimate": _estimate, "table11": _table11, "loop": _loop,
+    "llama7b": _llama7b,
+}
+
+
+def _machine(env: dict[str, Any]) -> str:
+    gpu = env.get("gpu") or "CPU (smoke: not GPU figures)"
+    return (f"{gpu}, driver {env.get('driver')}, {env.get('gpu_memory')}; CUDA {env.get('cuda')}, "
+            f"torch {env.get('torch')}, bitsandbytes {env.get('bitsandbytes')}, transformers "
+            f"{env.get('transformers')}; {env.get('date')}; `{env.get('command')}`")
+
+
+def render(state: dict[str, Any]) -> str:
+    lines = ["# `harness bench gpu`", ""]
+    if state.get("environment"):
+        lines += [f"Latest run: {_machine(state['environment'])}", ""]
+    for name, title in TITLES.items():
+        part = state["parts"].get(name)
+        lines += [f"## {name}: {title}", ""]
+        if part is None:
+            lines += ["Not run yet.", ""]
+            continue
+        lines += [f"{part['status']} in {part['seconds']:g} s (cap {part['cap_s']:g} s) on "
+                  f"{_machine(part['environment'])}", ""]
+        lines += [*SECTIONS[name](part["records"]), ""]
+        if part.get("error"):
+            lines += ["Output's end:", "", "```", part["error"].strip()[-1500:], "```", ""]
+    return "\n".join(lines)

@@ -1,0 +1,127 @@
+"""`harness bench gpu`: the CUDA kit. Its --smoke form runs every part's code on the CPU at
+llama_micro, so a kit that no device has run for weeks still works the day one is lent."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from conftest import REPO, harness
+
+from harness.bench.gpu import CAPS, load_state, run_part
+from harness.bench.gpu_parts import _junit
+from harness.bench.gpu_report import render
+from harness.errors import UserError
+from harness.trials import read_json, write_json
+
+
+def test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left(tmp_path):
+    out = tmp_path / "kit"
+    # every smoke cap is 2 minutes: none fits in half a minute
+    nothing = harness("bench", "gpu", "--out", str(out), "--smoke", "--budget-min", "0.5",
+                      cwd=REPO)
+    assert nothing.returncode == 3, nothing.stderr
+    assert "left for the next run" in nothing.stdout
+    assert read_json(out / "gpu.json")["parts"] == {}
+
+    start = time.monotonic()
+    done = harness("bench", "gpu", "--out", str(out), "--smoke", cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    smoke_s = time.monotonic() - start
+    state = read_json(out / "gpu.json")
+    parts = state["parts"]
+    assert list(parts) == ["tests", "estimate", "table11", "loop", "llama7b"]
+    assert all(p["status"] == "ok" for p in parts.values()), {n: p.get("error") for n, p
+                                                              in parts.items()}
+    env = state["environment"]
+    assert env["torch"] == torch.__version__.split("+")[0] or torch.__version__.startswith(
+        env["torch"])
+    assert env["smoke"] is True and "bench gpu" in env["command"]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu.json", "gpu.md"]  # nothing else kept
+
+    (tests,) = parts["tests"]["records"]
+    assert tests["value"] > 0 and tests["failed"] == 0, tests
+    estimate = parts["estimate"]["records"]
+    labels = {r["name"].split("/")[3] for r in estimate}
+    assert len(labels) == 14 and {"full", "qgalore", "apollo_mini_int8_layerwise"} <= labels
+    assert len(estimate) == 14 * 5  # 4 counted parts and the peak, each method
+    assert all(r["value"] == r["estimate"] for r in estimate if "tolerance" not in r)
+    table11 = {r["name"].rsplit("/", 1)[1]: r for r in parts["table11"]["records"]}
+    assert table11["galore_8bit_layerwise"]["paper_gb"] == 5.63  # GaLore Table 11, by hand
+    assert table11["full"]["paper_tokens_per_s"] == 1256.98
+    assert table11.keys() == {"full", "galore_8bit_layerwise", "batch1", "batch2", "best"}
+    (loop,) = parts["loop"]["records"]
+    assert len(loop["rounds"]) == 1 and loop["value"] == loop["rounds"][0]["ratio"]
+    big = {r["name"].rsplit("/", 1)[1]: r["paper_gb"] for r in parts["llama7b"]["records"]}
+    assert big == {"galore_8bit_layerwise": 22.0, "qgalore": 15.08,
+                   "apollo_mini_int8_layerwise": 12.0}
+    page = (out / "gpu.md").read_text()
+    assert "Not run yet" not in page and page.count("\n## ") == 5
+    assert "| llama_micro/full/param_bytes | 4,596,992 | 4,596,992 |" in page
+    print(f"smoke run: {smoke_s:.0f} s")
+
+    again = harness("bench", "gpu", "--out", str(out), "--smoke", cwd=REPO)
+    assert again.returncode == 0 and again.stdout.count("done before (ok)") == 5
+    assert read_json(out / "gpu.json")["parts"] == parts  # nothing measured twice
+
+
+def test_a_part_past_its_cap_is_killed_and_says_so(tmp_path):
+    start = time.monotonic()
+    part = run_part("estimate", tmp_path, cap_s=2, smoke=True)
+    assert part["status"] == "timeout" and time.monotonic() - start < 30
+    assert part["records"] == [] and "error" in part
+    assert list(tmp_path.iterdir()) == []  # its log and records file are not left behind
+
+
+def test_a_folder_of_the_other_kind_is_refused(tmp_path):
+    write_json(tmp_path / "gpu.json", {"smoke": True, "environment": None, "parts": {}})
+    with pytest.raises(UserError, match="holds --smoke's figures; a GPU run needs another"):
+        load_state(tmp_path, smoke=False)
+    assert load_state(tmp_path, smoke=True)["parts"] == {}
+
+
+def test_every_cap_fits_one_ten_minute_device_command():
+    assert all(cap <= 9 for cap in CAPS.values())
+
+
+def test_junit_counts_and_names_the_failures(tmp_path):
+    xml = tmp_path / "r.xml"
+    xml.write_text(
+        '<testsuites><testsuite tests="4" skipped="1" failures="1" errors="0">'
+        '<testcase classname="tests.gpu.test_gpu" name="test_a"/>'
+        '<testcase classname="tests.gpu.test_gpu" name="test_b">'
+        '<failure message="assert nan is finite&#10;more">tb</failure></testcase>'
+        '<testcase classname="tests.gpu.test_gpu" name="test_c"><skipped/></testcase>'
+        '<testcase classname="tests.gpu.test_gpu" name="test_d"/></testsuite></testsuites>')
+    record = _junit(xml, 1, "")
+    assert (record["value"], record["failed"], record["skipped"]) == (2, 1, 1)
+    assert record["failures"] == ["tests.gpu.test_gpu::test_b: assert nan is finite"]
+    assert record["met"] is False
+
+
+def test_the_page_shows_each_part_with_its_machine():
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "gpu_memory": "81559 MiB",
+           "cuda": "13.0", "torch": "2.11.0", "bitsandbytes": "0.50.2", "transformers": "5.17.0",
+           "date": "2026-12-01", "command": "harness bench gpu --out k"}
+    loop = {"name": "gpu/loop/llama_350m/bf16-mixed", "value": 0.99, "target": 0.98, "met": True,
+            "rounds": [{"round": 1, "harness_tok_s": 99000.0, "bare_tok_s": 100000.0,
+                        "ratio": 0.99}]}
+    state = {"smoke": False, "environment": env,
+             "parts": {"loop": {"status": "ok", "seconds": 80.5, "cap_s": 240.0,
+                                "environment": env, "records": [loop]}}}
+    page = render(state)
+    assert "| 1 | 99,000 | 100,000 | 0.990 |" in page
+    assert "median ratio 0.990, target ≥ 0.98: met" in page
+    assert "ok in 80.5 s (cap 240 s) on NVIDIA H100 80GB HBM3, driver 580.159.04" in page
+    assert page.count("Not run yet.") == 4
+    json.dumps(state)  # what gpu.json holds is JSON as it is
+
+
+def test_bench_gpu_without_out_is_one_line_naming_the_flag(capsys):
+    from harness.cli import main
+
+    assert main(["bench", "gpu", "--smoke"]) == 2
+    err = capsys.readouterr().err
+    assert "--out DIR is required" in err and err.count("\n") == 1
