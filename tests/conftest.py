@@ -295,6 +295,7 @@ INTEGRATION_FILES = {  # every test in these files
     "train/test_ddp.py", "test_distributed.py", "analysis/test_html.py", "trials/test_wandb.py",
     "bench/test_bench.py",  # `harness bench`: many trainings (every method, every config)
     "gpu/test_gpu.py",  # the CUDA checks (`pytest -m gpu`): a grid of trainings and a sweep
+    "test_optional_imports.py",  # the CLI in a child without wandb and psycopg2
 }
 INTEGRATION_FIXTURES = {"finished_run", "finished_run_copy"}  # a sweep through the CLI
 INTEGRATION_TESTS = {  # test names (parameters left out) in other files
@@ -313,6 +314,7 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     # `harness bench gpu`: its smoke run and a part killed at its cap
     "test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left",
     "test_a_part_past_its_cap_is_killed_and_says_so",
+    "test_the_script_prepares_the_locked_kit",  # scripts/gpu_wheels.sh through pip
     # a benchmark or a real pretrained model in one test: a sweep's worth of training
     "test_bench_syncs_json", "test_bench_memory_counts_what_it_estimates",
     "test_bench_loop_precision_trains_in_that_precision",

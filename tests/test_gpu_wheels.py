@@ -1,0 +1,90 @@
+"""The GPU kit (docs/gpu_kit.md): the wheels pinned in scripts/gpu_kit.lock, installed with
+--no-deps beside the device's own packages (scripts/device_packages.txt), leave nothing the
+harness needs missing, carry no torch, and fit with the working tree in one device call.
+Offline: the lock holds each wheel's requirements; the last test prepares the kit for real."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import tomllib
+from conftest import REPO
+from packaging.version import Version
+
+
+def load_script() -> ModuleType:
+    """scripts/gpu_wheels.py, which no package holds."""
+    spec = importlib.util.spec_from_file_location("gpu_wheels", REPO / "scripts" / "gpu_wheels.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # where dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+kit = load_script()
+
+
+def test_the_locked_kit_leaves_nothing_missing():
+    device, wheels = kit.read_device_list(), kit.read_lock(kit.LOCK)
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    roots = kit.kit_roots(pyproject["project"]["dependencies"])
+    have = {**device, **{n: Version(w.version) for n, w in wheels.items()}}
+    assert kit.unmet(kit.kit_needs(roots, wheels), have) == []
+
+
+def test_the_kit_carries_no_torch_and_nothing_else_the_device_has():
+    device, wheels = kit.read_device_list(), kit.read_lock(kit.LOCK)
+    assert device["torch"] == Version("2.11.0")
+    assert "torch" not in wheels
+    assert set(wheels) & set(device) == kit.ALSO_CARRY
+
+
+def test_the_kit_fits_in_one_device_call():
+    """The project's wheel is at most the size of the files it packs, plus a zip entry each."""
+    wheels = sum(w.size for w in kit.read_lock(kit.LOCK).values())
+    tree = kit.tree_files(REPO / ".whl")
+    packed = [p for p in tree if p.relative_to(REPO).parts[0] in ("harness", "methods", "analysis")]
+    project = sum(p.stat().st_size + 512 for p in packed)
+    assert wheels + project + sum(p.stat().st_size for p in tree) < kit.LIMIT
+
+
+def test_only_requirements_that_apply_on_the_device_count():
+    lines = ["numpy>=1.17", 'colorama; sys_platform == "win32"', 'pytest; extra == "test"',
+             'aiohttp; extra == "http"', 'tomli; python_version < "3.11"']
+    assert kit.applying(lines, set()) == ["numpy>=1.17"]
+    assert kit.applying(lines, {"http"}) == ["numpy>=1.17", 'aiohttp; extra == "http"']
+
+
+def test_unmet_names_what_is_missing_or_too_old():
+    have = {"numpy": Version("2.5.2"), "pyarrow": None}
+    needs = [("a", "numpy>=2"), ("b", "numpy<2"), ("c", "pyarrow>=99"), ("d", "greenlet")]
+    assert kit.unmet(needs, have) == [
+        "b needs numpy<2: numpy is 2.5.2",
+        "d needs greenlet: neither carried nor on the device",
+    ]
+
+
+def test_the_script_prepares_the_locked_kit(tmp_path):
+    """Through the package index: the same wheels as the lock pins (the lock is current), and
+    every requirement in their own METADATA met by the kit or the device."""
+    lock = Path(shutil.copy(kit.LOCK, tmp_path / "gpu_kit.lock"))
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_wheels.sh"), str(tmp_path / "whl"),
+                           "--lock", str(lock)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert lock.read_text() == kit.LOCK.read_text()
+    found = {}
+    for path in (tmp_path / "whl").glob("*.whl"):
+        name, version, requires = kit.metadata_requires(path)
+        found[name] = (version, kit.applying(requires, set()))
+    assert {n: v for n, (v, _) in found.items() if n != "harness"} == {
+        n: w.version for n, w in kit.read_lock(kit.LOCK).items()}
+    needs = [("harness", r) for r in kit.kit_roots(found.pop("harness")[1])]
+    needs += [(n, r) for n, (_, requires) in found.items() for r in requires]
+    have = {**kit.read_device_list(), **{n: Version(v) for n, (v, _) in found.items()}}
+    assert kit.unmet(needs, have) == []
