@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 class _Saved:
@@ -33,9 +33,17 @@ class _Saved:
         self.ready: torch.cuda.Event | None = None
 
 
+def storages(module: nn.Module) -> set[int]:
+    """Where the module's parameters and buffers live now."""
+    return {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+
+
 class ActivationOffloader:
-    def __init__(self, device: torch.device, min_bytes: int, keep: set[int]) -> None:
-        self.device, self.min_bytes, self.keep = device, min_bytes, keep
+    """`keep`: storages never moved (by data pointer); `hooks(layer, module)` adds the module's
+    parameters and buffers as they are at each forward."""
+
+    def __init__(self, device: torch.device, min_bytes: int, keep: set[int] | None = None) -> None:
+        self.device, self.min_bytes, self.keep = device, min_bytes, keep or set()
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending: dict[int, list[weakref.ref[_Saved]]] = {}  # by layer, not yet fetched
@@ -43,16 +51,23 @@ class ActivationOffloader:
         self.bytes = 0  # moved to the host since the last `take_bytes`
 
     @contextmanager
-    def hooks(self, layer: int) -> Iterator[None]:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(layer, t), self.unpack):
+    def hooks(self, layer: int, module: nn.Module | None = None) -> Iterator[None]:
+        """Saved tensors of what runs inside go through `pack`, except `module`'s parameters
+        and buffers, read at this forward, not once: a method may rebind them between steps
+        (Q-GaLore's and APOLLO's INT8 codes, scales and zero points are new tensors after each
+        update), and pointers taken once would then move those weights to the host and back
+        every step, and keep whatever tensor the allocator later puts at an old address."""
+        keep = () if module is None else (self.keep | storages(module),)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(layer, t, *keep),
+                                                      self.unpack):
             yield
 
-    def pack(self, layer: int, t: Tensor) -> Any:
+    def pack(self, layer: int, t: Tensor, keep: set[int] | None = None) -> Any:
         nbytes = t.numel() * t.element_size()
         # off the device (CUDA attention's host-side seed and offset): no device memory, and
         # backward needs it where it is
         if (nbytes < self.min_bytes or t.device.type != self.device.type
-                or t.untyped_storage().data_ptr() in self.keep):
+                or t.untyped_storage().data_ptr() in (self.keep if keep is None else keep)):
             return t
         self.current = None  # a forward is running: the next backward starts afresh
         host = torch.empty(t.size(), dtype=t.dtype, pin_memory=self.cuda)

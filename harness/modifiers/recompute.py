@@ -62,7 +62,7 @@ def offload(module: nn.Module, offloader: ActivationOffloader, layer: int) -> No
     forward = module.forward
 
     def offloaded(*args: Any, **kwargs: Any) -> Any:
-        with offloader.hooks(layer):
+        with offloader.hooks(layer, module):  # its weights, as they are now, stay
             return forward(*args, **kwargs)
 
     module.forward = offloaded
@@ -84,8 +84,8 @@ def apply(
                 recompute(module)
     if not config.offloaded:
         return None
-    keep = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    offloader = ActivationOffloader(device, config.offload_min_bytes, keep)
+    # weights stay: each wrapped module's own, read at each of its forwards (offload.py `hooks`)
+    offloader = ActivationOffloader(device, config.offload_min_bytes)
     for index, layer in enumerate(layers[:-1]):  # the last layer's are needed first: they stay
         for kind in config.offloaded:
             for module in modules_of(layer, kind):

@@ -70,10 +70,40 @@ def test_apply_wraps_what_the_config_names(tiny_model):
     model = micro_model()
     offloader = apply(model, MemoryConfig(offload=["mlp"], offload_min_bytes=0), CPU)
     assert isinstance(offloader, ActivationOffloader) and offloader.min_bytes == 0
-    tensors = [*model.parameters(), *model.buffers()]  # weights and buffers never move
-    assert offloader.keep == {t.untyped_storage().data_ptr() for t in tensors}
     moved = {name for name, m in model.named_modules() if "forward" in vars(m)}  # wrapped
     assert moved == {"model.layers.0.mlp"}  # the last layer's tensors are needed first: kept
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    packed = []  # (a weight's storage?, moved?) of each tensor the mlp saves
+    pack = offloader.pack
+
+    def spy(layer: int, t: torch.Tensor, *keep: set[int]) -> object:
+        saved = pack(layer, t, *keep)
+        packed.append((t.untyped_storage().data_ptr() in weights, saved is not t))
+        return saved
+
+    offloader.pack = spy
+    model(input_ids=torch.randint(0, SAMPLE_VOCAB, (2, 16))).logits.sum().backward()
+    assert (True, False) in packed and (False, True) in packed  # weights stay, the rest moves
+    assert (True, True) not in packed and (False, False) not in packed
+
+
+def test_weights_rebound_between_steps_still_stay():
+    """Q-GaLore's and APOLLO's INT8 updates give a layer new codes, scales and zero points each
+    step: they are read as weights at every forward, not from pointers taken once (which would
+    move them to the host and back every step, and keep what later lands at an old address)."""
+    from harness.methods.quant import Int8Linear
+
+    model = micro_model()
+    mlp = model.model.layers[0].mlp
+    mlp.up_proj = Int8Linear.from_linear(mlp.up_proj)
+    offloader = apply(model, MemoryConfig(offload=["mlp"], offload_min_bytes=0), CPU)
+    ids = torch.randint(0, SAMPLE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    moved = []
+    for _ in range(2):
+        model(input_ids=ids).logits.sum().backward()
+        moved.append(offloader.take_bytes())
+        mlp.up_proj.apply_update(torch.zeros(176, 64), torch.Generator().manual_seed(0))
+    assert moved[0] == moved[1] > 0
 
 
 def test_full_recompute_of_the_model_changes_no_number():
