@@ -12,10 +12,16 @@ from torch import nn
 
 from harness.methods.quant import Int8Linear
 
-# Dense peak FLOP/s per device family and precision (vendor datasheets, SXM parts, no sparsity).
+# Dense peak FLOP/s per device family and precision (vendor datasheets, no sparsity), matched
+# as a substring of torch.cuda.get_device_name in this order: the PCIe and NVL parts first, as
+# "H100" alone would give them the SXM part's peak (an H100 PCIe also has 80 GB: its MFU would
+# read 24% low). "fp32": CUDA cores, not TF32, which torch leaves off for matmuls by default.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989e12, "fp32": 67e12},
-    "H100": {"bf16": 989e12, "fp32": 67e12},
+    "H100 PCIe": {"bf16": 756e12, "fp32": 51e12},
+    "H100 NVL": {"bf16": 835e12, "fp32": 60e12},
+    "H200 NVL": {"bf16": 835e12, "fp32": 60e12},
+    "H200": {"bf16": 989e12, "fp32": 67e12},  # SXM ("NVIDIA H200"), and GH200's
+    "H100": {"bf16": 989e12, "fp32": 67e12},  # SXM: "NVIDIA H100 80GB HBM3"
     "A100": {"bf16": 312e12, "fp32": 19.5e12},
     "L40S": {"bf16": 362e12, "fp32": 91.6e12},
     "A10G": {"bf16": 70e12, "fp32": 31.2e12},

@@ -67,7 +67,11 @@ class Trainer:
         self.warnings = [line for line in said if line]  # kept in the summary
         for line in self.warnings:
             distributed.say(f"warning: {line}")
-        model = pure_bf16(model.to(self.device), t)  # bf16-true: before and after `prepare`
+        # bf16-true: before and after `prepare`. Cast on the host, before the move: on CUDA the
+        # device then never holds the float32 model (LLaMA-7B: 27 GB, cast there one tensor at
+        # a time, the freed blocks left in the allocator's cache), and half the bytes cross
+        # PCIe. The same rounding either way; on a CPU the move does nothing.
+        model = pure_bf16(model, t).to(self.device)
         self.model = pure_bf16(self.method.prepare(model, run), t)
         self.offloader = recompute.apply(self.model, run.memory, self.device)
         # forward and loss in one graph; the model itself, its state_dict and hooks unchanged
@@ -315,7 +319,9 @@ class Trainer:
         tps = self.meter.tokens_per_s
         peak = meter.peak_flops(self.device, self.run.train.precision)
         self._settle()
-        mfu = tps * self.flops_per_token / peak if tps and peak else None
+        # tps counts every rank's tokens (step_tokens × W), and `peak` is one device's: W
+        # devices did the work (CUDA only: a CPU has no peak, so no MFU)
+        mfu = tps * self.flops_per_token / (peak * self.steps.world) if tps and peak else None
         return {
             "step": self.step,
             "steps": self.run.train.steps,

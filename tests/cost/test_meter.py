@@ -136,3 +136,41 @@ def test_meter_counts_only_steady_training_time(monkeypatch):
     clock.now += 4
     assert m.lap() == (4.0, 100.0)
     assert m.tokens_per_s == pytest.approx(500 / 6)
+
+
+def test_mfu_divides_every_ranks_tokens_by_every_ranks_peak(monkeypatch, tmp_path):
+    """tokens/s counts the tokens of all W data-parallel ranks; the peak is one device's, so
+    MFU divides by W peaks (a CPU has no peak: one is stood in for here)."""
+    import dataclasses
+
+    from harness.train import Trainer
+    from harness.trials import Records
+
+    monkeypatch.setattr(meter, "peak_flops", lambda device, precision: 1e12)
+    run = load_run(micro_run(steps=3))
+    trainer = Trainer(run, Records(tmp_path, run), lambda step: False)
+    try:
+        trainer.meter.tokens, trainer.meter.train_s = 1000, 2.0
+        one = trainer.results()["mfu"]
+        assert one == pytest.approx(500 * trainer.flops_per_token / 1e12)
+        trainer.steps = dataclasses.replace(trainer.steps, world=4)
+        assert trainer.results()["mfu"] == pytest.approx(one / 4)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize(("name", "bf16", "fp32"), [
+    ("NVIDIA H100 80GB HBM3", 989e12, 67e12),  # SXM
+    ("NVIDIA H100 PCIe", 756e12, 51e12),
+    ("NVIDIA H100 NVL", 835e12, 60e12),
+    ("NVIDIA H200", 989e12, 67e12),
+    ("NVIDIA H200 NVL", 835e12, 60e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12, 19.5e12),
+    ("Tesla T4", None, None),
+])
+def test_the_peak_is_the_named_parts_own(monkeypatch, name, bf16, fp32):
+    """Matched by the device's name: a PCIe or NVL part gets its own peak, not the SXM one."""
+    monkeypatch.setattr(meter.torch.cuda, "get_device_name", lambda device=None: name)
+    cuda = torch.device("cuda")
+    assert peak_flops(cuda, "bf16-true") == bf16 and peak_flops(cuda, "16-mixed") == bf16
+    assert peak_flops(cuda, "32-true") == fp32

@@ -103,6 +103,25 @@ def test_weights_gradients_activations_and_states_are_bf16(tmp_path):
     assert states and {s.dtype for s in states} == {BF16}
 
 
+def test_the_model_is_cast_before_it_moves_to_the_device(tmp_path, monkeypatch):
+    """On CUDA a float32 model moved first would fill the device with it (LLaMA-7B: 27 GB)
+    before the cast; the move must see bfloat16 weights already (here the CPU stands in)."""
+    from transformers import LlamaForCausalLM
+
+    moved: list[torch.dtype] = []
+    to = LlamaForCausalLM.to
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, torch.device) for a in (*args, *kwargs.values())):
+            moved.append(next(self.parameters()).dtype)
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "to", spy)
+    run = load_run(pure_run())
+    Trainer(run, Records(tmp_path / "t", run), lambda step: False).close()
+    assert moved and set(moved) == {BF16}
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_every_method_trains_under_bf16_true(tmp_path, method):
     summary = train(load_run(pure_run(method, steps=2)), tmp_path / "t")
