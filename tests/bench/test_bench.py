@@ -140,6 +140,51 @@ def test_bench_memory_estimates_every_method_exactly(capfd):
     assert abs(peaks["full"]["ratio"] - 1) <= 0.05
 
 
+def test_a_measured_run_starts_with_the_previous_runs_tensors_freed(monkeypatch):
+    """A Trainer sits in reference cycles, so its model outlives it until the cycle collector
+    runs; on CUDA it would still count in the next run's max_memory_allocated. Here with the
+    collector off, as it may in effect be between two runs: each run must find the earlier
+    models gone when it starts."""
+    import gc
+    import weakref
+
+    import harness.bench.memory as memory
+
+    models: list[weakref.ref] = []
+    alive_at_start: list[bool] = []
+    trainer = memory.Trainer
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        alive_at_start.append(any(ref() is not None for ref in models))
+        made = trainer(*args, **kwargs)
+        models.append(weakref.ref(made.model))
+        return made
+
+    monkeypatch.setattr(memory, "Trainer", spy)
+    monkeypatch.setattr(memory, "step_peak", lambda t: (0, {}))  # no training needed here
+    run = memory.method_run("full", "llama_micro", 3, 32, 2)
+    gc.disable()
+    try:
+        memory.measure_run(run)
+        memory.measure_run(run)
+    finally:
+        gc.enable()
+    assert alive_at_start == [False, False]
+
+
+def test_a_measured_run_writes_no_checkpoint(monkeypatch):
+    """Its folder is deleted when it ends: the final checkpoint (13.5 GB for LLaMA-1B under
+    AdamW) would only cost the kit's parts their time on the device."""
+    import harness.bench.memory as memory
+    from harness.trials import checkpoints
+
+    saved: list[Any] = []
+    monkeypatch.setattr(checkpoints, "save", lambda *args: saved.append(args))
+    monkeypatch.setattr(memory, "step_peak", lambda trainer: (trainer.fit(), (0, {}))[1])
+    results, _ = memory.measure_run(memory.method_run("full", "llama_micro", 3, 32, 2))
+    assert results["step"] == 3 and results["tokens_per_s"] and saved == []
+
+
 def test_bench_memory_refuses_fewer_than_three_steps(capsys):
     assert main(["bench", "memory", "--preset", "llama_micro", "--steps", "2"]) == 2
     err = capsys.readouterr().err
