@@ -12,6 +12,7 @@ import argparse
 import csv
 import json
 import os
+import statistics
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -23,8 +24,8 @@ from typing import Any
 
 import torch
 
-from harness.bench.loop import TARGET, bench_loop, bench_run
-from harness.bench.memory import METHODS, free_memory, measure_run, method_records
+from harness.bench.loop import TARGET, bench_loop, bench_run, verdict
+from harness.bench.memory import METHODS, measure_run, method_records
 from harness.cost.estimate import estimate_run
 from harness.cost.paper_7b import PAPER_7B
 from harness.methods.resolve import load_run
@@ -79,10 +80,8 @@ def _measured(run: Any) -> Record:
         results, peak = measure_run(run)
         return {"status": "ok", "peak_bytes": peak, "tokens_per_s": results["tokens_per_s"],
                 "mfu": results["mfu"]}
-    except torch.OutOfMemoryError as e:
+    except torch.OutOfMemoryError as e:  # the next measure_run frees what this one left
         return {"status": "oom", "error": str(e).splitlines()[0]}
-    finally:
-        free_memory()  # `e` is gone by now: the failed run's tensors go too
 
 
 def tests(s: Settings, out: Path) -> Iterator[Record]:
@@ -189,9 +188,9 @@ def loop(s: Settings, out: Path) -> Iterator[Record]:
     """`harness bench loop` on the device: the harness's loop over a bare PyTorch loop."""
     model, steps, batch, seq_len, precision, rounds = s.loop
     rows = bench_loop(bench_run(model, steps, batch, seq_len, precision, s.device), rounds)
-    ratio = sorted(r["ratio"] for r in rows)[len(rows) // 2]
+    ratio = statistics.median(r["ratio"] for r in rows)  # as `harness bench loop` reports it
     yield {"name": f"gpu/loop/{model}/{precision}", "value": ratio, "target": TARGET,
-           "rounds": rows, "met": ratio >= TARGET}
+           "rounds": rows, "met": verdict(ratio, TARGET) == "met"}
 
 
 # label -> (method, layer-wise, the paper's figure: a PAPER_7B row or (GB, source)). Fastest

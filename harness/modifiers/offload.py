@@ -14,7 +14,7 @@ plain copy, so CI tests it; the savings exist only on an accelerator.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,11 +39,11 @@ def storages(module: nn.Module) -> set[int]:
 
 
 class ActivationOffloader:
-    """`keep`: storages never moved (by data pointer); `hooks(layer, module)` adds the module's
-    parameters and buffers as they are at each forward."""
+    """Moves saved activations to the host; `hooks(layer, module)` keeps the module's own
+    parameters and buffers, as they are at each forward, where they are."""
 
-    def __init__(self, device: torch.device, min_bytes: int, keep: set[int] | None = None) -> None:
-        self.device, self.min_bytes, self.keep = device, min_bytes, keep or set()
+    def __init__(self, device: torch.device, min_bytes: int) -> None:
+        self.device, self.min_bytes = device, min_bytes
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending: dict[int, list[weakref.ref[_Saved]]] = {}  # by layer, not yet fetched
@@ -57,17 +57,17 @@ class ActivationOffloader:
         (Q-GaLore's and APOLLO's INT8 codes, scales and zero points are new tensors after each
         update), and pointers taken once would then move those weights to the host and back
         every step, and keep whatever tensor the allocator later puts at an old address."""
-        keep = () if module is None else (self.keep | storages(module),)
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(layer, t, *keep),
+        keep = storages(module) if module is not None else set()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(layer, t, keep),
                                                       self.unpack):
             yield
 
-    def pack(self, layer: int, t: Tensor, keep: set[int] | None = None) -> Any:
+    def pack(self, layer: int, t: Tensor, keep: Collection[int] = ()) -> Any:
         nbytes = t.numel() * t.element_size()
         # off the device (CUDA attention's host-side seed and offset): no device memory, and
         # backward needs it where it is
         if (nbytes < self.min_bytes or t.device.type != self.device.type
-                or t.untyped_storage().data_ptr() in (self.keep if keep is None else keep)):
+                or t.untyped_storage().data_ptr() in keep):
             return t
         self.current = None  # a forward is running: the next backward starts afresh
         host = torch.empty(t.size(), dtype=t.dtype, pin_memory=self.cuda)

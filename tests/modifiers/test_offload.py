@@ -19,20 +19,22 @@ def saved_kinds(offloader: ActivationOffloader, layer: int, x: torch.Tensor, w: 
     packed = []
     pack = offloader.pack
 
-    def spy(layer_: int, t: torch.Tensor):
-        result = pack(layer_, t)
+    def spy(layer_: int, t: torch.Tensor, *keep):
+        result = pack(layer_, t, *keep)
         packed.append(type(result).__name__)
         return result
 
     offloader.pack = spy
-    with offloader.hooks(layer):
+    holder = nn.Module()  # w as a module's parameter: the hooks keep those where they are
+    holder.w = w
+    with offloader.hooks(layer, holder):
         y = (x @ w).relu()
     return y, packed
 
 
 def test_small_tensors_and_parameters_stay_large_activations_move():
     w = nn.Parameter(torch.randn(64, 64))
-    offloader = ActivationOffloader(CPU, min_bytes=1024, keep={w.untyped_storage().data_ptr()})
+    offloader = ActivationOffloader(CPU, min_bytes=1024)
     x = torch.randn(32, 64, requires_grad=True)
     y, packed = saved_kinds(offloader, 0, x, w)
     # mm saves x (8 kB: moved) and w (kept: a parameter); relu saves its output (8 kB: moved)
@@ -42,7 +44,7 @@ def test_small_tensors_and_parameters_stay_large_activations_move():
     assert all(ref() is not None for ref in offloader.pending[0])  # y's graph holds them
     y.sum().backward()
     assert not offloader.pending
-    small = ActivationOffloader(CPU, min_bytes=1 << 20, keep=set())
+    small = ActivationOffloader(CPU, min_bytes=1 << 20)
     _, kept = saved_kinds(small, 0, x, w)
     assert "_Saved" not in kept and small.take_bytes() == 0
 
@@ -50,7 +52,7 @@ def test_small_tensors_and_parameters_stay_large_activations_move():
 def test_a_tensor_off_the_training_device_stays_where_it_is():
     """CUDA's memory-efficient attention saves 0-dim seed and offset tensors on the host: no
     device memory to free, and backward needs them there (the "device" is meta here)."""
-    offloader = ActivationOffloader(torch.device("meta"), min_bytes=0, keep=set())
+    offloader = ActivationOffloader(torch.device("meta"), min_bytes=0)
     host = torch.ones(2)
     assert offloader.pack(0, host) is host and offloader.take_bytes() == 0
 
@@ -69,7 +71,7 @@ def test_backward_through_offloaded_tensors_gives_the_same_gradients():
     three_layers(x, w).backward()
     plain = (x.grad.clone(), w.grad.clone())
     x.grad = w.grad = None
-    offloader = ActivationOffloader(CPU, min_bytes=0, keep=set())
+    offloader = ActivationOffloader(CPU, min_bytes=0)
     loss = three_layers(x, w, offloader)
     assert sorted(offloader.pending) == [0, 1, 2]
     assert offloader.take_bytes() == 3 * 2 * 8 * 16 * 4 + 16 * 16 * 4 * 3  # inputs, outputs, w
@@ -79,7 +81,7 @@ def test_backward_through_offloaded_tensors_gives_the_same_gradients():
 
 
 def test_unpack_passes_through_what_was_not_moved():
-    offloader = ActivationOffloader(CPU, min_bytes=0, keep=set())
+    offloader = ActivationOffloader(CPU, min_bytes=0)
     t = torch.ones(3)
     assert offloader.unpack(t) is t
 
