@@ -333,24 +333,38 @@ def is_integration(item: pytest.Item) -> bool:
             or bool(INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))))
 
 
-# One service, one test at a time: pytest-xdist (`--dist loadgroup`) runs each group on one
-# worker, so two sweeps never compete for the one Slurm node's CPUs or the same database, and
-# no GPU check shares the device (an over-budget batch fills it before it fails).
+# One service, one test at a time: each group runs on one worker (ServiceGroups below), so two
+# sweeps never compete for the one Slurm node's CPUs or the same database, and no GPU check
+# shares the device (an over-budget batch fills it before it fails).
 SERVICE_GROUPS = {"sweep/test_slurm.py": "slurm", "sweep/test_postgres.py": "postgres",
                   "gpu/test_gpu.py": "gpu"}
+
+
+def service_group(nodeid: str) -> str | None:
+    return SERVICE_GROUPS.get(nodeid.split("::", 1)[0].removeprefix("tests/"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if is_integration(item):
             item.add_marker(pytest.mark.integration)
-        group = SERVICE_GROUPS.get(item.path.relative_to(REPO / "tests").as_posix())
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
-    # The service groups first: each runs on one worker, one test after another (Slurm's ~10
-    # minutes, mostly waiting on the scheduler), so started first they overlap the rest of the
-    # suite instead of being its tail (collected last, they added ~5 minutes to CI's wall time).
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
+    # The service groups first: each runs on one worker, one test after another (Slurm's ~7
+    # minutes, much of it waiting on the scheduler), so started first they overlap the rest of
+    # the suite instead of being its tail (collected last, they added ~5 minutes to CI's wall).
+    items.sort(key=lambda item: service_group(item.nodeid) is None)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup`'s rule, decided here by file: xdist 3.8 marks a group by rewriting
+    `item._nodeid`, which pytest 9 no longer reads (nodeid comes from `_id`), so its groups were
+    silently split over workers. A service file is one scope; every other test its own."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ServiceGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return service_group(nodeid) or nodeid
+
+    return ServiceGroups(config, log)
 
 
 @pytest.fixture(autouse=True)
