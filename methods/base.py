@@ -11,6 +11,7 @@ from torch import nn
 
 from harness.config import Strict
 from harness.config.steps import Steps, lr_factor
+from harness.distributed import fsdp
 from harness.errors import suggest
 from harness.methods.widths import widths
 from harness.modifiers.optimizer import make_optimizer
@@ -77,6 +78,12 @@ class Method:
     def refusal(self, run: RunConfig) -> str | None:
         """Why this method cannot honour the run's memory modifiers or precision (None: it can)."""
         return None
+
+    def fsdp_refusal(self, run: RunConfig) -> str | None:
+        """Why this method cannot train under `train.parallel: fsdp` (None: it can). A method
+        that can takes FSDP's sharded parameters (DTensors, harness/distributed/fsdp.py)."""
+        return ("its optimizer does not take sharded parameters yet; use train.parallel: ddp "
+                "(docs/scale-out.md lists the methods fsdp trains)")
 
     def warning(self, run: RunConfig) -> str | None:
         """One line said at load time and kept in the summary: a valid setting that departs
@@ -197,8 +204,10 @@ def numel(shape: torch.Size | tuple[int, ...]) -> int:
 
 
 def tensor_bytes(obj: Any) -> int:
-    """Bytes of every tensor inside nested dicts/lists (an optimizer's state)."""
+    """Bytes of every tensor inside nested dicts/lists (an optimizer's state); of a sharded
+    tensor, this rank's shard: what this process holds."""
     if isinstance(obj, torch.Tensor):
+        obj = fsdp.local(obj)
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())

@@ -58,6 +58,9 @@ class Full(Method):
     def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
         return adamw(groups, run, self.config)
 
+    def fsdp_refusal(self, run: RunConfig) -> str | None:
+        return None  # torch's AdamW steps each rank's shard: elementwise, nothing to gather
+
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         sizes = [numel(s) for s in shapes.values()]
         return adam_bytes(sum(sizes), sizes, run, self.steps)

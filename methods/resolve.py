@@ -51,9 +51,26 @@ def check_modifiers(run: RunConfig) -> None:
         raise UserError("memory.optimizer_offload paged with train.precision bf16-true: "
                         "bitsandbytes' paged optimizers neither honour train.state_dtype nor "
                         "compensate updates; use optimizer_offload: host")
-    reason = build_method(run).refusal(run)
+    method = build_method(run)
+    reason = method.refusal(run)
     if reason:
         raise UserError(f"method {run.method_name}: {reason}")
+    if run.train.parallel == "fsdp":
+        check_fsdp(run, method.fsdp_refusal(run))
+
+
+def check_fsdp(run: RunConfig, reason: str | None) -> None:
+    """Refuse what `train.parallel: fsdp` cannot shard, in one line with what to use instead."""
+    if reason:
+        raise UserError(f"method {run.method_name} with train.parallel fsdp: {reason}")
+    if run.train.precision == "16-mixed":
+        raise UserError("train.precision 16-mixed with train.parallel fsdp: GradScaler checks "
+                        "each rank's gradient shard for overflow on its own, so ranks could "
+                        "disagree on skipping a step; use bf16-mixed")
+    if run.memory.optimizer_offload == "paged":
+        raise UserError("memory.optimizer_offload paged with train.parallel fsdp: bitsandbytes' "
+                        "paged optimizers take whole tensors, not FSDP's shards; use "
+                        "optimizer_offload: host (FSDP's own CPU offload)")
 
 
 def modifier_support(method: str) -> dict[str, str | None]:

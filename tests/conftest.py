@@ -242,10 +242,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(config: Path, out: Path) -> subprocess.Popen:
+def torchrun(config: Path, out: Path, procs: int = 2) -> subprocess.Popen:
     """`harness train` as a user starts it data-parallel: 2 processes (gloo on CPU), each on one
     thread so that kernels sum in the same order as the 1-process reference."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs),
            "--master_port", str(free_port()), "-m", "harness.cli", "train", str(config),
            "--out", str(out)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -292,7 +292,8 @@ def assert_resumes_exactly(run: Any, tmp_path: Path, stop: int = 3) -> None:
 INTEGRATION_FILES = {  # every test in these files
     "sweep/test_faults.py", "sweep/test_launchers.py", "sweep/test_postgres.py",
     "sweep/test_run.py", "sweep/test_slurm.py", "sweep/test_study.py", "sweep/test_sweep.py",
-    "train/test_ddp.py", "test_distributed.py", "analysis/test_html.py", "trials/test_wandb.py",
+    "train/test_ddp.py", "train/test_fsdp.py", "test_distributed.py", "analysis/test_html.py",
+    "trials/test_wandb.py",
     "bench/test_bench.py",  # `harness bench`: many trainings (every method, every config)
     "gpu/test_gpu.py",  # the CUDA checks (`pytest -m gpu`): a grid of trainings and a sweep
     "test_optional_imports.py",  # the CLI in a child without wandb and psycopg2

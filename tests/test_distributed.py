@@ -1,4 +1,4 @@
-"""harness/distributed.py in one process: the environment decides rank and world before a group
+"""harness/distributed/ in one process: the environment decides rank and world before a group
 exists, rank > 0 writes nothing, and the helpers run (or are no-ops) on a real 1-rank group."""
 
 from __future__ import annotations

@@ -79,6 +79,9 @@ class LossScaleConfig(Strict):
 # Today's names, as Lightning/Fabric users know them; the earlier names stay accepted.
 PRECISION_ALIASES = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 PURE_BF16_KEYS = {"state_dtype": "float32", "update_compensation": "none"}  # key -> default
+# Train settings added after trials had run: left out of a trial's id at their default, which
+# is what those trials did, so that earlier sweeps' finished trials stay finished.
+LATER_TRAIN_KEYS = {**PURE_BF16_KEYS, "parallel": "ddp", "reshard_after_forward": True}
 # Method settings added after trials had run, at the value that does what those trials did:
 # left out of a trial's id there, so that earlier sweeps' finished trials stay finished.
 LATER_METHOD_KEYS = {
@@ -115,6 +118,15 @@ class TrainConfig(Strict):
         "round to nearest, as the GaLore reference code does)"
     )
     loss_scale: LossScaleConfig = LossScaleConfig()
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="a trial of several processes: ddp (each holds the whole model and "
+        "its optimizer states) or fsdp (weights, gradients and states sharded over them; "
+        "docs/scale-out.md)"
+    )
+    reshard_after_forward: bool = Field(
+        True, description="fsdp: a layer frees its gathered weights after its forward and "
+        "gathers them again for backward; false keeps them (memory for one all-gather)"
+    )
     grad_clip: float | None = Field(1.0, gt=0)
     compile: bool = Field(
         False, description="torch.compile forward and loss as one graph (compiled in step 1)"
@@ -324,7 +336,7 @@ class RunConfig(Common):
         # Hash what earlier versions wrote, so that their finished trials stay finished.
         legacy = {new: old for old, new in PRECISION_ALIASES.items()}
         data["train"]["precision"] = legacy.get(self.train.precision, self.train.precision)
-        for key, default in PURE_BF16_KEYS.items():
+        for key, default in LATER_TRAIN_KEYS.items():
             if data["train"][key] == default:
                 del data["train"][key]
         data["method"] = _without_later_defaults(data["method"])

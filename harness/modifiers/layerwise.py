@@ -14,7 +14,7 @@ of the full gradient while micro-batches accumulate: called on every micro-batch
 On the last micro-batch the sum is what is averaged over ranks and clipped (torch's rule, on
 the sum's norm), and the inner `step()` reads it. Without accumulation it always returns None.
 
-Data parallel (harness/distributed.py): DDP's wrapper would reduce gradients in buckets after
+Data parallel (harness/distributed/): DDP's wrapper would reduce gradients in buckets after
 they were complete, which either fails here (the hook has already freed them) or needs every
 gradient kept until the bucket is reduced, doubling gradient memory. So the trainer does not
 wrap a layer-wise model. Instead this hook all-reduces its parameter's gradient right before the
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from harness import distributed
+from harness.distributed import fsdp
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
@@ -56,7 +57,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if not self.sync:  # a middle micro-batch: let the gradient accumulate
             return
         grad = param.grad if low is None else low
-        if distributed.active():  # the average over ranks, before anything reads the gradient
+        # the average over ranks, before anything reads the gradient (fsdp's reduce-scatter
+        # took it already: FSDP runs this hook on the sharded, reduced gradient)
+        if distributed.active() and not fsdp.is_sharded(grad):
             distributed.all_sum(grad).div_(distributed.world_size())
         if self.clip and low is None:
             torch.nn.utils.clip_grad_norm_([param], self.clip)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from harness.config import RunConfig
+from harness.distributed import fsdp
 from harness.modifiers.layerwise import LayerwiseOptimizer
 from harness.modifiers.offload import HostOffloadOptimizer
 
@@ -19,7 +20,8 @@ Build = Callable[[Groups], torch.optim.Optimizer]
 
 def make_optimizer(groups: Groups, build: Build, run: RunConfig) -> torch.optim.Optimizer:
     """The method's optimizer, split per parameter (layerwise) and/or moved to the host."""
-    if run.memory.optimizer_offload == "host":
+    sharded = any(fsdp.is_sharded(p) for g in groups for p in g["params"])
+    if run.memory.optimizer_offload == "host" and not sharded:  # fsdp: its own CPU offload
         build = partial(HostOffloadOptimizer, build=build)
     if not run.memory.layerwise:
         return build(groups)

@@ -108,8 +108,10 @@ class GlueData:
         self.cursor = state["cursor"]
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, precision: Precision) -> dict[str, float]:
-        """Every rank scores the whole validation set (small), so all agree without gathers."""
+    def evaluate(self, model: nn.Module, precision: Precision,
+                 lockstep: bool = False) -> dict[str, float]:
+        """Every rank scores the whole validation set (small), so all agree without gathers
+        (and run as many forwards, as fsdp's `lockstep` needs)."""
         out: dict[str, float] = {}
         for i, (split, data) in enumerate(self.validation.items()):
             prefix = "eval_" if i == 0 else f"eval_{split.removeprefix('validation_')}_"

@@ -8,7 +8,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -19,12 +19,13 @@ from harness.config import RunConfig
 from harness.config.steps import Steps
 from harness.cost import meter
 from harness.cost.grad_peak import GradPeak
-from harness.distributed import pick_device
+from harness.distributed import fsdp, pick_device
 from harness.methods import build_method
 from harness.methods.rank import rank_warning
 from harness.models import describe
 from harness.modifiers import recompute
 from harness.modifiers.precision import Precision, pure_bf16
+from harness.modifiers.recompute import decoder_layers
 from harness.train import finetune, pretrain
 from harness.train.hooks import Hooks, Interrupted, NonFinite, Pruned, Step
 from harness.trials import Records, Status, rng_state, set_rng_state
@@ -74,9 +75,15 @@ class Trainer:
         model = pure_bf16(model, t).to(self.device)
         self.model = pure_bf16(self.method.prepare(model, run), t)
         self.offloader = recompute.apply(self.model, run.memory, self.device)
+        self.sharded = self.steps.world > 1 and t.parallel == "fsdp"
+        if self.sharded:  # before the optimizer, whose parameters are then the shards
+            distributed.broadcast_(self.model)  # rank 0's weights, as DDP starts from them
+            fsdp.shard(self.model, decoder_layers(self.model), self.device, t.precision,
+                       t.reshard_after_forward, run.memory.optimizer_offload == "host"
+                       and self.device.type == "cuda")
         # forward and loss in one graph; the model itself, its state_dict and hooks unchanged
         self.loss = torch.compile(self.data.loss) if t.compile else self.data.loss
-        self.precision = Precision(t, self.device)
+        self.precision = Precision(t, self.device, cast=not self.sharded)  # fsdp casts itself
         self.offloaded = 0  # activation bytes moved to the host, over the steps run here
         self.optimizer = self.method.optimizer(self.model, run)
         self.build_s = time.perf_counter() - built  # model, method and optimizer: not launching
@@ -120,8 +127,13 @@ class Trainer:
         if state is None:
             self.rec.truncate_metrics(0)  # a start from scratch owns no earlier lines
             return
-        self.model.load_state_dict(state["model"])
+        if self.sharded:  # a whole model, from any number of processes: each keeps its rows
+            fsdp.load_whole(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:
+            fsdp.shard_states(self.optimizer.state)
         self.scheduler.load_state_dict(state["scheduler"])
         self.data.restore(state["data"])
         set_rng_state(state["rng"])
@@ -133,9 +145,11 @@ class Trainer:
         distributed.say(f"resumed from {self.rec.loaded} at step {self.step}")
 
     def _wrap(self) -> None:
-        """`net` is what forward runs through: DDP, or the model itself (one process, or
+        """`net` is what forward runs through: DDP, or the model itself (one process, fsdp, or
         layer-wise). Wrapped again when ReLoRA's warm start freezes weights DDP waits for."""
-        self.net = distributed.wrap(self.model, self.device, self.layerwise)
+        sharded = self.sharded or not distributed.active()
+        self.net = self.model if sharded else distributed.wrap(self.model, self.device,
+                                                                self.layerwise)
         self._trainable = distributed.trainable(self.model)
 
     def _settle(self) -> None:
@@ -144,13 +158,18 @@ class Trainer:
             self.rec.log({"kind": "event", "step": step, "skipped": "overflow"})
 
     def save(self) -> None:
-        """Rank 0 writes the bare model's state: the same checkpoint as one process's."""
-        distributed.check_same(self.model, self.step)
+        """Rank 0 writes the bare model's state: the same checkpoint as one process's (fsdp
+        gathers the shards for it, so it resumes at any number of processes)."""
+        if not self.sharded:  # fsdp ranks hold different rows by design
+            distributed.check_same(self.model, self.step)
         self._settle()
+        model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
+        if self.sharded:
+            model, optimizer = fsdp.gathered(model), fsdp.gathered(optimizer)
         self.rec.save_checkpoint(
             {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                "model": model,
+                "optimizer": optimizer,
                 "scheduler": self.scheduler.state_dict(),
                 "data": self.data.state(),
                 "rng": rng_state(),
@@ -176,9 +195,7 @@ class Trainer:
             last = i == len(micro) - 1
             if self.layerwise:  # updates run inside backward: only once the gradient is complete
                 self.optimizer.sync = last
-            # DDP reduces in the last micro-batch's backward only; before it, gradients add up
-            wait = self.net.no_sync() if self.net is not self.model and not last else nullcontext()
-            with wait:
+            with self._reduce(last):
                 with self.precision.autocast():
                     loss = self.loss(self.net, batch)
                 self.precision.backward(loss * world / targets)  # × W undoes DDP's average
@@ -195,6 +212,14 @@ class Trainer:
         if self.net is not self.model and distributed.trainable(self.model) != self._trainable:
             self._wrap()
         return loss
+
+    def _reduce(self, last: bool) -> AbstractContextManager[Any]:
+        """DDP and fsdp reduce in the last micro-batch's backward only; before it, gradients
+        add up on each rank (fsdp: unsharded, then reduce-scattered once)."""
+        if self.sharded:
+            self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
+            return nullcontext()
+        return self.net.no_sync() if self.net is not self.model and not last else nullcontext()
 
     def _count_offloaded(self, step: Step) -> None:
         self.offloaded += self.offloader.take_bytes()  # type: ignore[union-attr]
@@ -217,7 +242,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
         try:
-            return self.data.evaluate(self.model, self.precision)
+            return self.data.evaluate(self.model, self.precision, self.sharded)
         finally:
             self.model.train()
 

@@ -70,7 +70,11 @@ class LMData:
         self.stream.restore(state)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, precision: Precision) -> dict[str, float]:
+    def evaluate(self, model: nn.Module, precision: Precision,
+                 lockstep: bool = False) -> dict[str, float]:
+        """Validation loss over the fixed held-out blocks, each rank every W-th batch.
+        `lockstep` (fsdp, whose forward gathers weights with every rank): all ranks run as many
+        forwards, a rank out of batches repeating the first without counting it."""
         run, world = self.run, self.steps.world
         if self._eval is None:
             self._eval = eval_blocks(run.task, self.tok, run.eval.tokens)
@@ -81,13 +85,18 @@ class LMData:
         batch = run.eval.batch_size or run.train.batch_size
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
-        starts = range(0, len(self._eval), batch)  # data parallel: every W-th batch each
-        for i in starts[distributed.rank() :: world]:
-            ids, labels = to_batch(self._eval[i : i + batch], pin=False)
+        starts = range(0, len(self._eval), batch)
+        mine = starts[distributed.rank() :: world]  # data parallel: every W-th batch each
+        rounds = -(-len(starts) // world) if lockstep else len(mine)
+        for j in range(rounds):
+            ids, labels = to_batch(self._eval[mine[j] if j < len(mine) else 0:][:batch],
+                                   pin=False)
             ids, labels = ids.to(self.device), labels.to(self.device)
             with precision.autocast():
-                total += loss_sum(model, ids, labels).double()
-            count += int((labels[:, 1:] != IGNORE).sum())
+                loss = loss_sum(model, ids, labels).double()
+            if j < len(mine):
+                total += loss
+                count += int((labels[:, 1:] != IGNORE).sum())
         if world > 1:  # float64 sums: the same loss as one process, to rounding
             sums = distributed.all_sum(torch.stack([total, total.new_tensor(count)]))
             total, count = sums[0], int(sums[1])

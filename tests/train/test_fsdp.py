@@ -1,0 +1,145 @@
+"""FSDP2 (`train.parallel: fsdp`): 2 and 4 processes (gloo, CPU) train as 1 process does, their
+checkpoint is the 1-process one, and a trial stopped at one world size resumes at another.
+
+Every trial runs on one thread, so kernels sum in the same order; what differs from the
+1-process run is the order of the gradient reductions (a reduce-scatter over W ranks instead of
+one process's sums), which moves losses by ~1e-7 relative: the tolerance is DDP's, 1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from conftest import micro_run, torchrun, write_yaml
+
+from harness.errors import UserError
+from harness.methods.resolve import load_run
+from harness.train import train
+from harness.trials import read_json, read_jsonl
+
+
+def fsdp_run(steps: int = 6, **train_keys: Any) -> dict[str, Any]:
+    """8 sequences a step in micro-batches of 2: 4 processes take one each, 2 accumulate two."""
+    data = micro_run(steps=steps, total_batch_size=8, parallel="fsdp", **train_keys)
+    return {**data, "eval": {"every": 3, "tokens": 256}}
+
+
+def losses(out: Path) -> list[tuple[str, int, float]]:
+    return [(r["kind"], r["step"], r.get("loss", r.get("eval_loss")))
+            for r in read_jsonl(out / "metrics.jsonl") if r["kind"] in ("train", "eval")]
+
+
+def assert_same_losses(one: Path, other: Path) -> None:
+    a, b = losses(one), losses(other)
+    assert [x[:2] for x in a] == [x[:2] for x in b]
+    assert [x[2] for x in b] == pytest.approx([x[2] for x in a], rel=1e-5, abs=0)
+
+
+def run_procs(data: dict[str, Any], out: Path, procs: int) -> str:
+    proc = torchrun(write_yaml(out.with_suffix(".yaml"), data), out, procs)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    return output
+
+
+def state(out: Path) -> dict[str, Any]:
+    return torch.load(out / "checkpoint" / "state.pt", weights_only=False)
+
+
+@pytest.mark.parametrize(("procs", "memory"), [(2, {}), (4, {}), (2, {"layerwise": True}),
+                                                (2, {"recompute": "full"})],
+                         ids=["2", "4", "2-layerwise", "2-recompute"])
+def test_fsdp_trains_as_one_process(tmp_path, procs, memory):
+    """Layer-wise: FSDP runs each parameter's hook on its reduced shard, which clips (the norm
+    over the shards) and steps it; recompute: the gathered layer runs its forward again."""
+    data = {**fsdp_run(), "memory": memory}
+    output = run_procs(data, tmp_path / "many", procs)
+    one = train(load_run(data), tmp_path / "one")
+    assert one["status"] == read_json(tmp_path / "many" / "summary.json")["status"] == "ok"
+    assert_same_losses(tmp_path / "one", tmp_path / "many")
+    assert output.count("step 6/6") == 1  # progress from rank 0 only
+    if not memory:  # rank 0 holds its rows of each weight: ceil(m / W) of m, counted by hand
+        rows = sum(-(-s[0] // procs) * (s.numel() // s[0]) for s in
+                   (p.shape for p in state(tmp_path / "one")["model"].values()))
+        assert read_json(tmp_path / "many" / "summary.json")["param_bytes"] == 4 * rows
+    # rank 0 wrote the whole model and AdamW's whole moments: the 1-process checkpoint's keys
+    # and shapes, values within what the reduction order moves (Adam's m/√v turns 1e-7 in a
+    # near-zero gradient into up to lr·1e-2: measured 1.3e-5 on weights, 4e-7 on moments)
+    a, b = state(tmp_path / "one"), state(tmp_path / "many")
+    assert a["model"].keys() == b["model"].keys()
+    for key, value in a["model"].items():
+        assert b["model"][key].shape == value.shape
+        torch.testing.assert_close(b["model"][key], value, rtol=0, atol=5e-5)
+    inner = a["optimizer"].get("inner", [a["optimizer"]])  # layer-wise: one AdamW a parameter
+    for i, opt in enumerate(inner):
+        for index, moments in opt["state"].items():
+            theirs = b["optimizer"].get("inner", [b["optimizer"]])[i]["state"][index]
+            torch.testing.assert_close(theirs["exp_avg"], moments["exp_avg"], rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_fsdp_trains_in_bfloat16(tmp_path, precision):
+    """bf16-mixed: float32 shards gathered in bfloat16, gradients reduced in float32 (FSDP's
+    policy, not autocast); bf16-true: bfloat16 shards. Not the 1-process numbers (autocast
+    casts per op), but the same training: 4 steps take the eval loss from ln 8192 = 9.01 to
+    8.775 in float32, and bfloat16 ended within 2e-3 of it (measured: 8.7756, 8.7772)."""
+    data = {**fsdp_run(steps=4, precision=precision), "eval": {"every": 0, "tokens": 256}}
+    run_procs(data, tmp_path / "two", 2)
+    reference = train(load_run({**data, "train": {**data["train"], "precision": "32-true"}}),
+                      tmp_path / "one")
+    two = read_json(tmp_path / "two" / "summary.json")
+    assert two["status"] == "ok"
+    assert two["eval_loss"] == pytest.approx(reference["eval_loss"], abs=0.01)
+
+
+def stop_after(data: dict[str, Any], out: Path, procs: int, step: int) -> int:
+    """Start `procs` ranks, SIGINT rank 1 once rank 0 logs `step`; the step they stopped at."""
+    proc = torchrun(write_yaml(out.with_suffix(".yaml"), data), out, procs)
+    for line in proc.stdout:  # type: ignore[union-attr]
+        if line.startswith(f"step {step}/"):
+            break
+    rank1 = next(w for w in psutil.Process(proc.pid).children()
+                 if w.environ().get("RANK") == "1")
+    os.kill(rank1.pid, signal.SIGINT)
+    proc.communicate(timeout=300)
+    stopped = read_json(out / "summary.json")
+    assert stopped["status"] == "interrupted", stopped
+    return stopped["step"]
+
+
+@pytest.mark.parametrize(("first", "then"), [(4, 2), (2, 1)])
+def test_a_trial_stopped_at_one_world_size_resumes_at_another(tmp_path, first, then):
+    """The checkpoint holds whole tensors, so a resume at any world size cuts them anew; the
+    losses after it are the uninterrupted 1-process run's."""
+    data = fsdp_run(steps=10)
+    stopped = stop_after(data, tmp_path / "trial", first, step=2)
+    assert 2 <= stopped < 10
+    if then == 1:
+        train(load_run(data), tmp_path / "trial")
+    else:
+        output = run_procs(data, tmp_path / "trial", then)
+        assert f"resumed from {tmp_path / 'trial' / 'checkpoint' / 'state.pt'}" in output
+    train(load_run(data), tmp_path / "one")
+    assert read_json(tmp_path / "trial" / "summary.json")["step"] == 10
+    assert_same_losses(tmp_path / "one", tmp_path / "trial")
+    print(f"fsdp {first} processes stopped at step {stopped}, resumed on {then}: same losses")
+
+
+def test_what_fsdp_cannot_shard_is_refused_in_one_line():
+    with pytest.raises(UserError, match=r"^method galore with train\.parallel fsdp: .*use "
+                       r"train\.parallel: ddp"):
+        load_run({**fsdp_run(), "method": {"name": "galore", "rank": 8}})
+    with pytest.raises(UserError, match=r"^memory\.optimizer_offload paged with train\.parallel "
+                       r"fsdp: .*use optimizer_offload: host"):
+        load_run({**fsdp_run(), "memory": {"optimizer_offload": "paged"}})
+    with pytest.raises(UserError, match=r"^train\.precision 16-mixed with train\.parallel "
+                       r"fsdp: .*use bf16-mixed"):
+        load_run(fsdp_run(precision="16-mixed"))
+    assert load_run(fsdp_run()).train.parallel == "fsdp"
+    assert load_run(micro_run()).train.parallel == "ddp"
