@@ -59,6 +59,10 @@ class Fira(GaLore):
     summary = "Fira: GaLore's low-rank Adam plus the residual G − PR, scaled by ‖Adam(R)‖/‖R‖"
     Config = FiraConfig
 
+    def fsdp_refusal(self, run: RunConfig) -> str | None:
+        return ("its residual's norms (φ per column, the limiter's ‖·‖) are over whole matrices "
+                "and not reduced over FSDP's shards yet; use train.parallel: ddp")
+
     def build_optimizer(self, groups: Groups, run: RunConfig) -> FiraOptimizer:
         c = self.config
         return FiraOptimizer(

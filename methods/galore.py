@@ -101,6 +101,19 @@ class GaLore(Method):
                     "so they cannot be paged; use memory.optimizer_offload: host")
         return None
 
+    def fsdp_refusal(self, run: RunConfig) -> str | None:
+        """GaLore shards (methods/galore_optim.py): a refresh gathers each gradient once and
+        broadcasts one SVD; between refreshes a right side projects this rank's rows, a left
+        side all-reduces its r×n product. Per-block or factored inner states do not split."""
+        if self.config.optimizer == "adam8bit":
+            return ("optimizer adam8bit quantizes blocks of the flattened low-rank moments, "
+                    "which FSDP's row shards would cut; use optimizer: adamw, or "
+                    "train.parallel: ddp")
+        if self.config.optimizer == "adafactor":
+            return ("optimizer adafactor's factored second moment averages over all rows, "
+                    "which FSDP's row shards split; use optimizer: adamw, or train.parallel: ddp")
+        return None
+
     def on_step(self, step: int, model: nn.Module,
                 optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """An event only on steps that recomputed projections."""

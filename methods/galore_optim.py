@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from harness import distributed
+from harness.distributed import fsdp
 from harness.methods.adafactor import adafactor
 from harness.methods.adam_kernel import BLOCK, AdamKernel
 from harness.methods.projection import (
@@ -35,6 +37,7 @@ from harness.methods.projection import (
     project,
     project_back_,
     rotate,
+    safe_basis,
     side_of,
     square,
 )
@@ -109,7 +112,8 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
     def _plain_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         lr, wd = group["lr"], group["weight_decay"]
         states = [self.state[p] for p in params]
-        grads, sides = self._inner_grads([p.grad for p in params]), ["none"] * len(params)
+        grads = self._inner_grads([fsdp.local(p.grad) for p in params])
+        params, sides = [fsdp.local(p) for p in params], ["none"] * len(params)
         if self.inner == "adafactor":
             updates = adafactor(group["lr"], self.beta1, states, grads)
             self._apply(group, params, updates, states, sides, -1.0)
@@ -125,17 +129,21 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         return grads if self.state_dtype is None else [g.to(self.state_dtype) for g in grads]
 
     def _apply(self, group: dict[str, Any], params: list[Tensor], updates: list[Tensor],
-               states: list[dict[str, Any]], sides: list[str], alpha: float) -> None:
-        """W ← W - lr·wd·W + alpha·(update brought back); decoupled decay on the full weight."""
+               states: list[dict[str, Any]], sides: list[str], alpha: float,
+               bases: list[dict[str, Any]] | None = None) -> None:
+        """W ← W - lr·wd·W + alpha·(update brought back); decoupled decay on the full weight.
+        `params` are what this rank holds (its rows under fsdp), `bases` the projections cut
+        to them (default: the states' own)."""
         lr, wd = group["lr"], group["weight_decay"]
+        bases = bases or states
         if not self.exact:  # in place, in the weights' dtype: no full-size temporaries
             if wd:
                 torch._foreach_mul_(params, 1 - lr * wd)
-            for p, u, st, side in zip(params, updates, states, sides, strict=True):
-                project_back_(p, u, st, side, alpha)
+            for p, u, b, side in zip(params, updates, bases, sides, strict=True):
+                project_back_(p, u, b, side, alpha)
             return
-        for p, u, st, side in zip(params, updates, states, sides, strict=True):
-            full = back_projected(u, st, side).mul_(alpha)
+        for p, u, st, b, side in zip(params, updates, states, bases, sides, strict=True):
+            full = back_projected(u, b, side).mul_(alpha)
             if wd:
                 full.add_(p, alpha=-lr * wd)
             add_update(p, full, self.compensation, st)
@@ -157,19 +165,24 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         states, sides = [states[i] for i in live], [sides[i] for i in live]
         grads = self._inner_grads(
             [_low_rank(p, st, s) for p, st, s in zip(params, states, sides, strict=True)])
+        bases = [_cut(p, st) for p, st in zip(params, states, strict=True)]
+        params = [fsdp.local(p) for p in params]
         lr, scale = group["lr"], group["scale"]
         if self.inner == "adafactor":
             updates, alpha = adafactor(group["lr"], self.beta1, states, grads), -scale
         else:  # Adam leaves -N in a zeroed scratch tensor: lr 1, no decay there
             updates, alpha = [torch.zeros_like(g) for g in grads], lr * scale
             self.adam(group, updates, grads, states, 1.0, 0.0)
-        self._apply(group, params, updates, states, sides, alpha)
+        self._apply(group, params, updates, states, sides, alpha, bases)
         for st in states:
             st["proj_step"] += 1
 
     def _refresh(self, group: dict[str, Any], params: list[Tensor],
                  states: list[dict[str, Any]], sides: list[str]) -> None:
         """New bases by SVD in float32; one host sync checks them all for non-finite values."""
+        if fsdp.is_sharded(params[0]):
+            self._refresh_sharded(group, params, states, sides)
+            return
         rank, randomized = group["rank"], group["svd"] == "randomized"
         self.svd_attempts += len(params)
         found = [compute_basis(p.grad, side, rank, randomized, st["proj_step"], torch.float32)
@@ -188,6 +201,27 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
                     continue
                 self.svd_retries += 1
             self._switch(group["moments"], st, basis)
+
+    def _refresh_sharded(self, group: dict[str, Any], params: list[Tensor],
+                         states: list[dict[str, Any]], sides: list[str]) -> None:
+        """fsdp: each gradient gathered whole once per refresh, its SVD run by one rank (the
+        weights in turn, so W ranks share the work), and the basis broadcast from there."""
+        rank, randomized = group["rank"], group["svd"] == "randomized"
+        me, world = distributed.rank(), distributed.world_size()
+        self.svd_attempts += len(params)
+        for i, (p, st, side) in enumerate(zip(params, states, sides, strict=True)):
+            whole = fsdp.full(p.grad)  # collective: every rank, in the same order
+            owner = i % world
+            found = safe_basis(whole, side, rank, randomized, st["proj_step"]) \
+                if me == owner else None
+            if found is not None and found[0] is not None:  # sent from the host
+                found = ({k: v.cpu() for k, v in found[0].items()}, found[1])
+            basis, retried = distributed.broadcast_object(found, owner)
+            if basis is None:
+                self.svd_failures += 1  # keep the previous basis (or wait for one)
+                continue
+            self.svd_retries += retried
+            self._switch(group["moments"], st, {k: v.to(whole.device) for k, v in basis.items()})
 
     def _switch(self, policy: str, st: dict[str, Any], basis: dict[str, Tensor]) -> None:
         old = {k: st[k] for k in BASIS_KEYS if k in st}
@@ -232,15 +266,29 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Under fsdp, states of this rank's rows (a right-side or unprojected weight's) are
+        placed as row shards, which the trainer gathers whole: the 1-process checkpoint."""
         sd = super().state_dict()
+        for index, (p, side) in enumerate(self._sides()):
+            if side in ("right", "none") and index in sd["state"]:
+                sd["state"][index] = fsdp.rows_whole(sd["state"][index], p, BASIS_KEYS)
         sd["svd_counts"] = self.svd_counts()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch casts every state tensor to its parameter's dtype: 8-bit states and float32
-        moments of bf16 weights come back as saved."""
+        moments of bf16 weights come back as saved. Under fsdp, whole row states are cut to
+        this rank's rows (the bases stay whole on every rank)."""
         restore_dtypes(self, super().load_state_dict, state_dict)
+        for p, side in self._sides():
+            if side in ("right", "none") and p in self.state:
+                fsdp.rows_cut(self.state[p], p, BASIS_KEYS)
         self.load_svd_counts(state_dict)
+
+    def _sides(self) -> list[tuple[Tensor, str]]:
+        """Every parameter with its projected side, in state_dict's order."""
+        return [(p, side_of(p.shape, g["proj_type"], g["rank"]) if g["rank"] else "none")
+                for g in self.param_groups for p in g["params"]]
 
 
 def _has_basis(st: dict[str, Any]) -> bool:
@@ -253,9 +301,20 @@ def _due(st: dict[str, Any], gap: int) -> bool:
 
 
 def _low_rank(p: Tensor, st: dict[str, Any], side: str) -> Tensor:
-    """What the inner optimizer sees: R = PᵀG, plus the sum `fold` kept of earlier micro-batches."""
+    """What the inner optimizer sees: R = PᵀG, plus the sum `fold` kept of earlier micro-batches.
+    Under fsdp a right side's R = GQᵀ is this rank's rows of it; a left side's PᵀG is the sum
+    over ranks of P's rows times G's (an all-reduce of r×n), the same R on every rank."""
     acc = st.pop("folded", None)
     if p.grad is None:
         return acc
-    r = project(p.grad, st, side)
+    r = project(fsdp.local(p.grad), _cut(p, st), side)
+    if fsdp.is_sharded(p) and side in ("left", "full"):
+        distributed.all_sum(r)
     return r if acc is None else acc.add_(r)
+
+
+def _cut(p: Tensor, st: dict[str, Any]) -> dict[str, Any]:
+    """The bases as this rank uses them: a left basis P cut to the rows of W it holds."""
+    if not fsdp.is_sharded(p) or "left" not in st:
+        return st
+    return {**st, "left": st["left"][fsdp.rows(p)]}

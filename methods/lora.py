@@ -113,6 +113,9 @@ class Lora(Method):
     def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
         return adamw(groups, run, self.config)
 
+    def fsdp_refusal(self, run: RunConfig) -> str | None:
+        return None  # frozen and trained rows alike sharded; AdamW steps the adapters' shards
+
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         s = LoraShapes(shapes, self.config)
         return adam_bytes(s.float_numel, s.trainable, run, self.steps)

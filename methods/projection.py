@@ -62,11 +62,12 @@ def compute_basis(grad: Tensor, side: str, rank: int, randomized: bool, seed: in
     return out
 
 
-def safe_basis(grad: Tensor, side: str, rank: int) -> tuple[dict[str, Tensor] | None, bool]:
-    """(basis, retried): the exact SVD in float32, else in float64 (GaLore#7, #26, #58), else
+def safe_basis(grad: Tensor, side: str, rank: int, randomized: bool = False,
+               seed: int = 0) -> tuple[dict[str, Tensor] | None, bool]:
+    """(basis, retried): the SVD in float32, else in float64 (GaLore#7, #26, #58), else
     None, and the caller keeps its previous basis."""
     for dtype in (torch.float32, torch.float64):
-        basis = compute_basis(grad, side, rank, False, 0, dtype)
+        basis = compute_basis(grad, side, rank, randomized, seed, dtype)
         if basis is not None and all(bool(t.isfinite().all()) for t in basis.values()):
             return basis, dtype == torch.float64
     return None, False

@@ -120,6 +120,10 @@ class QGaLore(GaLore):
     summary = "Q-GaLore: INT8 weights updated in backward, INT4 projections, lazy SVDs"
     Config = QGaLoreConfig
 
+    def fsdp_refusal(self, run: RunConfig) -> str | None:
+        return ("its INT8 weights are buffers updated inside backward, not parameters FSDP "
+                "shards and reduces; use train.parallel: ddp")
+
     @property
     def linears(self) -> str:  # type: ignore[override]
         return "float" if self.config.simulate else "quantized"

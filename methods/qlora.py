@@ -47,6 +47,11 @@ class QLora(Lora):
     summary = "LoRA adapters (peft) on NF4 double-quantized frozen linears (bitsandbytes)"
     Config = QLoraParams
 
+    def fsdp_refusal(self, run: RunConfig) -> str | None:
+        return ("its NF4 base weights are bitsandbytes Params4bit, flattened packed codes whose "
+                "quantization constants live outside the tensor, so FSDP's dim-0 split would "
+                "cut codes from their constants; use train.parallel: ddp (or lora under fsdp)")
+
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         from peft import prepare_model_for_kbit_training
 

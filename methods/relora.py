@@ -141,6 +141,10 @@ class ReLora(Lora):
             )
         return self._restart_refusal(run.train) if self.config.two_runs else None
 
+    def fsdp_refusal(self, run: RunConfig) -> str | None:
+        return ("its merges (W += s·B·A) and adapter re-initialisations act on whole matrices "
+                "and are not done on FSDP's shards yet; use train.parallel: ddp")
+
     def _restart_refusal(self, t: TrainConfig) -> str | None:
         """The reference's own assertions on its second run's schedule (training_utils.py)."""
         cfg, steps = self.config, t.steps

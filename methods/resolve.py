@@ -21,6 +21,7 @@ MODIFIER_TRIALS: dict[str, dict[str, Any]] = {
     "16-mixed": {"train": {"precision": "16-mixed"}},
     "bf16-true": {"train": {"precision": "bf16-true"}},
     "bf16-true kahan": {"train": {"precision": "bf16-true", "update_compensation": "kahan"}},
+    "fsdp": {"train": {"parallel": "fsdp"}},
 }
 
 
@@ -81,5 +82,6 @@ def modifier_support(method: str) -> dict[str, str | None]:
             load_run({**data, "method": {"name": method}})
             support[modifier] = None
         except UserError as e:
-            support[modifier] = str(e).removeprefix(f"method {method}: ")
+            support[modifier] = str(e).removeprefix(f"method {method}: ").removeprefix(
+                f"method {method} with train.parallel fsdp: ")
     return support

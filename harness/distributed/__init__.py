@@ -93,6 +93,15 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def broadcast_object(obj: Any, src: int) -> Any:
+    """Rank `src`'s `obj` (picklable: a dict of tensors) on every rank."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank when it is true on one: a stop or prune decided by one rank is
     taken by all at the same step, so none waits at a collective the others have left."""

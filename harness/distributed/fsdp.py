@@ -12,7 +12,7 @@ helpers below are how methods and modifiers see a parameter that may be sharded 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -116,3 +116,37 @@ def shard_states(states: dict[Any, dict[str, Any]]) -> None:
 def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """A whole model state (a checkpoint's) into a sharded model: each rank keeps its rows."""
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def rows_whole(state: dict[str, Any], param: torch.Tensor, whole: Collection[str]) -> dict:
+    """An optimizer state kept as plain tensors of this rank's rows (dim 0 the shard's rows,
+    keys outside `whole`, which every rank holds entire) with those tensors placed as row
+    shards of the whole: `gathered` then writes them whole, as one process would."""
+    if not isinstance(param, DTensor):
+        return state
+    span = rows(param)
+    out = dict(state)
+    for key, value in state.items():
+        if key in whole or not _holds_rows(value, span):
+            continue
+        shape = (param.shape[0], *value.shape[1:])
+        out[key] = DTensor.from_local(value, param.device_mesh, param.placements,
+                                      run_check=False, shape=shape,
+                                      stride=torch.empty(shape, device="meta").stride())
+    return out
+
+
+def rows_cut(state: dict[str, Any], param: torch.Tensor, whole: Collection[str]) -> None:
+    """The inverse of `rows_whole` on load: each whole tensor of the parameter's rows (dim 0
+    the parameter's, keys outside `whole`) cut to this rank's rows, in place."""
+    if not isinstance(param, DTensor):
+        return
+    for key, value in state.items():
+        if key not in whole and isinstance(value, torch.Tensor) and value.dim() \
+                and value.shape[0] == param.shape[0]:
+            state[key] = value[rows(param)].clone()
+
+
+def _holds_rows(value: Any, span: slice) -> bool:
+    return (isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0
+            and value.shape[0] == span.stop - span.start)

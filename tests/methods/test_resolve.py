@@ -59,6 +59,8 @@ def test_modifier_support_tries_each_modifier_on_the_defaults():
     relora = modifier_support("relora")
     assert relora["layerwise"].startswith("ReLoRA's warm start")
     assert relora["recompute"] is None and relora["16-mixed"] is None
+    assert modifier_support("lora")["fsdp"] is None
+    assert relora["fsdp"].startswith("its merges (W += s·B·A)")
     galore = modifier_support("galore")
     assert galore["optimizer_offload paged"].startswith("its low-rank moments")
     qgalore = modifier_support("qgalore")
