@@ -172,16 +172,23 @@ def test_optuna_workers_run_as_array_tasks(tmp_path):
     assert ids == {d.name for d in (out / "trials").iterdir()}
 
 
-def test_a_two_task_job_is_one_ddp_trial(tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_two_task_job_is_one_ddp_trial(tmp_path, parallel):
     """tasks_per_node=2: Slurm starts two tasks; each gives its trial process torchrun's
-    variables from submitit's environment, and the trial equals a 1-process run."""
+    variables from submitit's environment, and the trial (DDP, or FSDP2's shards) equals a
+    1-process run."""
     out = tmp_path / "runs"
-    proc = start_sweep(sweep_file(tmp_path, 4, [3e-3]), out, "launcher.tasks_per_node=2")
+    proc = start_sweep(sweep_file(tmp_path, 4, [3e-3]), out, "launcher.tasks_per_node=2",
+                       f"train.parallel={parallel}")
     log = finish(proc)
     assert proc.returncode == 0, log
     trial_dir = only_trial(out)
-    run = micro_run(steps=4, lr=3e-3, log_every=1) | {"eval": {"every": 0, "tokens": 128}}
+    run = micro_run(steps=4, lr=3e-3, log_every=1, parallel=parallel) | {
+        "eval": {"every": 0, "tokens": 128}}
     assert_matches_one_process(trial_dir, run, tmp_path / "single")
+    held, whole = (read_json(d / "summary.json")["param_bytes"] for d in (trial_dir,
+                                                                         tmp_path / "single"))
+    assert held == (whole // 2 if parallel == "fsdp" else whole)  # rank 0: half of every row
     ranks = "".join(p.read_text() for p in (out / "jobs").glob("*/*_log.err"))
     assert "rank 1/2: gloo" in ranks
 
