@@ -332,12 +332,13 @@ def build_parser() -> Parser:
                 "modifier, with where they are (target: none). gpu: every CUDA check in "
                 "priority order within --budget-min, each part in its own process under its own "
                 "cap, into --out's gpu.json and gpu.md; run again with the same --out to go on "
-                "(docs/bench.md)")
-    b.add_argument("what", choices=["loop", "optim", "memory", "launch", "syncs", "gpu"],
+                "(docs/bench.md). fsdp: tokens/s of train.parallel fsdp against ddp on --procs "
+                "processes, --model, in --rounds alternating rounds")
+    b.add_argument("what", choices=["loop", "optim", "memory", "launch", "syncs", "gpu", "fsdp"],
                    help="loop: harness vs bare loop; optim: optimizer step per method vs AdamW "
                    "and galore-torch; memory: estimator vs measured bytes per method; launch: "
                    "each launcher's per-trial overhead; syncs: host reads per training step; "
-                   "gpu: the CUDA kit")
+                   "gpu: the CUDA kit; fsdp: fsdp vs ddp tokens/s")
     b.add_argument("--model", default="llama_tiny", help="model preset (default llama_tiny)")
     b.add_argument("--steps", type=positive_int, default=20, help="steps per run (default 20)")
     b.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
@@ -346,7 +347,8 @@ def build_parser() -> Parser:
                    default="32-true", help="loop: 32-true or bf16-mixed (old names: fp32, bf16)")
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     b.add_argument("--rounds", type=positive_int, default=3,
-                   help="alternating rounds (loop); trials per launcher (launch)")
+                   help="alternating rounds (loop, fsdp); trials per launcher (launch)")
+    b.add_argument("--procs", type=positive_int, default=2, help="fsdp: processes (default 2)")
     b.add_argument("--preset", default="llama_60m",
                    help="shapes for optim, memory and syncs (default llama_60m)")
     b.add_argument("--gap", type=positive_int, default=200, help="GaLore update_proj_gap (optim)")

@@ -244,3 +244,18 @@ def test_train_profile_writes_trace_and_operator_table(tmp_path, capsys):
     assert steps == {"ProfilerStep#2", "ProfilerStep#3"}  # steps 3 and 4 of the run
     ops = (tmp_path / "t" / "profile" / "ops.txt").read_text()
     assert "aten::mm" in ops and "Self CPU" in ops
+
+
+def test_bench_fsdp_runs_both_strategies_and_prints_the_ratio(capfd):
+    """One round of each at llama_micro: both trials ran (tokens/s > 0) and the fsdp one was
+    sharded (rank 0 holds half of each of llama_micro's even-row weights: 1,149,248 of them
+    as float32 over 2 processes, counted by hand: 4 · 1,149,248 / 2)."""
+    assert main(["bench", "fsdp", "--model", "llama_micro", "--procs", "2", "--steps", "3",
+                 "--batch-size", "2", "--seq-len", "32", "--rounds", "1", "--json"]) == 0
+    records = json.loads(capfd.readouterr().out)
+    ddp, fsdp, ratio = records
+    assert [r["name"] for r in records] == ["fsdp/ddp_tokens_per_s", "fsdp/fsdp_tokens_per_s",
+                                            "fsdp/ratio"]
+    assert ddp["value"] > 0 and fsdp["value"] > 0 and len(ddp["per_round"]) == 1
+    assert ddp["param_bytes"] == 4 * 1_149_248 and fsdp["param_bytes"] == 4 * 1_149_248 // 2
+    assert ratio["value"] == pytest.approx(fsdp["value"] / ddp["value"])
