@@ -9,7 +9,8 @@ other tensor (norms) one for the whole tensor. An m×n weight keeps mn + blocks 
 Our own optimizer, not the package's: the package needs parameter names in its groups (ours
 get groups: one parameter's when layer-wise), calls `dist.all_gather`/`all_reduce` whenever
 more than one CUDA device is visible (without a process group it fails; our gradients are
-already averaged over ranks before the step, so no collective is needed), and keeps its
+already averaged over ranks before the step, so no collective is needed; under fsdp a head's
+or a norm's block may span shards, and only its sum of squares is all-reduced), and keeps its
 states in the weight's dtype with no update compensation under bf16-true. The tests check it
 against the package step for step (tests/methods/test_adam_mini.py; docs/fidelity.md).
 """
@@ -23,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from harness import distributed
+from harness.distributed import fsdp
 from harness.methods.base import Groups, MemoryEstimate, Method, Shapes, grad_bytes, numel, register
 from harness.methods.full import AdamConfig
 from harness.methods.widths import widths
@@ -38,6 +41,9 @@ QUERY_KEY = ("k_proj", "q_proj", "wq", "wk", "query", "key")
 PER_ROW = ("embed", "embd", "wte", "lm_head", "output", "final_layer", "v_proj", "wv", "value",
            "o_proj", "wo", "attn.proj", "feed_forward", "linear", "mlp")
 KINDS = ("element", "head", "row", "tensor")
+# Under fsdp, the second moments every rank holds whole: a head's or a tensor's block may
+# span shards (its mean square is then summed over ranks); the others are row shards.
+WHOLE = {"element": (), "row": (), "head": ("exp_avg_sq",), "tensor": ("exp_avg_sq",)}
 
 
 def block_kind(name: str, shape: tuple[int, ...]) -> str:
@@ -87,29 +93,68 @@ class AdamMini(ParamwiseOptimizer):
     def _update(self, group: dict[str, Any], p: Tensor) -> None:
         (b1, b2), lr, wd, kind = group["betas"], group["lr"], group["weight_decay"], group["block"]
         blocks = block_count(kind, tuple(p.shape), group["head_dim"])
-        st = self.state[p]
+        st, w = self.state[p], fsdp.local(p)  # under fsdp: this rank's rows
+        spans = fsdp.is_sharded(p) and kind in ("head", "tensor")
         if not st:
             dtype = self.dtype or p.dtype
             st["step"] = 0
-            st["exp_avg"] = torch.zeros_like(p, dtype=dtype)
-            v_shape = p.shape if kind == "element" else (blocks, 1)
-            st["exp_avg_sq"] = torch.zeros(v_shape, dtype=dtype, device=p.device)
+            st["exp_avg"] = torch.zeros_like(w, dtype=dtype)
+            v_shape = w.shape if kind == "element" else (
+                (blocks, 1) if kind != "row" or not fsdp.is_sharded(p) else (w.shape[0], 1))
+            st["exp_avg_sq"] = torch.zeros(v_shape, dtype=dtype, device=w.device)
         st["step"] += 1
-        g = p.grad.float()
+        g = fsdp.local(p.grad).float()
         m = st["exp_avg"].float().lerp_(g, 1 - b1)  # the state itself when float32
         st["exp_avg"].copy_(m)
         if kind == "element":
             square, m_blocks = g * g, m
+        elif spans:
+            square, of_row = _spanning_mean_square(p, g, blocks)
+            m_blocks = m.reshape(len(of_row), -1)
         else:  # one row of the view per block: its mean square is the block's
-            g_blocks, m_blocks = g.reshape(blocks, -1), m.reshape(blocks, -1)
+            width = math.prod(g.shape[1:]) if kind == "row" else g.numel() // blocks
+            g_blocks = g.reshape(-1, width)
+            m_blocks = m.reshape(g_blocks.shape)
             square = g_blocks.square().mean(1, keepdim=True)
         v = st["exp_avg_sq"].float().mul_(b2).add_(square, alpha=1 - b2)
         st["exp_avg_sq"].copy_(v)
         denom = v.sqrt().div_(math.sqrt(1 - b2 ** st["step"])).add_(group["eps"])
-        update = m_blocks.div(denom).mul_(-lr / (1 - b1 ** st["step"])).reshape(p.shape)
+        if spans:
+            denom = denom[of_row]  # each of this rank's rows by its block's
+        update = m_blocks.div(denom).mul_(-lr / (1 - b1 ** st["step"])).reshape(w.shape)
         if wd:
-            update.add_(p, alpha=-lr * wd)
-        add_update(p, update, self.compensation, st)
+            update.add_(w, alpha=-lr * wd)
+        add_update(w, update, self.compensation, st)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Under fsdp, row states placed as row shards, which the trainer gathers whole."""
+        sd = super().state_dict()
+        for index, (p, kind) in enumerate(self._kinds()):
+            if index in sd["state"]:
+                sd["state"][index] = fsdp.rows_whole(sd["state"][index], p, WHOLE[kind])
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for p, kind in self._kinds():
+            if p in self.state:
+                fsdp.rows_cut(self.state[p], p, WHOLE[kind])
+
+    def _kinds(self) -> list[tuple[Tensor, str]]:
+        return [(p, g["block"]) for g in self.param_groups for p in g["params"]]
+
+
+def _spanning_mean_square(p: Tensor, g: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
+    """fsdp, a head's or a tensor's blocks, which a shard's rows may split: each block's
+    mean square from every rank's partial sums (an all-reduce of `blocks` values), and the
+    block of each of this rank's rows."""
+    span = fsdp.rows(p)
+    per_block = p.shape[0] // blocks  # rows (a 1-D tensor: elements) of one block
+    of_row = torch.arange(span.start, span.stop, device=g.device) // per_block
+    sums = torch.zeros(blocks, device=g.device).index_add_(
+        0, of_row, g.reshape(len(of_row), -1).square().sum(1))
+    distributed.all_sum(sums)
+    return (sums / (p.numel() // blocks)).unsqueeze(1), of_row
 
 
 def head_dim_of(model: nn.Module) -> int:
@@ -139,6 +184,9 @@ class AdamMiniMethod(Method):
     def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
         c, kwargs = self.config, own_optimizer_kwargs(run.train)
         return AdamMini(groups, lr=run.train.lr, betas=c.betas, eps=c.eps, **kwargs)
+
+    def fsdp_refusal(self, run: RunConfig) -> str | None:
+        return None  # row blocks stay on their shard; head and tensor blocks are summed over
 
     def refusal(self, run: RunConfig) -> str | None:
         if run.memory.optimizer_offload == "paged":

@@ -125,7 +125,7 @@ def test_bench_memory_counts_what_it_estimates(monkeypatch):
 
 def test_paged_states_are_refused_with_the_reason():
     support = modifier_support("adam_mini")
-    assert {k for k, v in support.items() if v} == {"optimizer_offload paged", "fsdp"}
+    assert {k for k, v in support.items() if v} == {"optimizer_offload paged"}
     with pytest.raises(UserError, match=r"^method adam_mini: its per-block second moments are"):
         load_run(mini_run(memory={"optimizer_offload": "paged"}))
 

@@ -64,14 +64,17 @@ WEIGHT_ATOL = {"galore": 3e-4}
     (2, FULL, {}), (4, FULL, {}), (2, FULL, {"layerwise": True}), (2, FULL, {"recompute": "full"}),
     (2, {"name": "lora", "rank": 4}, {}), (2, {"name": "lowrank", "rank": 8}, {}),
     (2, GALORE, {}), (4, GALORE, {}), (2, GALORE, {"layerwise": True}),
+    (4, {"name": "adam_mini"}, {}),
 ], ids=["2", "4", "2-layerwise", "2-recompute", "2-lora", "2-lowrank", "2-galore", "4-galore",
-        "2-galore-layerwise"])
+        "2-galore-layerwise", "4-adam_mini"])
 def test_fsdp_trains_as_one_process(tmp_path, procs, method, memory):
     """Layer-wise: FSDP runs each parameter's hook on its reduced shard, which clips (the norm
     over the shards) and steps it; recompute: the gathered layer runs its forward again. LoRA:
     frozen base rows and trained adapter rows in one sharded layer; low-rank: both factors.
     GaLore over two refreshes: each gathers a gradient once, one rank's SVD is broadcast, and
-    between them a right side projects its rows and a left side all-reduces PᵀG."""
+    between them a right side projects its rows and a left side all-reduces PᵀG. Adam-mini on
+    4: a query's 64 rows in 2 heads of 32 over shards of 16, so each head's mean square is
+    summed over two ranks, and each norm's over all four."""
     data = {**fsdp_run(), "method": method, "memory": memory}
     output = run_procs(data, tmp_path / "many", procs)
     one = train(load_run(data), tmp_path / "one")
@@ -131,7 +134,7 @@ def stop_after(data: dict[str, Any], out: Path, procs: int, step: int) -> int:
 
 
 @pytest.mark.parametrize(("first", "then", "method"), [(4, 2, FULL), (2, 1, FULL),
-                                                     (4, 2, GALORE)])
+                                                     (4, 2, GALORE), (4, 2, {"name": "adam_mini"})])
 def test_a_trial_stopped_at_one_world_size_resumes_at_another(tmp_path, first, then, method):
     """The checkpoint holds whole tensors, so a resume at any world size cuts them anew (GaLore:
     its row-sharded moments by rows, its bases whole); the losses after it are the
