@@ -54,6 +54,11 @@ class Adam8bit(Method):
             return repaged_on_load(bnb.optim.PagedAdamW8bit(groups, **kwargs))
         return bnb.optim.AdamW8bit(groups, **kwargs)
 
+    def fsdp_refusal(self, run: RunConfig) -> str | None:
+        return ("bitsandbytes' 8-bit states are quantized in blocks of 256 values of the "
+                "flattened tensor, which FSDP's row shards cut unless every shard is a multiple "
+                "of 256, and they are not sharded yet; use train.parallel: ddp")
+
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         sizes, w = [numel(s) for s in shapes.values()], widths(run)
         states = sum(adam8bit_state_bytes(n, self.config.min_8bit_size, w.state) for n in sizes)

@@ -85,11 +85,11 @@ class APOLLO(GaLore):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
+        self.seeds: dict[Int8Linear, int] = {}  # int8_weights: each layer's projection seed
 
     def fsdp_refusal(self, run: RunConfig) -> str | None:
         return ("its channel scaling (norms per row or column of the projected moments) is "
                 "not reduced over FSDP's shards yet; use train.parallel: ddp")
-        self.seeds: dict[Int8Linear, int] = {}  # int8_weights: each layer's projection seed
 
     @property
     def linears(self) -> str:  # type: ignore[override]

@@ -91,11 +91,13 @@ class FiraOptimizer(GaLoreOptimizer):
         return None
 
     def _apply(self, group: dict[str, Any], params: list[Tensor], updates: list[Tensor],
-               states: list[dict[str, Any]], sides: list[str], alpha: float) -> None:
+               states: list[dict[str, Any]], sides: list[str], alpha: float,
+               bases: list[dict[str, Any]] | None = None) -> None:
         """GaLore's update plus −lr·S, one weight at a time, so one full-size residual exists
-        at once. A weight at a rank ≥ min(m, n) ("none") has nothing outside its subspace."""
+        at once. A weight at a rank ≥ min(m, n) ("none") has nothing outside its subspace.
+        (`bases`: the states' own; Fira is not sharded, methods/fira.py `fsdp_refusal`.)"""
         if not group["rank"]:
-            super()._apply(group, params, updates, states, sides, alpha)
+            super()._apply(group, params, updates, states, sides, alpha, bases)
             return
         lr, wd = group["lr"], group["weight_decay"]
         for p, u, st, side in zip(params, updates, states, sides, strict=True):

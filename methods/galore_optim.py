@@ -180,7 +180,7 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
     def _refresh(self, group: dict[str, Any], params: list[Tensor],
                  states: list[dict[str, Any]], sides: list[str]) -> None:
         """New bases by SVD in float32; one host sync checks them all for non-finite values."""
-        if fsdp.is_sharded(params[0]):
+        if params and fsdp.is_sharded(params[0]):
             self._refresh_sharded(group, params, states, sides)
             return
         rank, randomized = group["rank"], group["svd"] == "randomized"
