@@ -11,44 +11,21 @@ import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
+from harness.cli_args import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USER,
+    Parser,
+    positive_float,
+    positive_int,
+    rank_and_micro,
+)
 from harness.config import parse_overrides, read_yaml
 from harness.errors import UserError, render
 from harness.methods.resolve import load_run
-
-EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_INTERRUPTED = 0, 1, 2, 130
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line (and exit 2), like every other user error."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USER, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got '{text}'")
-    return int(text)
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number above 0, got '{text}'")
-    return value
-
-
-def rank_and_micro(text: str) -> tuple[int, int]:
-    rank, _, micro = text.partition(":")
-    if not (rank.isdigit() and micro.isdigit() and int(rank) > 0 and int(micro) > 0):
-        raise argparse.ArgumentTypeError(f"expected RANK:MICRO, two whole numbers of at least 1 "
-                                         f"(e.g. 64:4), got '{text}'")
-    return int(rank), int(micro)
 
 
 @contextmanager

@@ -95,12 +95,12 @@ class AdamMini(ParamwiseOptimizer):
         blocks = block_count(kind, tuple(p.shape), group["head_dim"])
         st, w = self.state[p], fsdp.local(p)  # under fsdp: this rank's rows
         spans = fsdp.is_sharded(p) and kind in ("head", "tensor")
+        here = w.shape[0] if kind == "row" else blocks  # the blocks this rank's moments hold
         if not st:
             dtype = self.dtype or p.dtype
             st["step"] = 0
             st["exp_avg"] = torch.zeros_like(w, dtype=dtype)
-            v_shape = w.shape if kind == "element" else (
-                (blocks, 1) if kind != "row" or not fsdp.is_sharded(p) else (w.shape[0], 1))
+            v_shape = w.shape if kind == "element" else (here, 1)
             st["exp_avg_sq"] = torch.zeros(v_shape, dtype=dtype, device=w.device)
         st["step"] += 1
         g = fsdp.local(p.grad).float()
@@ -112,9 +112,7 @@ class AdamMini(ParamwiseOptimizer):
             square, of_row = _spanning_mean_square(p, g, blocks)
             m_blocks = m.reshape(len(of_row), -1)
         else:  # one row of the view per block: its mean square is the block's
-            width = math.prod(g.shape[1:]) if kind == "row" else g.numel() // blocks
-            g_blocks = g.reshape(-1, width)
-            m_blocks = m.reshape(g_blocks.shape)
+            g_blocks, m_blocks = g.reshape(here, -1), m.reshape(here, -1)
             square = g_blocks.square().mean(1, keepdim=True)
         v = st["exp_avg_sq"].float().mul_(b2).add_(square, alpha=1 - b2)
         st["exp_avg_sq"].copy_(v)

@@ -163,9 +163,9 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         live = [i for i, st in enumerate(states) if sides[i] == "none" or _has_basis(st)]
         params = [params[i] for i in live]  # a weight whose first SVD failed waits a step
         states, sides = [states[i] for i in live], [sides[i] for i in live]
-        grads = self._inner_grads(
-            [_low_rank(p, st, s) for p, st, s in zip(params, states, sides, strict=True)])
         bases = [_cut(p, st) for p, st in zip(params, states, strict=True)]
+        grads = self._inner_grads([_low_rank(p, st, b, s) for p, st, b, s
+                                   in zip(params, states, bases, sides, strict=True)])
         params = [fsdp.local(p) for p in params]
         lr, scale = group["lr"], group["scale"]
         if self.inner == "adafactor":
@@ -300,14 +300,15 @@ def _due(st: dict[str, Any], gap: int) -> bool:
     return st.get("proj_step", 0) % gap == 0 or not _has_basis(st)
 
 
-def _low_rank(p: Tensor, st: dict[str, Any], side: str) -> Tensor:
+def _low_rank(p: Tensor, st: dict[str, Any], basis: dict[str, Any], side: str) -> Tensor:
     """What the inner optimizer sees: R = PᵀG, plus the sum `fold` kept of earlier micro-batches.
     Under fsdp a right side's R = GQᵀ is this rank's rows of it; a left side's PᵀG is the sum
-    over ranks of P's rows times G's (an all-reduce of r×n), the same R on every rank."""
+    over ranks of P's rows times G's (an all-reduce of r×n), the same R on every rank.
+    `basis`: the bases as this rank uses them (`_cut`)."""
     acc = st.pop("folded", None)
     if p.grad is None:
         return acc
-    r = project(fsdp.local(p.grad), _cut(p, st), side)
+    r = project(fsdp.local(p.grad), basis, side)
     if fsdp.is_sharded(p) and side in ("left", "full"):
         distributed.all_sum(r)
     return r if acc is None else acc.add_(r)

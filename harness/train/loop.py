@@ -147,9 +147,8 @@ class Trainer:
     def _wrap(self) -> None:
         """`net` is what forward runs through: DDP, or the model itself (one process, fsdp, or
         layer-wise). Wrapped again when ReLoRA's warm start freezes weights DDP waits for."""
-        sharded = self.sharded or not distributed.active()
-        self.net = self.model if sharded else distributed.wrap(self.model, self.device,
-                                                                self.layerwise)
+        self.net = self.model if self.sharded else distributed.wrap(self.model, self.device,
+                                                                     self.layerwise)
         self._trainable = distributed.trainable(self.model)
 
     def _settle(self) -> None:

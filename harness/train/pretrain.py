@@ -89,8 +89,8 @@ class LMData:
         mine = starts[distributed.rank() :: world]  # data parallel: every W-th batch each
         rounds = -(-len(starts) // world) if lockstep else len(mine)
         for j in range(rounds):
-            ids, labels = to_batch(self._eval[mine[j] if j < len(mine) else 0:][:batch],
-                                   pin=False)
+            i = mine[j] if j < len(mine) else 0
+            ids, labels = to_batch(self._eval[i : i + batch], pin=False)
             ids, labels = ids.to(self.device), labels.to(self.device)
             with precision.autocast():
                 loss = loss_sum(model, ids, labels).double()
