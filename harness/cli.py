@@ -50,9 +50,11 @@ def logs_to_stderr(active: bool) -> Iterator[None]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from harness.cost.profile import SKIPPED
+    from harness.distributed.allocation import follow_allocation
     from harness.train import train
     from harness.trials import Status
 
+    follow_allocation()
     run = load_run(read_yaml(args.config), parse_overrides(args.set))
     out = Path(args.out) if args.out else Path("runs") / run.name
     steps = run.train.steps

@@ -19,13 +19,9 @@ from typing import Any
 from tqdm import tqdm
 
 from harness.config import LauncherConfig
+from harness.distributed.allocation import allocated_cpus
 from harness.errors import last_line
-from harness.sweep.process import (
-    allocated_cpus,
-    record_end,
-    trial_command,
-    trial_env,
-)
+from harness.sweep.process import record_end, trial_command, trial_env
 from harness.sweep.source import Source
 from harness.sweep.worker import TrialJob, Worker
 from harness.trials import RunsDir, Status, TrialDir

@@ -16,6 +16,7 @@ import time
 import zlib
 from pathlib import Path
 
+from harness.distributed.allocation import allocated_cpus
 from harness.trials import Status, TrialDir
 
 RESEND_S = 2.0  # a stop request is repeated this often until the trial process has ended
@@ -32,20 +33,6 @@ def trial_command(trial_dir: Path) -> list[str]:
         "--out",
         str(trial_dir),
     ]
-
-
-def allocated_cpus(tasks_here: int = 1) -> int:
-    """The CPUs this process was given: Slurm's grant per task where it says (a job sees every
-    core of the node unless Slurm binds tasks, so the affinity mask alone would oversubscribe),
-    else the affinity mask (taskset, a container's cpuset)."""
-    cpus = len(os.sched_getaffinity(0))
-    per_task = os.environ.get("SLURM_CPUS_PER_TASK", "")
-    if per_task.isdigit():
-        return max(1, min(cpus, int(per_task)))
-    on_node = os.environ.get("SLURM_CPUS_ON_NODE", "")
-    if on_node.isdigit():
-        return max(1, min(cpus, int(on_node) // max(1, tasks_here)))
-    return cpus
 
 
 def trial_env(threads: int | None) -> dict[str, str]:

@@ -15,7 +15,6 @@ from conftest import micro_run, start_sweep, wait_for_step, write_yaml
 
 from harness.config import LauncherConfig
 from harness.sweep.launchers import TrialJob, submit
-from harness.sweep.process import allocated_cpus
 from harness.trials import read_json
 
 
@@ -91,21 +90,6 @@ def test_a_sigkilled_trial_is_killed_and_the_sweep_carries_on(tmp_path):
     assert summary["error"] == "trial process killed by signal 9 (SIGKILL)"
     others = [read_json(p) for p in out.glob("trials/*/summary.json") if p.parent != killed]
     assert [s["status"] for s in others] == ["ok"]
-
-
-def test_allocated_cpus_follow_slurm_then_the_affinity_mask(monkeypatch):
-    mask = len(os.sched_getaffinity(0))
-    for var in ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"):
-        monkeypatch.delenv(var, raising=False)
-    assert allocated_cpus() == mask
-    monkeypatch.setenv("SLURM_CPUS_ON_NODE", "64")  # what Slurm granted, capped by the mask
-    assert allocated_cpus() == mask
-    monkeypatch.setenv("SLURM_CPUS_ON_NODE", "1")
-    assert allocated_cpus() == 1
-    monkeypatch.setenv("SLURM_CPUS_ON_NODE", str(2 * mask))
-    assert allocated_cpus(tasks_here=2) == mask
-    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
-    assert allocated_cpus(tasks_here=2) == 1
 
 
 @pytest.mark.parametrize("gap_s", [0.2, 0.0])

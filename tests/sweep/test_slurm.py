@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -265,3 +266,18 @@ def test_two_slurm_trials_at_once_each_use_the_cpu_they_were_given(tmp_path):
     log = finish(proc)
     assert proc.returncode == 0, log
     assert [read_json(d / "summary.json")["threads"] for d in (out / "trials").iterdir()] == [1, 1]
+
+
+def test_harness_train_started_by_srun_runs_the_threads_of_its_cpus(tmp_path):
+    """`srun -n1 -c1 harness train`: this cluster does not bind the task to its CPU, so torch
+    alone would start a thread per core of the node (2 here); the trial follows its grant."""
+    assert len(os.sched_getaffinity(0)) >= 2, "needs a node of 2 or more cores"
+    config = write_yaml(tmp_path / "run.yaml", micro_run(steps=1, log_every=1))
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    done = subprocess.run(
+        ["srun", "-n1", "-c1", sys.executable, "-m", "harness.cli", "train", str(config),
+         "--out", str(tmp_path / "run")],
+        capture_output=True, text=True, env=env, cwd=conftest.REPO, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert read_json(tmp_path / "run" / "summary.json")["threads"] == 1
