@@ -128,9 +128,4 @@ class SweepConfig(Common):
                 "launcher: nodes x tasks_per_node > 1 (a DDP trial) needs kind submitit-local "
                 "or slurm (or run `torchrun ... harness train`)"
             )
-        if self.launcher.ranks > 1 and self.search.sampler != "grid":
-            raise ValueError(
-                "launcher: DDP trials (nodes x tasks_per_node > 1) run in grid sweeps; "
-                "Optuna workers run one process each"
-            )
         return self

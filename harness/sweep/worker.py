@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness.sweep.follow import Board
 from harness.sweep.process import ChildProcess
 from harness.sweep.source import GridSource, Pick, Source, finished
 from harness.trials import TrialDir
@@ -70,15 +71,33 @@ class TrialJob:
         self.requeue: Any = None  # submitit's USR2 handler: checkpoint, dump, requeue, exit
         self.stopping = False  # a signal is being handled
         self.ended = False  # the work is done: the job ends as it would have
+        self.board: Board | None = None  # rank 0 of a multi-task Optuna worker posts here
 
     def __call__(self) -> int:
         self.worker = Worker(self.source, self.run_trial)
         self.requeue = signal.getsignal(signal.SIGUSR2)
         signal.signal(signal.SIGUSR2, self.on_signal)
         try:
-            return self.worker.run()
+            board = None if self.source.assigned else Board.of_job()
+            if board is None:  # a grid job: every task knows its trial
+                return self.worker.run()
+            if not board.leads:
+                return self.follow(board)
+            self.board = board
+            try:
+                return self.worker.run()
+            finally:
+                board.post(None)
+                board.close()
         finally:
             self.ended = True
+
+    def follow(self, board: Board) -> int:
+        """Another rank of an Optuna worker's job: run each trial rank 0 runs, as its rank."""
+        code = 0
+        while (trial_dir := board.take()) is not None:
+            code = self.child.run(trial_dir)
+        return code
 
     def on_signal(self, signum: int, frame: Any) -> None:
         """The first signal stops the running trial with a checkpoint, then has submitit
@@ -102,6 +121,8 @@ class TrialJob:
         its launch here."""
         if (trial_id, trial_dir) not in self.source.assigned:
             TrialDir(trial_dir).record_launch("worker")
+        if self.board is not None:
+            self.board.post(trial_dir)
         return self.child.run(trial_dir)
 
     def checkpoint(self) -> Any:

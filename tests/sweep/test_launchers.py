@@ -8,8 +8,10 @@ import threading
 import time
 from pathlib import Path
 
+import optuna
 import psutil
 import pytest
+import yaml
 from conftest import assert_matches_one_process, harness, micro_run, wait_for_step, write_yaml
 from conftest import train_losses as losses
 
@@ -18,8 +20,9 @@ from harness.errors import UserError
 from harness.methods.resolve import load_run
 from harness.sweep.launchers import LocalLauncher, TrialJob, submit
 from harness.sweep.plan import load_sweep
+from harness.sweep.study import open_storage
 from harness.train import train
-from harness.trials import read_json
+from harness.trials import RunsDir, read_json
 
 
 def sweep_file(tmp_path: Path, **extra) -> Path:
@@ -141,3 +144,25 @@ def test_a_ddp_trial_through_submitit_tasks_matches_one_process(tmp_path):
     (trial_dir,) = (out / "trials").iterdir()
     run = micro_run(steps=4, lr=3e-3) | {"eval": {"every": 0, "tokens": 64}}
     assert_matches_one_process(trial_dir, run, tmp_path / "single")
+
+
+def test_an_optuna_worker_of_two_tasks_runs_each_trial_on_both(tmp_path):
+    """An Optuna search on tasks_per_node=2: one worker job asks for two trials in turn (rank
+    0 asks, rank 1 follows what it posts); each trial is one 2-process trial equal to a
+    1-process run, and the study records both."""
+    space = {"train.lr": {"low": 1e-3, "high": 3e-3, "log": True}}
+    path = sweep_file(tmp_path, search={"sampler": "random", "n_trials": 2, "space": space})
+    out = tmp_path / "runs"
+    done = harness("sweep", str(path), "--out", str(out), "--set", "launcher.kind=submitit-local",
+                   "--set", "launcher.tasks_per_node=2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    trial_dirs = sorted((out / "trials").iterdir())
+    assert len(trial_dirs) == 2
+    for k, trial_dir in enumerate(trial_dirs):
+        run = yaml.safe_load((trial_dir / "config.yaml").read_text())
+        assert_matches_one_process(trial_dir, run, tmp_path / f"single{k}")
+    (job,) = (out / "jobs").glob("[0-9]*")  # both trials ran in the one worker job
+    assert (job / f"{job.name}_1_log.err").read_text().count("rank 1/2: gloo") == 2
+    storage = open_storage(str(RunsDir(out).journal))
+    trials = optuna.load_study(study_name="grid/full", storage=storage).get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 2
