@@ -157,14 +157,15 @@ class MainOnly:
     """A run folder seen from a rank other than 0: reads pass through, every write is a no-op.
     One place enforces "only rank 0 writes", whatever write methods Records grows."""
 
-    READS = frozenset({"summary", "load_checkpoint"})
+    # reads, and the one write every rank takes part in (each writes its own shards)
+    PASSED = frozenset({"summary", "load_checkpoint", "save_sharded_checkpoint"})
 
     def __init__(self, records: Any) -> None:
         self._records = records
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._records, name)
-        if callable(value) and name not in self.READS:
+        if callable(value) and name not in self.PASSED:
             return _nothing
         return value
 

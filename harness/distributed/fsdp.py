@@ -13,6 +13,7 @@ helpers below are how methods and modifiers see a parameter that may be sharded 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,9 +69,10 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def rows(t: torch.Tensor) -> slice:
-    """The rows of the whole tensor that this rank's shard holds (all of them unsharded)."""
-    if not isinstance(t, DTensor):
+def rows(t: torch.Tensor, sharded: bool = False) -> slice:
+    """The rows of the whole tensor that this rank's shard holds (all of them unsharded);
+    `sharded`: as if `t` were row-sharded over the ranks."""
+    if not (sharded or isinstance(t, DTensor)):
         return slice(0, t.shape[0])
     world, rank = distributed.world_size(), distributed.rank()
     chunk = -(-t.shape[0] // world)
@@ -84,21 +86,82 @@ def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     saved and resharded by torch.distributed.checkpoint like the weights."""
     if not isinstance(param, DTensor):
         return value
-    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+    return _row_shard(value, param, param.shape)
 
 
-def gathered(obj: Any) -> Any:
-    """`obj` (nested dicts, lists, tuples) with every sharded tensor made whole, on the host: a
-    trial's checkpoint is then the one a single process writes, and loads at any world size.
-    Collective: every rank calls it on the same structure (the all-gathers pair up in order)."""
-    if isinstance(obj, DTensor):
-        return obj.full_tensor().cpu()
-    if isinstance(obj, dict):
-        return {k: gathered(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(gathered(v) for v in obj)
-    return obj
+def _row_shard(local: torch.Tensor, ref: DTensor, shape: Iterable[int]) -> DTensor:
+    """`local`, this rank's rows of a tensor of `shape`, placed as the sharded `ref` is."""
+    shape = torch.Size(shape)
+    return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
+                              shape=shape, stride=torch.empty(shape, device="meta").stride())
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a tensor stood in a state saved shard by shard (`split`): its key among the
+    saved tensors, and whether it was row-sharded (a DTensor) when saved."""
+
+    key: str
+    rows: bool
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def split(obj: Any, key: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """`obj` (nested dicts, lists, tuples) with each tensor replaced by its `Slot`, and the
+    tensors by key: torch.distributed.checkpoint writes each rank's rows of the sharded ones
+    and one copy of the rest, and the skeleton is what rank 0 writes beside them."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(o: Any, at: str) -> Any:
+        if isinstance(o, torch.Tensor):
+            tensors[at] = o
+            return Slot(at, isinstance(o, DTensor), tuple(o.shape), o.dtype)
+        if isinstance(o, dict):
+            return {k: walk(v, f"{at}/{k}") for k, v in o.items()}
+        if isinstance(o, list | tuple):
+            return type(o)(walk(v, f"{at}/{i}") for i, v in enumerate(o))
+        return o
+
+    return walk(obj, key), tensors
+
+
+def templates(skeleton: Any, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Empty tensors to read a split state into at this world size: a row-sharded one as this
+    rank's rows of a DTensor placed as the model's weights are (whole when the model is not
+    sharded), any other whole, on the host."""
+    ref = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    out: dict[str, torch.Tensor] = {}
+    for slot in _slots(skeleton):
+        if slot.rows and ref is not None:
+            span = rows(torch.empty(slot.shape, device="meta"), sharded=True)
+            local = torch.empty((span.stop - span.start, *slot.shape[1:]), dtype=slot.dtype,
+                                device=ref.to_local().device)
+            out[slot.key] = _row_shard(local, ref, slot.shape)
+        else:
+            out[slot.key] = torch.empty(slot.shape, dtype=slot.dtype)
+    return out
+
+
+def _slots(o: Any) -> list[Slot]:
+    if isinstance(o, Slot):
+        return [o]
+    if isinstance(o, dict):
+        o = list(o.values())
+    if isinstance(o, list | tuple):
+        return [s for v in o for s in _slots(v)]
+    return []
+
+
+def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of `split`: each slot filled with its tensor."""
+    if isinstance(skeleton, Slot):
+        return tensors[skeleton.key]
+    if isinstance(skeleton, dict):
+        return {k: join(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list | tuple):
+        return type(skeleton)(join(v, tensors) for v in skeleton)
+    return skeleton
 
 
 def shard_states(states: dict[Any, dict[str, Any]]) -> None:
@@ -129,10 +192,7 @@ def rows_whole(state: dict[str, Any], param: torch.Tensor, whole: Collection[str
     for key, value in state.items():
         if key in whole or not _holds_rows(value, span):
             continue
-        shape = (param.shape[0], *value.shape[1:])
-        out[key] = DTensor.from_local(value, param.device_mesh, param.placements,
-                                      run_check=False, shape=shape,
-                                      stride=torch.empty(shape, device="meta").stride())
+        out[key] = _row_shard(value, param, (param.shape[0], *value.shape[1:]))
     return out
 
 
@@ -142,8 +202,11 @@ def rows_cut(state: dict[str, Any], param: torch.Tensor, whole: Collection[str])
     if not isinstance(param, DTensor):
         return
     for key, value in state.items():
-        if key not in whole and isinstance(value, torch.Tensor) and value.dim() \
-                and value.shape[0] == param.shape[0]:
+        if key in whole or not isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, DTensor):  # read from a sharded checkpoint: already its rows
+            state[key] = value.to_local()
+        elif value.dim() and value.shape[0] == param.shape[0]:
             state[key] = value[rows(param)].clone()
 
 

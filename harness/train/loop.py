@@ -28,7 +28,7 @@ from harness.modifiers.precision import Precision, pure_bf16
 from harness.modifiers.recompute import decoder_layers
 from harness.train import finetune, pretrain
 from harness.train.hooks import Hooks, Interrupted, NonFinite, Pruned, Step
-from harness.trials import Records, Status, rng_state, set_rng_state
+from harness.trials import Records, Status, checkpoints, rng_state, set_rng_state
 from harness.trials.events import event_text
 
 Prune = Callable[[int, dict[str, float]], bool]  # (step, eval metrics) -> cut the trial?
@@ -127,7 +127,12 @@ class Trainer:
         if state is None:
             self.rec.truncate_metrics(0)  # a start from scratch owns no earlier lines
             return
-        if self.sharded:  # a whole model, from any number of processes: each keeps its rows
+        if "sharded" in state:  # written shard by shard: read as this world size holds it
+            tensors = fsdp.templates(state["tensors"], self.model)
+            state.update(fsdp.join(state.pop("tensors"),
+                                   checkpoints.load_sharded(state["sharded"], tensors)))
+            self.model.load_state_dict(state["model"])
+        elif self.sharded:  # a whole model (one process's checkpoint): each rank keeps its rows
             fsdp.load_whole(self.model, state["model"])
         else:
             self.model.load_state_dict(state["model"])
@@ -157,29 +162,32 @@ class Trainer:
             self.rec.log({"kind": "event", "step": step, "skipped": "overflow"})
 
     def save(self) -> None:
-        """Rank 0 writes the bare model's state: the same checkpoint as one process's (fsdp
-        gathers the shards for it, so it resumes at any number of processes)."""
+        """Rank 0 writes the bare model's state; under fsdp every rank writes its own shards
+        and rank 0 the rest (torch.distributed.checkpoint), which a resume reads at any number
+        of processes."""
         if not self.sharded:  # fsdp ranks hold different rows by design
             distributed.check_same(self.model, self.step)
         self._settle()
-        model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
+        tensors = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self.sharded:
-            model, optimizer = fsdp.gathered(model), fsdp.gathered(optimizer)
-        self.rec.save_checkpoint(
-            {
-                "model": model,
-                "optimizer": optimizer,
-                "scheduler": self.scheduler.state_dict(),
-                "data": self.data.state(),
-                "rng": rng_state(),
-                "step": self.step,
-                "tokens": self.tokens,
-                "last_eval": self.last_eval,
-                "best": self.best,
-                "costs": self.costs,
-                "precision": self.precision.state_dict(),
-            }
-        )
+            skeleton, flat = fsdp.split(tensors)
+            self.rec.save_sharded_checkpoint(flat, {"tensors": skeleton, **self._rest()})
+        else:
+            self.rec.save_checkpoint({**tensors, **self._rest()})
+
+    def _rest(self) -> dict[str, Any]:
+        """A checkpoint's state beside the model's and the optimizer's."""
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.data.state(),
+            "rng": rng_state(),
+            "step": self.step,
+            "tokens": self.tokens,
+            "last_eval": self.last_eval,
+            "best": self.best,
+            "costs": self.costs,
+            "precision": self.precision.state_dict(),
+        }
 
     def train_step(self) -> torch.Tensor:
         """One optimizer step, then "update"; returns this rank's share of the step's mean loss."""

@@ -6,6 +6,10 @@ with its size and sha256 beside it, read back newest first.
     checkpoint/state-<n>.pt     older ones, the higher n the newer (each with its .json)
     checkpoint/*.corrupt        ones that failed to verify or load, set aside on resume
 
+A sharded trial's checkpoint (fsdp) is a folder of the same names: each rank writes its shards
+with torch.distributed.checkpoint (`__<rank>_0.distcp`, `.metadata`) and rank 0 the rest
+(`rest.pt`); its record holds every file's sha256 and size (`save_sharded`).
+
 A save writes a temp file, fsyncs it and only then moves the newest aside and renames the temp
 file into its place, so a kill or a full disk at any instant leaves the previous checkpoint
 whole. A load skips a checkpoint whose bytes differ from what was written, or that torch cannot
@@ -19,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,7 @@ from harness.errors import brief
 from harness.trials.files import fsync_dir, read_json, write_json
 
 NEWEST = "state.pt"
+REST = "rest.pt"  # in a sharded checkpoint's folder: everything but the sharded tensors
 OLDER = re.compile(r"state-([0-9]+)\.pt")
 CHUNK = 1 << 20
 
@@ -79,7 +85,7 @@ def files(folder: Path) -> list[Path]:
     older = sorted(((int(m[1]), p) for p in _listing(folder) if (m := OLDER.fullmatch(p.name))),
                    reverse=True)
     newest = folder / NEWEST
-    return ([newest] if newest.is_file() else []) + [p for _, p in older]
+    return ([newest] if newest.exists() else []) + [p for _, p in older]
 
 
 def _listing(folder: Path) -> list[Path]:
@@ -104,19 +110,81 @@ def save(folder: Path, state: dict[str, Any], keep: int) -> None:
             torch.save(state, out)
             f.flush()
             os.fsync(f.fileno())
-        if newest.exists():
-            _move_aside(folder, newest)
-        record_of(newest).unlink(missing_ok=True)  # a record beside state.pt describes it
-        os.replace(tmp, newest)
-        fsync_dir(folder)
-        write_json(record_of(newest), {"sha256": out.sha.hexdigest(), "bytes": out.bytes})
-        for old in files(folder)[keep:]:
-            record_of(old).unlink(missing_ok=True)  # the record first: data without one loads
-            old.unlink()
+        _publish(folder, tmp, {"sha256": out.sha.hexdigest(), "bytes": out.bytes}, keep)
     except (OSError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {newest} not saved: {brief(out.error or e)}") from e
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _publish(folder: Path, tmp: Path, record: dict[str, Any], keep: int) -> None:
+    """The fsynced `tmp` becomes the newest checkpoint, the one before it the newest older
+    one, and only the `keep` newest stay."""
+    newest = folder / NEWEST
+    if newest.exists():
+        _move_aside(folder, newest)
+    record_of(newest).unlink(missing_ok=True)  # a record beside state.pt describes it
+    os.replace(tmp, newest)
+    fsync_dir(folder)
+    write_json(record_of(newest), record)
+    for old in files(folder)[keep:]:
+        record_of(old).unlink(missing_ok=True)  # the record first: data without one loads
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def save_sharded(folder: Path, tensors: dict[str, Any], rest: dict[str, Any], keep: int) -> None:
+    """Called by every rank of a sharded trial: each writes its shards of `tensors` (flat:
+    name to tensor or DTensor) with torch.distributed.checkpoint into one temporary folder and
+    fsyncs them; rank 0 adds `rest`, hashes every file and moves the folder into place as
+    `save` moves a file. CheckpointError on every rank when any could not write."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    rank, tmp, error = dist.get_rank(), folder / f".{NEWEST}.tmp", None
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob(f".{NEWEST}.tmp*"):  # a save killed midway left it
+            _remove(stale)
+    dist.barrier()
+    try:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+        mine = {p.name: _digest(p) for p in tmp.glob(f"__{rank}_*")}
+    except Exception as e:  # DCP raises its own CheckpointException, on every rank alike
+        error, mine = f"checkpoint {folder / NEWEST} not saved: {brief(e)}", {}
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (error, mine))
+    errors = [e for e, _ in every if e]
+    if rank == 0 and not errors:
+        try:
+            with open(tmp / REST, "wb") as f:
+                torch.save(rest, f)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(tmp)
+            record = {k: v for _, digests in every for k, v in digests.items()}
+            record.update({name: _digest(tmp / name) for name in (".metadata", REST)})
+            _publish(folder, tmp, {"files": record}, keep)
+        except OSError as e:
+            errors.append(f"checkpoint {folder / NEWEST} not saved: {brief(e)}")
+    box = [errors[0] if errors else None]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise CheckpointError(box[0])
+
+
+def _digest(path: Path) -> dict[str, Any]:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            sha.update(chunk)
+    return {"sha256": sha.hexdigest(), "bytes": path.stat().st_size}
 
 
 def _move_aside(folder: Path, newest: Path) -> None:
@@ -137,7 +205,7 @@ def load_newest(folder: Path) -> Loaded | None:
     for path in files(folder):
         try:
             reason = _verify(path)
-            state = None if reason else torch.load(path, map_location="cpu", weights_only=False)
+            state = None if reason else _load(path)
         except MemoryError:
             raise
         except Exception as e:  # whatever a torn or foreign file makes torch raise
@@ -152,19 +220,49 @@ def load_newest(folder: Path) -> Loaded | None:
                           "start the trial over")
 
 
+def _load(path: Path) -> Any:
+    """A file's state; a sharded checkpoint's `rest`, naming its folder as `sharded` for the
+    trainer, which reads the shards into its own model and optimizer (`load_sharded`)."""
+    if path.is_dir():
+        return {**torch.load(path / REST, map_location="cpu", weights_only=False),
+                "sharded": path}
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def load_sharded(path: Path, templates: dict[str, Any]) -> dict[str, Any]:
+    """The tensors of a sharded checkpoint into `templates` (flat, as saved): a DTensor
+    template takes its rows at this world size, a plain one the whole tensor. Without a
+    process group (one process) every tensor is read whole."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(templates, storage_reader=dcp.FileSystemReader(path),
+             no_dist=not dist.is_initialized())
+    return templates
+
+
 def _verify(path: Path) -> str | None:
-    """Why the file is not the one written (None: it is, or it has no record to check)."""
+    """Why the file (or a sharded checkpoint's file) is not the one written (None: it is, or
+    it has no record to check)."""
     record = read_json(record_of(path)) or {}
+    if "files" in record:
+        return next(filter(None, (_differs(path / name, want, name)
+                                  for name, want in record["files"].items())), None)
     if "sha256" not in record:
         return None
+    return _differs(path, record, "")
+
+
+def _differs(path: Path, want: dict[str, Any], name: str) -> str | None:
+    where = f"{name}: " if name else ""
+    if not path.is_file():
+        return f"{where}missing"
     size = path.stat().st_size
-    if size != record.get("bytes"):
-        return f"{size} bytes where {record.get('bytes')} were written"
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            sha.update(chunk)
-    return None if sha.hexdigest() == record.get("sha256") else "its sha256 is not the one written"
+    if size != want.get("bytes"):
+        return f"{where}{size} bytes where {want.get('bytes')} were written"
+    if _digest(path)["sha256"] != want.get("sha256"):
+        return f"{where}its sha256 is not the one written"
+    return None
 
 
 def set_aside(path: Path) -> Path:

@@ -112,6 +112,12 @@ class Records:
         checkpoints.save(self.ckpt_dir, {**state, "identity": self.run.identity()},
                          self.run.train.keep_checkpoints)
 
+    def save_sharded_checkpoint(self, tensors: dict[str, Any], rest: dict[str, Any]) -> None:
+        """A sharded trial's checkpoint, which every rank writes its part of (a collective, so
+        `main_only` lets it through on every rank): see `checkpoints.save_sharded`."""
+        checkpoints.save_sharded(self.ckpt_dir, tensors, {**rest, "identity": self.run.identity()},
+                                 self.run.train.keep_checkpoints)
+
     def load_checkpoint(self) -> dict[str, Any] | None:
         """The newest checkpoint that loads (None: none written yet); CheckpointError when
         none does, UserError when it is another config's."""

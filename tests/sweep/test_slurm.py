@@ -122,6 +122,28 @@ def test_preempted_trial_resumes_from_its_checkpoint_with_the_same_losses(tmp_pa
     assert "resumed from" in logs
 
 
+def test_a_preempted_fsdp_trial_of_two_tasks_resumes_from_its_shards(tmp_path):
+    """USR2 reaches both tasks: each rank writes its shards of the checkpoint, the requeued
+    job's two ranks read them, and the losses are a 1-process run's (to the reduction order's
+    1e-5, as in tests/train/test_fsdp.py)."""
+    out = tmp_path / "runs"
+    proc = start_sweep(sweep_file(tmp_path, 40, [3e-3]), out, "launcher.tasks_per_node=2",
+                       "train.parallel=fsdp")
+    trial_dir = only_trial(out)
+    wait_for_step(trial_dir, 4)
+    preempt(job_of(trial_dir))
+    assert_requeued_ok(proc, trial_dir, 1, 40)
+    assert {p.name for p in (trial_dir / "checkpoint" / "state.pt").glob("*.distcp")} == {
+        "__0_0.distcp", "__1_0.distcp"}
+    train(load_run(micro_run(steps=40, log_every=1, parallel="fsdp") | {
+        "eval": {"every": 0, "tokens": 128}}), tmp_path / "one")
+    one, two = train_losses(tmp_path / "one"), train_losses(trial_dir)
+    assert two.keys() == one.keys()
+    assert all(abs(two[s] - one[s]) <= 1e-5 * abs(one[s]) for s in one)
+    logs = "".join(p.read_text() for p in (out / "jobs").glob("*/*_log.out"))
+    assert "resumed from" in logs
+
+
 def test_a_trial_at_its_time_limit_is_requeued_and_resumes(tmp_path):
     """Slurm checks limits every 30 s: with timeout_min=2 and a 30 s signal delay, USR2 comes
     60-90 s in. The trial is too long to finish; once it has resumed, the job is cancelled."""

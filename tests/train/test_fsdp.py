@@ -1,5 +1,6 @@
-"""FSDP2 (`train.parallel: fsdp`): 2 and 4 processes (gloo, CPU) train as 1 process does, their
-checkpoint is the 1-process one, and a trial stopped at one world size resumes at another.
+"""FSDP2 (`train.parallel: fsdp`): 2 and 4 processes (gloo, CPU) train as 1 process does, each
+writes its shards of the checkpoint, which read whole is the 1-process one, and a trial stopped
+at one world size resumes at another, or at the same one.
 
 Every trial runs on one thread, so kernels sum in the same order; what differs from the
 1-process run is the order of the gradient reductions (a reduce-scatter over W ranks instead of
@@ -9,6 +10,7 @@ one process's sums), which moves losses by ~1e-7 relative: the tolerance is DDP'
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,9 @@ import psutil
 import pytest
 import torch
 from conftest import micro_run, torchrun, write_yaml
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from harness.distributed import fsdp
 from harness.errors import UserError
 from harness.methods.resolve import load_run
 from harness.train import train
@@ -49,7 +53,16 @@ def run_procs(data: dict[str, Any], out: Path, procs: int) -> str:
 
 
 def state(out: Path) -> dict[str, Any]:
-    return torch.load(out / "checkpoint" / "state.pt", weights_only=False)
+    """The newest checkpoint, whole. A sharded one (a folder) is read by torch's own converter
+    of a torch.distributed.checkpoint folder into one torch.save file, and put back in its
+    nesting from the skeleton rank 0 wrote beside it."""
+    path = out / "checkpoint" / "state.pt"
+    if not path.is_dir():
+        return torch.load(path, weights_only=False)
+    whole = out / "whole.pt"
+    dcp_to_torch_save(path, whole)
+    rest = torch.load(path / "rest.pt", weights_only=False)
+    return {**rest, **fsdp.join(rest.pop("tensors"), torch.load(whole, weights_only=False))}
 
 
 FULL = {"name": "full"}
@@ -85,9 +98,11 @@ def test_fsdp_trains_as_one_process(tmp_path, procs, method, memory):
         rows = sum(-(-s[0] // procs) * (s.numel() // s[0]) for s in
                    (p.shape for p in state(tmp_path / "one")["model"].values()))
         assert read_json(tmp_path / "many" / "summary.json")["param_bytes"] == 4 * rows
-    # rank 0 wrote the whole model and the optimizer's whole states: the 1-process
-    # checkpoint's keys and shapes, values within what the reduction order moves (above; the
-    # first moments within 2e-6: measured 5e-7)
+    # each rank wrote its shards; read whole, they are the 1-process checkpoint's keys and
+    # shapes, values within what the reduction order moves (above; the first moments within
+    # 2e-6: measured 5e-7)
+    written = {p.name for p in (tmp_path / "many" / "checkpoint" / "state.pt").iterdir()}
+    assert {f"__{r}_0.distcp" for r in range(procs)} | {".metadata", "rest.pt"} == written
     a, b = state(tmp_path / "one"), state(tmp_path / "many")
     assert a["model"].keys() == b["model"].keys()
     for key, value in a["model"].items():
@@ -133,12 +148,12 @@ def stop_after(data: dict[str, Any], out: Path, procs: int, step: int) -> int:
     return stopped["step"]
 
 
-@pytest.mark.parametrize(("first", "then", "method"), [(4, 2, FULL), (2, 1, FULL),
-                                                     (4, 2, GALORE), (4, 2, {"name": "adam_mini"})])
+@pytest.mark.parametrize(("first", "then", "method"), [
+    (4, 2, FULL), (2, 1, FULL), (4, 2, GALORE), (4, 2, {"name": "adam_mini"}), (2, 2, GALORE)])
 def test_a_trial_stopped_at_one_world_size_resumes_at_another(tmp_path, first, then, method):
-    """The checkpoint holds whole tensors, so a resume at any world size cuts them anew (GaLore:
-    its row-sharded moments by rows, its bases whole); the losses after it are the
-    uninterrupted 1-process run's."""
+    """Each rank wrote its shards; a resume at any world size reads the rows it now holds
+    (GaLore: its row-sharded moments by rows, its bases whole), one process reads them whole;
+    the losses after it are the uninterrupted 1-process run's."""
     data = {**fsdp_run(steps=10), "method": method}
     stopped = stop_after(data, tmp_path / "trial", first, step=2)
     assert 2 <= stopped < 10
@@ -151,6 +166,26 @@ def test_a_trial_stopped_at_one_world_size_resumes_at_another(tmp_path, first, t
     assert read_json(tmp_path / "trial" / "summary.json")["step"] == 10
     assert_same_losses(tmp_path / "one", tmp_path / "trial")
     print(f"fsdp {first} processes stopped at step {stopped}, resumed on {then}: same losses")
+
+
+def test_a_sharded_checkpoint_that_does_not_verify_is_skipped_for_the_one_before(tmp_path):
+    """Checkpoints at steps 2 and 4, then the stop's: one flipped byte in a rank's file of the
+    newest sets that checkpoint aside (named, with the file and why), the resume reads the one
+    before, and the losses are still the uninterrupted run's."""
+    data = {**fsdp_run(steps=10, checkpoint_every=2), "method": FULL}
+    stopped = stop_after(data, tmp_path / "trial", 2, step=4)
+    folder = tmp_path / "trial" / "checkpoint"
+    shard = folder / "state.pt" / "__1_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    output = run_procs(data, tmp_path / "trial", 2)
+    assert (f"warning: checkpoint {folder / 'state.pt'} does not load (__1_0.distcp: its sha256 "
+            f"is not the one written)") in output
+    assert re.search(rf"resumed from {folder}/state-\d+\.pt at step 4\n", output), output
+    assert read_json(tmp_path / "trial" / "summary.json")["step"] == 10 > stopped
+    train(load_run(data), tmp_path / "one")
+    assert_same_losses(tmp_path / "one", tmp_path / "trial")
 
 
 def test_what_fsdp_cannot_shard_is_refused_in_one_line():
