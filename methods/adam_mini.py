@@ -26,7 +26,16 @@ from torch import Tensor, nn
 
 from harness import distributed
 from harness.distributed import fsdp
-from harness.methods.base import Groups, MemoryEstimate, Method, Shapes, grad_bytes, numel, register
+from harness.methods.base import (
+    Groups,
+    MemoryEstimate,
+    Method,
+    Shapes,
+    grad_bytes,
+    numel,
+    register,
+    row_share,
+)
 from harness.methods.full import AdamConfig
 from harness.methods.widths import widths
 from harness.models import check_preset
@@ -194,10 +203,18 @@ class AdamMiniMethod(Method):
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         """mn + blocks state values per m×n weight at the state width, plus Kahan buffers."""
+        return self.estimate_sharded(shapes, run, 1)
+
+    def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
+        """Under fsdp the moments and row blocks by this rank's rows; head and tensor blocks
+        whole on every rank (WHOLE)."""
         preset, w = check_preset(str(run.model), "model"), widths(run)
         head_dim = preset.hidden // preset.heads
-        sizes = [numel(s) for s in shapes.values()]
-        blocks = sum(block_count(block_kind(n, tuple(s)), tuple(s), head_dim)
-                     for n, s in shapes.items())
+        sizes = [numel(row_share(s, world)) for s in shapes.values()]
+        blocks = 0
+        for name, shape in shapes.items():
+            kind = block_kind(name, tuple(shape))
+            held = row_share(shape, world) if kind in ("element", "row") else tuple(shape)
+            blocks += block_count(kind, held, head_dim)
         states = w.state * (sum(sizes) + blocks) + w.compensation * sum(sizes)
         return MemoryEstimate(w.weight * sum(sizes), grad_bytes(sizes, run, self.steps), states)

@@ -104,6 +104,12 @@ class Method:
         """Bytes predicted from the base model's shapes and the hyperparameters alone."""
         raise NotImplementedError
 
+    def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
+        """Rank 0's bytes under fsdp over `world` ranks (the largest share: ceil(m / world)
+        rows of each tensor). Per-element states follow their tensor's rows; a method keeping
+        states of another shape, or whole on every rank, overrides this."""
+        return self.estimate(row_shards(shapes, world), run)
+
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
         """Bytes counted from the real tensors after a step: gradient bytes are those in `.grad`
         now (a trial counts its peak over the step: harness/cost/grad_peak.py)."""
@@ -194,6 +200,15 @@ def target_linears(model: nn.Module, targets: Collection[str],
     """The model's nn.Linear modules that `is_target`, with their names, in module order."""
     return [(name, m) for name, m in model.named_modules()
             if isinstance(m, nn.Linear) and is_target(name, targets, anywhere)]
+
+
+def row_share(shape: torch.Size | tuple[int, ...], world: int) -> tuple[int, ...]:
+    """The rows of a `shape` tensor that rank 0 holds when FSDP splits dim 0 over `world`."""
+    return (-(-shape[0] // world), *shape[1:]) if len(shape) else tuple(shape)
+
+
+def row_shards(shapes: Shapes, world: int) -> Shapes:
+    return {name: torch.Size(row_share(s, world)) for name, s in shapes.items()}
 
 
 def numel(shape: torch.Size | tuple[int, ...]) -> int:

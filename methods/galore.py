@@ -26,6 +26,7 @@ from harness.methods.base import (
     live_grad_bytes,
     numel,
     register,
+    row_share,
     tensor_bytes,
 )
 from harness.methods.full import AdamConfig
@@ -126,15 +127,22 @@ class GaLore(Method):
                 "svd_failures": sum(o.svd_failures for o in opts)}
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
+        return self.estimate_sharded(shapes, run, 1)
+
+    def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
+        """Weights, gradients and the moments of a right side (or an unprojected tensor) by
+        this rank's rows; a left side's r×n moments and every basis whole on every rank."""
         c, w = self.config, widths(run)
-        sizes = [numel(s) for s in shapes.values()]
+        sizes = [numel(row_share(s, world)) for s in shapes.values()]
         state, extra = w.compensation * sum(sizes), 0
         for name, full in shapes.items():
-            shape = tuple(full)
+            shape, side = tuple(full), "none"
             if self.targeted(name, shape):  # the basis is kept in the weights' dtype
                 side = side_of(shape, c.proj_type, c.rank)
                 extra += w.weight * basis_numel(shape, side, c.rank)
                 shape = lowrank_shape(shape, side, c.rank)
+            if side in ("right", "none"):
+                shape = row_share(shape, world)
             state += state_bytes(shape, c.optimizer, c.min_8bit_size,
                                  getattr(c, "adafactor_beta1", None), w.state)  # Fira: none
         return MemoryEstimate(w.weight * sum(sizes), grad_bytes(sizes, run, self.steps), state,

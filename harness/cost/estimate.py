@@ -24,6 +24,7 @@ from harness.config import RunConfig, SweepConfig
 from harness.config.steps import Steps
 from harness.cost.activations import activations, peak_bytes
 from harness.cost.paper_7b import comparison_7b
+from harness.cost.sharded import fsdp_peak
 from harness.methods.base import build_method, changed_params
 from harness.models import param_shapes
 
@@ -69,15 +70,20 @@ def _shapes(model: str, vocab: int, seq_len: int) -> dict[str, torch.Size]:
 
 
 def estimate_run(run: RunConfig, world: int = 1) -> dict[str, Any]:
-    """The method's predicted bytes for one run on `world` data-parallel processes (each holds
-    them), by kind and in total, and its peak."""
+    """The method's predicted bytes for one run on `world` data-parallel processes, by kind and
+    in total, and its peak: each process holds all of them under DDP, rank 0 its share and what
+    FSDP gathers under fsdp (harness/cost/sharded.py)."""
     steps = Steps.of(run.train, run.task.seq_len, world, "launcher: nodes x tasks_per_node")
     shapes = _shapes(run.model, vocab_size(run.task.tokenizer), run.task.seq_len)
     method = build_method(run, steps)
     estimate = method.estimate(shapes, run)
     acts = activations(run, shapes, method, "cpu" if run.device == "cpu" else "cuda")
+    peak = peak_bytes(estimate, acts, run, shapes)
+    if run.train.parallel == "fsdp" and world > 1:
+        whole, estimate = estimate, method.estimate_sharded(shapes, run, world)
+        peak = fsdp_peak(estimate, whole, acts, run, shapes, method, world)
     return {"method_name": run.method_name, "params": run.method_params, **estimate.as_dict(),
-            "activation_bytes": acts.start, "peak_bytes": peak_bytes(estimate, acts, run, shapes)}
+            "activation_bytes": acts.start, "peak_bytes": peak}
 
 
 def _changed(record: dict[str, Any]) -> str:

@@ -14,10 +14,11 @@ import torch
 from torch.profiler._memory_profiler import Action
 
 from harness.cost.profile import SKIPPED, profiler
-from harness.distributed import say
+from harness.distributed import every_rank, say
 from harness.errors import brief
 
 PEAK = "peak_memory_bytes"
+BY_RANK = "peak_memory_bytes_by_rank"  # fsdp ranks hold different shares: each one's peak
 
 if TYPE_CHECKING:
     from harness.train import Trainer
@@ -57,13 +58,18 @@ def tracked(trainer: Trainer, enabled: bool = True) -> Iterator[None]:
 
     def ready(prof: object) -> None:
         trainer.meter.pause()  # reading the timeline is not training
+        peak = None
         try:
-            trainer.costs[PEAK] = _peak(prof._memory_profile())[0]  # type: ignore[attr-defined]
+            peak = _peak(prof._memory_profile())[0]  # type: ignore[attr-defined]
+            trainer.costs[PEAK] = peak
         except Exception as e:  # torch's timeline analysis asserts on some graphs (seen under
             # DDP with layer-wise hooks): a measurement must never end the trial it measures
             say(f"peak of live tensors not recorded: torch's memory timeline failed "
                 f"({brief(e)}); the summary keeps peak_rss_bytes")
         finally:
+            peaks = every_rank(peak)  # every rank profiles the same step: in lockstep
+            if trainer.sharded and all(peaks):
+                trainer.costs[BY_RANK] = peaks
             trainer.meter.resume()
 
     with profiler(1, trainer.device, memory=True, on_trace_ready=ready,

@@ -102,6 +102,15 @@ def broadcast_object(obj: Any, src: int) -> Any:
     return box[0]
 
 
+def every_rank(obj: Any) -> list[Any]:
+    """Each rank's `obj`, in rank order, on every rank (`[obj]` in one process)."""
+    if not active():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank when it is true on one: a stop or prune decided by one rank is
     taken by all at the same step, so none waits at a collective the others have left."""

@@ -160,3 +160,20 @@ def test_a_rank_far_from_the_papers_is_flagged(tmp_path):
                        methods={"lowrank": {"rank": 8}})  # fmt: skip
     text = est.paper_comparison(estimate_sweep(sweep), sweep)
     assert "rank=8" in text and "!" in text
+
+
+def test_fsdp_estimates_rank_zeros_rows_of_every_tensor(tmp_path):
+    """4 ranks under fsdp: rank 0's weights and AdamW's two moments are its ceil(m / 4) rows of
+    each of the trainer's tensors, counted here from the model itself; the peak (checked
+    against measured runs in tests/cost/test_sharded.py) is below one process's."""
+    run = {"model": "llama_micro", "task": {"dataset": "sample", "tokenizer": "sample",
+                                            "seq_len": 32}, "methods": {"full": {}},
+           "train": {"batch_size": 2, "total_batch_size": 8, "parallel": "fsdp"},
+           "launcher": {"kind": "submitit-local", "tasks_per_node": 4}}
+    (sharded,) = estimate_sweep(sweep_file(tmp_path, **run))
+    run["launcher"] = {"kind": "local"}
+    (whole,) = estimate_sweep(sweep_file(tmp_path, **run))
+    rows = sum(-(-p.shape[0] // 4) * p[0].numel() for p in micro_model().parameters())
+    assert sharded["weight_bytes"] == sharded["grad_bytes"] == 4 * rows
+    assert 8 * rows <= sharded["optimizer_state_bytes"] <= 8 * rows + 4 * 100  # + step counters
+    assert sharded["peak_bytes"] < whole["peak_bytes"]

@@ -1,0 +1,62 @@
+"""A rank's peak under fsdp (harness/cost/sharded.py) against each rank's measured peak of live
+tensors in 2- and 4-process CPU runs (tests/cost/fsdp_peaks.py: torch's FSDPMemTracker, or the
+profiler's memory timeline with accumulation), every method fsdp accepts.
+
+Measured (llama_micro, fp32, 2026-11-27): the estimate is within 0.72% of every rank's peak
+(lowrank on 4: +0.72%; the accumulating run, profiled: -0.30%; full, GaLore, Adam-mini within
+700 bytes); ranks agree to the byte under FSDPMemTracker. TOLERANCE 2% holds that with room for
+buffers another torch version keeps a moment longer (the issue's bound is 5%). The profiler's
+timeline, outside these tests, saw some ranks up to 2.7% above the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, free_port, micro_run, write_yaml
+
+from harness.cost.estimate import estimate_run
+from harness.methods.resolve import load_run
+
+METHODS = {"full": {"name": "full"}, "lora": {"name": "lora", "rank": 4},
+           "lowrank": {"name": "lowrank", "rank": 8},
+           "galore": {"name": "galore", "rank": 8, "update_proj_gap": 3},
+           "adam_mini": {"name": "adam_mini"}}  # fmt: skip
+TOLERANCE = 0.02
+
+
+def configs(tmp_path: Path, world: int) -> dict[Path, dict]:
+    """Each method on one micro-batch of 2 a rank; on 2 ranks also full AdamW accumulating 2."""
+    runs = {f"{name}-{world}": {**micro_run(total_batch_size=2 * world, parallel="fsdp"),
+                                "method": method} for name, method in METHODS.items()}
+    if world == 2:
+        runs["full-2-accumulating"] = micro_run(total_batch_size=8, parallel="fsdp")
+    return {write_yaml(tmp_path / f"{label}.yaml", data): data for label, data in runs.items()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_ranks_peak_is_the_estimate_within_2_percent(tmp_path, world):
+    runs = configs(tmp_path, world)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+         "--master_port", str(free_port()), str(REPO / "tests" / "cost" / "fsdp_peaks.py"),
+         str(tmp_path), *map(str, runs)],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    measured = [json.loads(line) for p in tmp_path.glob("rank-*.jsonl")
+                for line in p.read_text().splitlines()]
+    assert len(measured) == world * len(runs)
+    rows = []
+    for path, data in runs.items():
+        estimate = estimate_run(load_run(data), world)["peak_bytes"]
+        peaks = [m["peak"] for m in measured if m["config"] == str(path)]
+        rows.append(f"{path.stem}: estimate {estimate:,}, ranks {peaks}")
+        assert all(abs(peak / estimate - 1) <= TOLERANCE for peak in peaks), rows[-1]
+    print("\n".join(rows))
