@@ -200,7 +200,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     with logs_to_stderr(args.json):
         result = plan(args.model, parse_memory(args.memory), args.seq_len, args.token_batch,
-                      args.tokenizer)
+                      args.tokenizer, gpus=args.gpus)
     print(to_json(result) if args.json else format_plan(result, args.model, args.top))
     return EXIT_OK
 
@@ -361,7 +361,11 @@ def build_parser() -> Parser:
                     "16000MB (GB = 1e9 bytes, GiB = 2^30)")
     pl.add_argument("--seq-len", type=positive_int, default=256, help="tokens a sequence")
     pl.add_argument("--token-batch", type=positive_int, default=256,
-                    help="tokens an optimizer step (default 256: the GaLore paper's 7B setting)")
+                    help="tokens a GPU takes each optimizer step (default 256: the GaLore "
+                    "paper's 7B setting)")
+    pl.add_argument("--gpus", type=positive_int, default=1,
+                    help="GPUs the model is sharded over (train.parallel: fsdp), each of "
+                    "--memory; default 1")
     pl.add_argument("--tokenizer", default="t5-base", help="its vocabulary sizes the embedding "
                     "(default t5-base, the papers')")
     pl.add_argument("--top", type=int, default=20, help="rows printed (0: all; default 20)")

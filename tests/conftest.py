@@ -304,6 +304,7 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_two_processes_train_as_one", "test_two_processes_layerwise_train_as_one",  # torchrun
     "test_bench_launch_times_each_launcher", "test_bench_loop_json_pipes_into_a_json_reader",
     "test_user_error_from_the_real_command", "test_llama_7b_in_24gb",
+    "test_llama_7b_on_8_gpus_of_80gb",
     "test_one_command_pretrains_then_fine_tunes_and_reports",
     "test_resume_skips_a_torn_checkpoint_for_the_one_before",
     "test_a_full_disk_while_checkpointing_fails_the_trial_and_keeps_the_previous",

@@ -131,6 +131,8 @@ class Plan:
     fits: list[Candidate]  # sorted by cost, then peak: the first is the fastest that fits
     closest: list[Candidate]  # when nothing fits: the smallest peaks
     refused: dict[str, str]  # combination -> why it was skipped
+    gpus: int = 1  # more than one: each holds its fsdp share; `budget` is one GPU's
+    unusable: dict[str, str] = field(default_factory=dict)  # method entry -> why none of it ran
 
 
 def method_entries(model: str) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -162,18 +164,23 @@ def candidates(model: str, seq_len: int, token_batch: int) -> list[Candidate]:
             for precision in PRECISIONS for m in micro]  # fmt: skip
 
 
-def run_of(c: Candidate, model: str, seq_len: int, tokenizer: str):
+def run_of(c: Candidate, model: str, seq_len: int, tokenizer: str, gpus: int = 1):
+    """The candidate's run; on more than one GPU sharded with FSDP2, each GPU taking its
+    micro-batches of the step."""
     return load_run({
         "model": model, "device": "cuda",
         "task": {"seq_len": seq_len, "tokenizer": tokenizer},
         "train": {**PRECISIONS[c.precision], "batch_size": c.micro_batch,
-                  "total_batch_size": c.micro_batch * c.accumulation},
+                  "total_batch_size": c.micro_batch * c.accumulation * gpus,
+                  **({"parallel": "fsdp"} if gpus > 1 else {})},
         "memory": c.memory, "method": {"name": c.method, **c.settings},
     })  # fmt: skip
 
 
 def plan(model: str, budget: int, seq_len: int = 256, token_batch: int = 256,
-         tokenizer: str = "t5-base", closest: int = 5) -> Plan:
+         tokenizer: str = "t5-base", closest: int = 5, gpus: int = 1) -> Plan:
+    """`token_batch`: tokens a GPU takes each step; `gpus` > 1: each GPU holds its fsdp share
+    (harness/cost/sharded.py), `budget` is one GPU's."""
     preset = check_preset(model, "model")
     if seq_len > preset.max_seq_len:
         raise UserError(f"--seq-len {seq_len}: {model} takes at most {preset.max_seq_len}")
@@ -181,18 +188,17 @@ def plan(model: str, budget: int, seq_len: int = 256, token_batch: int = 256,
     evaluated, refused = [], {}
     for c in candidates(model, seq_len, token_batch):
         try:
-            run = run_of(c, model, seq_len, tokenizer)
+            run = run_of(c, model, seq_len, tokenizer, gpus)
         except UserError as e:
             refused.setdefault(f"{c.label} [{c.modifiers or 'none'}] {c.precision}", str(e))
             continue
         if base is None:  # full AdamW, bf16-mixed, no modifier, one micro-batch
             whole = Candidate("full", "full", {}, "", {}, "bf16-mixed", token_batch // seq_len, 1)
-            base = step_work(run_of(whole, model, seq_len, tokenizer))[2]
-        record = estimate_run(run)
-        host = run.memory.optimizer_offload == "host"  # its states are in host memory
-        c.peak_bytes = record["peak_bytes"] - (record["optimizer_state_bytes"] if host else 0)
+            base = step_work(run_of(whole, model, seq_len, tokenizer, gpus), gpus)[2]
+        record = estimate_run(run, gpus)
+        c.peak_bytes = record["peak_bytes"] - on_host(run, record)
         c.breakdown = {k: record[k] for k in BREAKDOWN}
-        c.recompute_forwards, c.transfer_bytes, seconds = step_work(run)
+        c.recompute_forwards, c.transfer_bytes, seconds = step_work(run, gpus)
         c.cost = seconds / base
         c.fits = c.peak_bytes <= budget
         evaluated.append(c)
@@ -202,16 +208,33 @@ def plan(model: str, budget: int, seq_len: int = 256, token_batch: int = 256,
     fits.sort(key=lambda c: (round(c.cost, 4), c.peak_bytes, c.label, len(c.modifiers)))
     fits = _distinct(fits)
     near = [] if fits else sorted(evaluated, key=lambda c: c.peak_bytes)[:closest]
-    _measured(fits + near, model, seq_len, token_batch)
-    return Plan(budget, fits, near, refused)
+    if gpus == 1:  # Table 11's figures are one GPU's
+        _measured(fits + near, model, seq_len, token_batch)
+    ran = {c.label for c in evaluated}
+    unusable = {}
+    for combination, why in refused.items():
+        label = combination.split(" [")[0]
+        if label not in ran:
+            unusable.setdefault(label, why)
+    return Plan(budget, fits, near, refused, gpus, unusable)
 
 
-def step_work(run: Any) -> tuple[float, int, float]:
+def on_host(run: Any, record: dict[str, Any]) -> int:
+    """Bytes `optimizer_offload: host` keeps off the GPU: the optimizer states, and under fsdp
+    (FSDP's CPU offload) the weight and gradient shards too."""
+    if run.memory.optimizer_offload != "host":
+        return 0
+    sharded = run.train.parallel == "fsdp"
+    return record["optimizer_state_bytes"] + (
+        record["weight_bytes"] + record["grad_bytes"] if sharded else 0)
+
+
+def step_work(run: Any, gpus: int = 1) -> tuple[float, int, float]:
     """A step's extra forward passes (a fraction of one), bytes over the host link, and its
-    seconds on DEVICE under the cost model (the module's docstring)."""
+    seconds on DEVICE under the cost model (the module's docstring): one GPU's share."""
     seq_len, layers = run.task.seq_len, PRESETS[run.model].layers
     shapes = _shapes(run.model, vocab_size(run.task.tokenizer), seq_len)
-    steps = Steps.of(run.train, seq_len)  # one process: the plan is for one device
+    steps = Steps.of(run.train, seq_len, gpus)
     method = build_method(run, steps)
     flops = forward_flops(shapes, method, seq_len)
     layer = flops["attention"] + flops["mlp"]
@@ -347,6 +370,8 @@ def format_plan(p: Plan, model: str, top: int = 20) -> str:
     table = tabulate([row(i, c) for i, c in enumerate(shown, 1)], headers=headers,
                      disable_numparse=True)
     budget = human_bytes(p.budget)
+    if p.gpus > 1:
+        budget += f" a GPU, sharded over {p.gpus} GPUs (train.parallel: fsdp)"
     if not p.fits:
         head = f"nothing fits {model} in {budget}; the {len(shown)} closest by peak:"
     else:
@@ -357,10 +382,27 @@ def format_plan(p: Plan, model: str, top: int = 20) -> str:
     tail += f"\nsettings: {settings}" if settings else ""
     note = ("\ncost: step time relative to full AdamW, bf16-mixed, no modifier, one micro-batch "
             f"(compute model in docs/estimate.md); {len(p.refused)} combinations refused")
-    return f"{head}\n{table}{tail}{note}"
+    return f"{head}\n{table}{tail}{note}{_per_method(p)}"
+
+
+def _per_method(p: Plan) -> str:
+    """Each method entry's fastest row that fits (bf16-mixed with no modifier, the papers'
+    usual setting, where that is as fast), and the entries refused in every setting: which
+    baselines a budget holds, whatever the top rows are."""
+    best: dict[str, Candidate] = {}
+    usual = sorted(p.fits, key=lambda c: (round(c.cost, 4), c.precision != "bf16-mixed",
+                                          bool(c.modifiers)))
+    for c in usual:
+        best.setdefault(c.label, c)
+    lines = [f"  {label}: {c.precision}, {c.modifiers or 'no modifier'}, {c.micro_batch} x "
+             f"{c.accumulation}, {human_bytes(c.peak_bytes)}, x{c.cost:.2f}"
+             for label, c in best.items()]
+    lines += [f"  {label}: refused ({why})" for label, why in sorted(p.unusable.items())]
+    return "\neach method's fastest that fits:\n" + "\n".join(lines) if lines else ""
 
 
 def to_json(p: Plan) -> str:
-    return json.dumps({"budget_bytes": p.budget, "fits": [c.record() for c in p.fits],
+    return json.dumps({"budget_bytes": p.budget, "gpus": p.gpus, "unusable": p.unusable,
+                       "fits": [c.record() for c in p.fits],
                        "closest": [c.record() for c in p.closest], "refused": p.refused},
                       indent=2)  # fmt: skip

@@ -212,3 +212,30 @@ def test_llama_7b_in_24gb() -> None:
     assert "configurations of llama_7b fit in 24.00 GB" in lines[0]
     assert lines[3].split()[0] == "1"
     assert float(lines[3].split(" GB")[0].split()[-1]) <= 24
+
+
+def test_on_4_gpus_host_offload_takes_every_shard_off_the_device() -> None:
+    """fsdp over 4 GPUs: FSDP's CPU offload keeps rank 0's weight, gradient and AdamW moment
+    shards on the host. Every llama_micro tensor's rows divide by 4, so rank 0 holds a quarter
+    of each: 4 + 4 + 8 bytes x 1,149,248 / 4, plus a float32 step a tensor (21, whole on every
+    rank) = 4,597,076 bytes off the device's peak."""
+    p = pl.plan("llama_micro", 10**9, seq_len=64, token_batch=256, tokenizer="sample", gpus=4)
+    rows = {(c.label, c.modifiers, c.precision): c for c in p.fits}
+    plain, host = rows[("full", "", "32-true")], rows[("full", "optimizer host", "32-true")]
+    assert plain.micro_batch == host.micro_batch == 4  # 256 tokens a GPU at 64 a sequence
+    assert plain.peak_bytes - host.peak_bytes == 16 * MICRO_PARAMS // 4 + 4 * MICRO_TENSORS
+    assert "adam8bit" in p.unusable and "relora" in p.unusable
+
+
+def test_llama_7b_on_8_gpus_of_80gb() -> None:
+    """The full-rank 7B baselines across 8 GPUs, as a user asks: each method's fastest setting
+    that fits one GPU's 80 GB, and the methods fsdp refuses, with the reason."""
+    out = harness("plan", "llama_7b", "--memory", "80GB", "--gpus", "8")
+    assert out.returncode == 0, out.stderr
+    assert "fit in 80.00 GB a GPU, sharded over 8 GPUs (train.parallel: fsdp)" in out.stdout
+    methods = out.stdout.split("each method's fastest that fits:\n")[1].splitlines()
+    full = next(line for line in methods if line.startswith("  full: "))
+    assert full.startswith("  full: bf16-mixed, no modifier, 1 x 1, ")
+    assert float(full.split(", ")[3].removesuffix(" GB")) < 80
+    assert any(line.startswith("  adam8bit: refused (method adam8bit with train.parallel fsdp")
+               for line in methods)
