@@ -177,3 +177,22 @@ def test_fsdp_estimates_rank_zeros_rows_of_every_tensor(tmp_path):
     assert sharded["weight_bytes"] == sharded["grad_bytes"] == 4 * rows
     assert 8 * rows <= sharded["optimizer_state_bytes"] <= 8 * rows + 4 * 100  # + step counters
     assert sharded["peak_bytes"] < whole["peak_bytes"]
+
+
+def test_the_7b_fsdp_sweep_gives_each_of_64_gpus_its_share(monkeypatch):
+    """sweeps/c4_7b_fsdp.yaml: rank 0 of 64 holds ceil(m / 64) rows of each of LLaMA-7B's
+    tensors (counted from the meta model's shapes) in float32, full AdamW's peak fits an 80 GB
+    GPU, and GaLore's bases stay whole on every rank (the 1-process figure)."""
+    from harness.models import param_shapes
+
+    records = estimate_sweep(load_sweep("sweeps/c4_7b_fsdp.yaml", {}))
+    shapes = param_shapes("llama_7b", 32100, 256)
+    rows = sum(-(-s[0] // 64) * (s.numel() // s[0]) for s in shapes.values())
+    full = next(r for r in records if r["method_name"] == "full")
+    assert full["weight_bytes"] == full["grad_bytes"] == 4 * rows
+    assert full["peak_bytes"] < 80e9
+    galore = next(r for r in records if r["method_name"] == "galore")
+    one = load_sweep("sweeps/c4_7b_fsdp.yaml", {"train.parallel": "ddp"})
+    one.methods = {"galore": one.methods["galore"]}
+    one.launcher = one.launcher.model_copy(update={"nodes": 1, "tasks_per_node": 1})
+    assert galore["extra_bytes"] == estimate_sweep(one)[0]["extra_bytes"] > 0
