@@ -34,6 +34,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
+from harness.distributed import fsdp
 from harness.methods.base import MemoryEstimate, Shapes, register
 from harness.methods.full import adam_bytes
 from harness.methods.lora import (
@@ -116,14 +117,20 @@ class ReLora(Lora):
         model = add_adapters(model, self.config, init=PEFT_INIT[self.config.init])
         # The full-rank warm start trains the target weights too; they stay in the optimizer's
         # groups afterwards (without gradients or state) so a resumed optimizer matches.
-        self.base = [layer.get_base_layer().weight for layer in lora_layers(model)]
-        self.adapters = adapter_params(model)
+        self._find(model)
         if self.config.warm_start_steps:
             for p in self.base:
                 p.requires_grad_(True)
         return model
 
+    def _find(self, model: nn.Module) -> None:
+        """The target weights and the adapters, as the model holds them now: under fsdp the
+        sharded Parameters that replaced the prepared ones."""
+        self.base = [layer.get_base_layer().weight for layer in lora_layers(model)]
+        self.adapters = adapter_params(model)
+
     def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
+        self._find(model)
         optimizer = super().optimizer(model, run)  # the adapters are in its groups ...
         if self.config.two_runs:  # ... but frozen until the full-rank phase ends
             for p in self.adapters:
@@ -142,8 +149,10 @@ class ReLora(Lora):
         return self._restart_refusal(run.train) if self.config.two_runs else None
 
     def fsdp_refusal(self, run: RunConfig) -> str | None:
-        return ("its merges (W += s·B·A) and adapter re-initialisations act on whole matrices "
-                "and are not done on FSDP's shards yet; use train.parallel: ddp")
+        """ReLoRA shards: a merge adds this rank's rows of s·B·A (B's rows times the whole A,
+        gathered: r×in), a new pair is drawn whole as one process draws it and each rank keeps
+        its rows, and a prune's threshold is taken over the whole (gathered) moment."""
+        return None
 
     def _restart_refusal(self, t: TrainConfig) -> str | None:
         """The reference's own assertions on its second run's schedule (training_utils.py)."""
@@ -294,16 +303,27 @@ def cosine_restarts(k: int, *, total: int, warmup: int, restart_warmup: int, eve
 
 
 def merge_and_redraw(layer: LoraLayer, init: str) -> None:
-    """W += s·B·A, then a fresh pair written into the same Parameters the optimizer holds."""
-    layer.get_base_layer().weight.add_(layer.get_delta_weight(ADAPTER))
+    """W += s·B·A, then a fresh pair written into the same Parameters the optimizer holds.
+    Under fsdp W and B hold the same rows, so this rank's rows of B·A are B's rows times the
+    whole A; the pair is drawn whole on plain tensors, from the generator every rank holds
+    alike, as one process draws it, and each rank keeps its rows."""
+    weight = layer.get_base_layer().weight
     a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+    if fsdp.is_sharded(weight):
+        delta = fsdp.local(b).float() @ fsdp.full(a).float() * layer.scaling[ADAPTER]
+        fsdp.local(weight).add_(delta.to(weight.dtype))
+    else:
+        weight.add_(layer.get_delta_weight(ADAPTER))
+    for module, held in ((layer.lora_A[ADAPTER], a), (layer.lora_B[ADAPTER], b)):
+        module.weight = nn.Parameter(torch.empty(held.shape, dtype=held.dtype,
+                                                 device=fsdp.local(held).device))
     if init == "orthogonal":
-        layer.orthogonal_init(ADAPTER)  # peft assigns new Parameters: copy them back below
+        layer.orthogonal_init(ADAPTER)  # peft assigns new Parameters: copied back below
     else:
         layer.reset_lora_parameters(ADAPTER, PEFT_INIT[init])
-    a.copy_(layer.lora_A[ADAPTER].weight)
-    b.copy_(layer.lora_B[ADAPTER].weight)
-    layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight = a, b
+    for module, held in ((layer.lora_A[ADAPTER], a), (layer.lora_B[ADAPTER], b)):
+        fsdp.local(held).copy_(module.weight[fsdp.rows(held)])
+        module.weight = held
 
 
 def reset_moments(
@@ -319,14 +339,18 @@ def reset_moments(
             moment = optimizer.state.get(p, {}).get(key)
             if moment is None:
                 continue
+            rows = fsdp.local(moment)  # under fsdp this rank's rows; the mask is the whole's
             if cfg.optimizer_reset == "full":
-                moment.zero_()
+                rows.zero_()
             elif cfg.prune == "random":
-                moment.mul_(torch.rand_like(moment) > cfg.prune_ratio)
+                keep = torch.rand(moment.shape, dtype=rows.dtype, device=rows.device)
+                rows.mul_(keep[fsdp.rows(moment)] > cfg.prune_ratio)
             else:
-                moment.mul_(moment.abs() > magnitude_threshold(moment, cfg.prune_ratio))
-            zeros += int((moment == 0).sum())
-            total += moment.numel()
+                whole = fsdp.full(moment)
+                rows.mul_(rows.abs() > magnitude_threshold(whole, cfg.prune_ratio))
+            whole = fsdp.full(moment)
+            zeros += int((whole == 0).sum())
+            total += whole.numel()
     return zeros / total if total else 0.0
 
 
