@@ -34,6 +34,7 @@ from harness.methods.base import (
     live_grad_bytes,
     numel,
     register,
+    row_share,
     tensor_bytes,
 )
 from harness.methods.full import AdamConfig
@@ -88,8 +89,20 @@ class APOLLO(GaLore):
         self.seeds: dict[Int8Linear, int] = {}  # int8_weights: each layer's projection seed
 
     def fsdp_refusal(self, run: RunConfig) -> str | None:
-        return ("its channel scaling (norms per row or column of the projected moments) is "
-                "not reduced over FSDP's shards yet; use train.parallel: ddp")
+        """APOLLO shards (methods/apollo_optim.py): the random projection is drawn whole from
+        its seed on every rank; a right side projects this rank's rows, a left side
+        all-reduces its r×n product; norms over a shard's rows sum their squares over ranks."""
+        c = self.config
+        if c.int8_weights:
+            return ("int8_weights keeps INT8 codes as buffers updated inside backward, not "
+                    "parameters FSDP shards and reduces; use train.parallel: ddp")
+        if c.proj == "svd":
+            return ("proj svd needs each gradient gathered for its SVD, not done for APOLLO "
+                    "under fsdp yet; use proj: random (the paper's), or train.parallel: ddp")
+        if c.optimizer == "adam8bit":
+            return ("optimizer adam8bit quantizes blocks of the flattened moments, which FSDP's "
+                    "row shards would cut; use optimizer: adamw, or train.parallel: ddp")
+        return None
 
     @property
     def linears(self) -> str:  # type: ignore[override]
@@ -177,11 +190,17 @@ class APOLLO(GaLore):
                 "svd_failures": sum(s.svd_failures for s in scalings)}
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
+        return self.estimate_sharded(shapes, run, 1)
+
+    def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
+        """Under fsdp (`world` > 1; never with int8_weights) weights, gradients and the moments
+        of a right side or an unprojected tensor by this rank's rows, a left side's r×n moments
+        whole on every rank, as GaLore's."""
         c, w, rank = self.config, widths(run), self.shape_settings()[0]
-        sizes = [numel(s) for s in shapes.values()]
+        sizes = [numel(row_share(s, world)) for s in shapes.values()]
         weights, state, extra = w.weight * sum(sizes), w.compensation * sum(sizes), 0
         for name, full in shapes.items():
-            shape = tuple(full)
+            shape, side = tuple(full), "none"
             if self.projects(name, shape):
                 side = side_of(shape, "std", rank)
                 if c.proj == "svd":  # stored in the weights' dtype; a random one is not stored
@@ -192,6 +211,8 @@ class APOLLO(GaLore):
                     extra += int8_bytes(shape, c.weight_group) - numel(shape)
                 shape = lowrank_shape(shape, side, rank)
                 state += LIMITER_BYTES if c.limiter else 0
+            if side in ("right", "none"):
+                shape = row_share(shape, world)
             state += state_bytes(shape, c.optimizer, c.min_8bit_size, None, w.state)
         if c.int8_weights:  # every update runs in backward; the INT8 layers' G is float32
             int8 = [numel(s) for n, s in shapes.items() if self.projects(n, tuple(s))]

@@ -14,6 +14,14 @@ keeps GaLore's SVD basis (stored), retried in float64 and otherwise kept when it
 Other parameters, and targets at a rank ≥ min(m, n), get plain AdamW. The elementwise Adam math
 runs in methods/adam_kernel.py (fused, or 8-bit blockwise); under bf16-true with float32 states
 or an update compensation, updates are added by modifiers/compensation.add_update.
+
+Under fsdp each rank holds its rows of W and G (methods/apollo.py `fsdp_refusal` names what is
+not sharded). The random P is drawn whole from its seed on every rank; a right side's R = GQᵀ
+is this rank's rows of R, a left side's PᵀG the sum over ranks of P's rows times G's (an
+all-reduce of r×n), the same R on every rank, as GaLore's. A norm over a row-split tensor's
+rows (a left side's channels of G, a tensor's whole norm, the limiter's ‖U‖) sums its squares
+over ranks; a per-row norm stays local. Every state a rank keeps is its rows, but a left
+side's moments, whole on every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from harness import distributed
+from harness.distributed import fsdp
 from harness.methods.adam_kernel import AdamKernel
 from harness.methods.projection import project, safe_basis, side_of
 from harness.modifiers.compensation import add_update, restore_dtypes
@@ -72,12 +82,12 @@ class APOLLOScaling:
 
     def factors(self, group: dict[str, Any], grads: list[Tensor],
                 states: list[dict[str, Any]]) -> list[Tensor | None]:
-        """√scale · s / limiter of each gradient; None where a first SVD failed (that weight
-        waits a step)."""
+        """√scale · s / limiter of each gradient (under fsdp for this rank's rows); None where
+        a first SVD failed (that weight waits a step)."""
         bases = [self._basis(group, st, g) for g, st in zip(grads, states, strict=True)]
         live = [i for i, b in enumerate(bases) if b is not None]
         sides = {i: next(iter(bases[i])) for i in live}
-        lows = self.inner_grads([project(grads[i], bases[i], sides[i]) for i in live])
+        lows = self.inner_grads([_projected(grads[i], bases[i], sides[i]) for i in live])
         updates = [torch.zeros_like(r) for r in lows]  # Adam leaves -Ñ there (lr 1, no decay)
         self.adam(group, updates, lows, [states[i] for i in live], 1.0, 0.0)
         out: list[Tensor | None] = [None] * len(grads)
@@ -108,18 +118,17 @@ class APOLLOScaling:
 
     def _factor(self, group: dict[str, Any], grad: Tensor, low: Tensor, update: Tensor,
                 st: dict[str, Any], side: str) -> Tensor:
-        """√scale · s / limiter in float32: (1, n) or (m, 1) per channel, () per tensor."""
+        """√scale · s / limiter in float32: (1, n) or (m, 1) per channel, () per tensor; under
+        fsdp (m, 1) is this rank's rows."""
         dim = 0 if side == "left" else 1  # the projected dimension: channels are the other one
-        f32 = torch.float32
+        split = fsdp.is_sharded(grad)  # G is this rank's rows; a right side's R too
+        low_split, grad = split and side == "right", fsdp.local(grad)
         if group["scale_type"] == "channel":
-            s = (torch.linalg.vector_norm(update, dim=dim, keepdim=True, dtype=f32)
-                 / (torch.linalg.vector_norm(low, dim=dim, keepdim=True, dtype=f32) + TINY))
-            g = torch.linalg.vector_norm(grad, dim=dim, keepdim=True, dtype=f32)
-            norm = torch.linalg.vector_norm(s * g)  # ‖G·s‖ without G·s
+            s = _norm(update, low_split, dim) / (_norm(low, low_split, dim) + TINY)
+            norm = _norm(s * _norm(grad, split, dim), low_split)  # ‖G·s‖ without G·s
         else:
-            s = (torch.linalg.vector_norm(update, dtype=f32)
-                 / (torch.linalg.vector_norm(low, dtype=f32) + TINY))
-            norm = s * torch.linalg.vector_norm(grad, dtype=f32)
+            s = _norm(update, low_split) / (_norm(low, low_split) + TINY)
+            norm = s * _norm(grad, split)
         if self.limiter:  # on ‖U‖ before Adam's bias correction, as the reference measures it
             (b1, b2), t = group["betas"], st["step"]
             norm = norm * ((1 - b1**t) / math.sqrt(1 - b2**t))
@@ -131,6 +140,27 @@ class APOLLOScaling:
                 s = s / cut
                 prev.copy_(norm / cut)
         return s.mul_(math.sqrt(group["scale"]))
+
+
+def _projected(grad: Tensor, basis: dict[str, Tensor], side: str) -> Tensor:
+    """R of `grad`: under fsdp a right side's rows of it, a left side's PᵀG summed over ranks
+    from P's rows times this rank's rows of G."""
+    if not fsdp.is_sharded(grad):
+        return project(grad, basis, side)
+    if side == "left":
+        return distributed.all_sum(project(fsdp.local(grad),
+                                           {"left": basis["left"][fsdp.rows(grad)]}, side))
+    return project(fsdp.local(grad), basis, side)
+
+
+def _norm(t: Tensor, split: bool, dim: int | None = None) -> Tensor:
+    """‖t‖ in float32, over `dim` (kept) or all of it. `split`: t is this rank's rows of a
+    row-sharded whole, so a norm over its rows sums the squares over ranks."""
+    kept = {"dim": dim, "keepdim": True} if dim is not None else {}
+    if not split or dim == 1:
+        return torch.linalg.vector_norm(t, dtype=torch.float32, **kept)
+    squares = torch.linalg.vector_norm(t, dtype=torch.float32, **kept).square()
+    return distributed.all_sum(squares).sqrt()
 
 
 class APOLLOOptimizer(torch.optim.Optimizer):
@@ -176,7 +206,8 @@ class APOLLOOptimizer(torch.optim.Optimizer):
     def _plain_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         lr, wd = group["lr"], group["weight_decay"]
         states = [self.state[p] for p in params]
-        grads = self.scaling.inner_grads([p.grad for p in params])
+        grads = self.scaling.inner_grads([fsdp.local(p.grad) for p in params])
+        params = [fsdp.local(p) for p in params]
         if not self.exact:
             self.scaling.adam(group, params, grads, states, lr, wd)
             return
@@ -199,22 +230,38 @@ class APOLLOOptimizer(torch.optim.Optimizer):
         for p, factor, st in zip(params, factors, states, strict=True):
             if factor is None:
                 continue
+            p, grad = fsdp.local(p), fsdp.local(p.grad)
             if self.exact:
-                self._add(group, p, (p.grad.float() * factor).mul_(-lr), st)
+                self._add(group, p, (grad.float() * factor).mul_(-lr), st)
                 continue
             if wd:
                 p.mul_(1 - lr * wd)
-            p.addcmul_(p.grad, factor.to(p.dtype), value=-lr)
+            p.addcmul_(grad, factor.to(p.dtype), value=-lr)
 
     def state_dict(self) -> dict[str, Any]:
+        """Under fsdp, states of this rank's rows (all but a left side's moments) are placed as
+        row shards, which a checkpoint writes shard by shard."""
         sd = super().state_dict()
+        for index, p in enumerate(self._rowwise()):
+            if index in sd["state"] and p is not None:
+                sd["state"][index] = fsdp.rows_whole(sd["state"][index], p, ())
         sd["svd_failures"] = self.scaling.svd_failures
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Float32 moments of bf16 weights and 8-bit states come back as saved."""
+        """Float32 moments of bf16 weights and 8-bit states come back as saved; under fsdp
+        whole row states are cut to this rank's rows."""
         restore_dtypes(self, super().load_state_dict, state_dict)
+        for p in self._rowwise():
+            if p is not None and p in self.state:
+                fsdp.rows_cut(self.state[p], p, ())
         self.scaling.svd_failures = state_dict.get("svd_failures", 0)
+
+    def _rowwise(self) -> list[Tensor | None]:
+        """Each parameter in state_dict's order, None where its states are whole (a left
+        side's moments are the same r×n on every rank)."""
+        return [None if _side(g, p) == "left" else p
+                for g in self.param_groups for p in g["params"]]
 
 
 def _side(group: dict[str, Any], p: Tensor) -> str:

@@ -2,7 +2,8 @@
 under torchrun on 2 and 4 processes with ddp and with fsdp (llama_micro, 6 steps of 8 sequences
 in micro-batches of 2, one thread a process), each multi-process run's largest relative
 difference from the one-process losses (train and eval), or the refusal. Run by hand (about
-15 minutes on 2 cores): `python scripts/equality_table.py OUT_DIR`; prints a Markdown table.
+15 minutes on 2 cores): `python scripts/equality_table.py OUT_DIR [METHOD ...]` (every
+registered method, or those named); prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -68,10 +69,12 @@ def cell(method: dict, parallel: str, procs: int, reference: list[float], root: 
     return f"{max(abs(a - b) / abs(b) for a, b in zip(got, reference, strict=True)):.1e}"
 
 
-def main(root: Path) -> None:
+def main(root: Path, names: list[str]) -> None:
     root.mkdir(parents=True, exist_ok=True)
     print("| method | ddp 2 | ddp 4 | fsdp 2 | fsdp 4 |\n|---|---|---|---|---|", flush=True)
     for name, method in METHODS.items():
+        if names and name not in names:
+            continue
         method = {**method, **SETTINGS.get(name, {})}
         config = root / f"{name}-1.yaml"
         config.write_text(yaml.safe_dump(run_config(method, "ddp")))
@@ -86,4 +89,4 @@ def main(root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:])

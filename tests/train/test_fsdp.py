@@ -67,6 +67,7 @@ def state(out: Path) -> dict[str, Any]:
 
 FULL = {"name": "full"}
 GALORE = {"name": "galore", "rank": 8, "update_proj_gap": 3}  # refreshes at steps 1 and 4
+APOLLO = {"name": "apollo", "rank": 8, "update_proj_gap": 3}  # new projections at steps 1 and 4
 RELORA = {"name": "relora", "rank": 4, "reset_every": 2, "restart_warmup_steps": 1}  # 2 merges
 # Final weights against 1 process: Adam's m/√v turns a 1e-7 difference in a near-zero gradient
 # into up to lr·1e-2 (measured 1.3e-5); GaLore's SVD turns it into a basis 7.7e-5 away
@@ -82,8 +83,10 @@ WEIGHT_ATOL = {"galore": 3e-4, "relora": 2e-3}
     (2, {"name": "lora", "rank": 4}, {}), (2, {"name": "lowrank", "rank": 8}, {}),
     (2, GALORE, {}), (4, GALORE, {}), (2, GALORE, {"layerwise": True}),
     (4, {"name": "adam_mini"}, {}), (2, RELORA, {}), (4, {**RELORA, "prune": "random"}, {}),
+    (2, APOLLO, {}), (4, APOLLO, {}), (4, {"name": "apollo_mini", "update_proj_gap": 3}, {}),
 ], ids=["2", "4", "2-layerwise", "2-recompute", "2-lora", "2-lowrank", "2-galore", "4-galore",
-        "2-galore-layerwise", "4-adam_mini", "2-relora", "4-relora-random"])
+        "2-galore-layerwise", "4-adam_mini", "2-relora", "4-relora-random", "2-apollo",
+        "4-apollo", "4-apollo_mini"])
 def test_fsdp_trains_as_one_process(tmp_path, procs, method, memory):
     """Layer-wise: FSDP runs each parameter's hook on its reduced shard, which clips (the norm
     over the shards) and steps it; recompute: the gathered layer runs its forward again. LoRA:
@@ -153,7 +156,8 @@ def stop_after(data: dict[str, Any], out: Path, procs: int, step: int) -> int:
 
 
 @pytest.mark.parametrize(("first", "then", "method"), [
-    (4, 2, FULL), (2, 1, FULL), (4, 2, GALORE), (4, 2, {"name": "adam_mini"}), (2, 2, GALORE)])
+    (4, 2, FULL), (2, 1, FULL), (4, 2, GALORE), (4, 2, {"name": "adam_mini"}), (2, 2, GALORE),
+    (4, 2, APOLLO)])
 def test_a_trial_stopped_at_one_world_size_resumes_at_another(tmp_path, first, then, method):
     """Each rank wrote its shards; a resume at any world size reads the rows it now holds
     (GaLore: its row-sharded moments by rows, its bases whole), one process reads them whole;
@@ -196,6 +200,11 @@ def test_what_fsdp_cannot_shard_is_refused_in_one_line():
     with pytest.raises(UserError, match=r"^method fira with train\.parallel fsdp: .*use "
                        r"train\.parallel: ddp"):
         load_run({**fsdp_run(), "method": {"name": "fira", "rank": 8}})
+    for setting, why in (({"proj": "svd"}, "use proj: random"),
+                         ({"int8_weights": True}, "INT8 codes"),
+                         ({"optimizer": "adam8bit"}, "use optimizer: adamw")):
+        with pytest.raises(UserError, match=rf"^method apollo with train\.parallel fsdp: .*{why}"):
+            load_run({**fsdp_run(), "method": {**APOLLO, **setting}})
     with pytest.raises(UserError, match=r"^method galore with train\.parallel fsdp: optimizer "
                        r"adam8bit .*use optimizer: adamw"):
         load_run({**fsdp_run(), "method": {"name": "galore", "optimizer": "adam8bit"}})
