@@ -24,6 +24,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from harness import distributed
 from harness.methods.base import Groups, MemoryEstimate, Shapes, register
 from harness.methods.galore import GaLore, ProjectionConfig
 from harness.methods.galore_optim import GaLoreOptimizer
@@ -60,8 +61,14 @@ class Fira(GaLore):
     Config = FiraConfig
 
     def fsdp_refusal(self, run: RunConfig) -> str | None:
-        return ("its residual's norms (φ per column, the limiter's ‖·‖) are over whole matrices "
-                "and not reduced over FSDP's shards yet; use train.parallel: ddp")
+        """Fira shards as GaLore does (methods/galore_optim.py); its residual is this rank's
+        rows of G − α·PR, φ runs over the rank dimension (a left side's R is whole), and the
+        limiter's ‖S‖ sums its squares over ranks."""
+        if self.config.optimizer == "adam8bit":
+            return ("optimizer adam8bit quantizes blocks of the flattened low-rank moments, "
+                    "which FSDP's row shards would cut; use optimizer: adamw, or "
+                    "train.parallel: ddp")
+        return None
 
     def build_optimizer(self, groups: Groups, run: RunConfig) -> FiraOptimizer:
         c = self.config
@@ -70,9 +77,10 @@ class Fira(GaLore):
             proj_type=c.proj_type, update_proj_gap=c.update_proj_gap, scale=c.scale,
             gamma=c.gamma, min_8bit_size=c.min_8bit_size, **own_optimizer_kwargs(run.train))
 
-    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        """GaLore's bytes (mr basis, 2nr moments) plus the limiter's scalar per projected matrix."""
-        c, base = self.config, super().estimate(shapes, run)
+    def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
+        """GaLore's bytes (mr basis, 2nr moments) plus the limiter's scalar per projected
+        matrix (whole on every rank under fsdp)."""
+        c, base = self.config, super().estimate_sharded(shapes, run, world)
         projected = sum(1 for name, full in shapes.items() if self.targeted(name, tuple(full))
                         and side_of(tuple(full), c.proj_type, c.rank) != "none")
         return replace(base, optimizer_state_bytes=base.optimizer_state_bytes
@@ -92,47 +100,56 @@ class FiraOptimizer(GaLoreOptimizer):
 
     def _apply(self, group: dict[str, Any], params: list[Tensor], updates: list[Tensor],
                states: list[dict[str, Any]], sides: list[str], alpha: float,
-               bases: list[dict[str, Any]] | None = None) -> None:
+               bases: list[dict[str, Any]] | None = None,
+               held: list[Tensor | None] | None = None) -> None:
         """GaLore's update plus −lr·S, one weight at a time, so one full-size residual exists
         at once. A weight at a rank ≥ min(m, n) ("none") has nothing outside its subspace.
-        (`bases`: the states' own; Fira is not sharded, methods/fira.py `fsdp_refusal`.)"""
+        Under fsdp `params`, `held` (G) and a left basis are this rank's rows."""
         if not group["rank"]:
-            super()._apply(group, params, updates, states, sides, alpha, bases)
+            super()._apply(group, params, updates, states, sides, alpha, bases, held)
             return
         lr, wd = group["lr"], group["weight_decay"]
-        for p, u, st, side in zip(params, updates, states, sides, strict=True):
-            s = None if side == "none" else self._residual(group, p, u, st, side)
+        bases, held = bases or states, held or [p.grad for p in params]
+        for p, g, u, st, b, side in zip(params, held, updates, states, bases, sides,
+                                        strict=True):
+            s = None if side == "none" else self._residual(group, g, u, st, b, side)
             if not self.exact:  # in place, in the weights' dtype, as GaLore's fused path
                 if wd:
                     p.mul_(1 - lr * wd)
-                project_back_(p, u, st, side, alpha)
+                project_back_(p, u, b, side, alpha)
                 if s is not None:
                     p.add_(s, alpha=-lr)
                 continue
-            full = back_projected(u, st, side).mul_(alpha)
+            full = back_projected(u, b, side).mul_(alpha)
             if s is not None:
                 full.add_(s, alpha=-lr)
             if wd:
                 full.add_(p, alpha=-lr * wd)
             add_update(p, full, self.compensation, st)
 
-    def _residual(self, group: dict[str, Any], p: Tensor, u: Tensor, st: dict[str, Any],
-                  side: str) -> Tensor:
-        """S = φ ⊙ (G − α·PR), limited; `u` holds −N, Adam's update of R (bias-corrected)."""
-        g, dim = p.grad, 0 if side == "left" else 1  # norms over the rank dimension
-        r = project(g, st, side)
+    def _residual(self, group: dict[str, Any], g: Tensor, u: Tensor, st: dict[str, Any],
+                  basis: dict[str, Any], side: str) -> Tensor:
+        """S = φ ⊙ (G − α·PR), limited; `u` holds −N, Adam's update of R (bias-corrected).
+        Under fsdp G is this rank's rows: a left side's R = PᵀG and ‖S‖ sum over ranks; φ
+        runs over the rank dimension (a left side's whole R, a right side's own rows)."""
+        dim = 0 if side == "left" else 1  # norms over the rank dimension
+        r = project(g, basis, side)
+        if side == "left" and self.sharded:
+            distributed.all_sum(r)
         phi = (torch.linalg.vector_norm(u, dim=dim, keepdim=True, dtype=torch.float32)
                / (torch.linalg.vector_norm(r, dim=dim, keepdim=True, dtype=torch.float32) + TINY))
         if side == "left":
-            s = torch.addmm(g, st["left"], r, alpha=-group["scale"])
+            s = torch.addmm(g, basis["left"], r, alpha=-group["scale"])
         else:
-            s = torch.addmm(g, r, st["right"], alpha=-group["scale"])
+            s = torch.addmm(g, r, basis["right"], alpha=-group["scale"])
         s.mul_(phi)
         # The reference's S carries no bias correction (its step size does): compare that one.
         b1, b2 = group["betas"]
         t = st["step"]
-        norm = torch.linalg.vector_norm(s, dtype=torch.float32) * (
-            (1 - b1**t) / math.sqrt(1 - b2**t))
+        norm = torch.linalg.vector_norm(s, dtype=torch.float32)
+        if self.sharded:
+            norm = distributed.all_sum(norm.square()).sqrt()
+        norm = norm * ((1 - b1**t) / math.sqrt(1 - b2**t))
         if LIMITER not in st:
             st[LIMITER] = norm
             return s

@@ -104,6 +104,11 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         for st in self.state.values():
             st.pop("folded", None)
 
+    @property
+    def sharded(self) -> bool:
+        """fsdp: the parameters are DTensor row shards (all of them, or none)."""
+        return fsdp.is_sharded(self.param_groups[0]["params"][0])
+
     def held_gradients(self) -> dict[Tensor, Tensor]:
         """The low-rank sums `fold` keeps between micro-batches (harness/cost/grad_peak.py)."""
         return {p: st["folded"] for p, st in self.state.items() if "folded" in st}
@@ -130,10 +135,11 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
 
     def _apply(self, group: dict[str, Any], params: list[Tensor], updates: list[Tensor],
                states: list[dict[str, Any]], sides: list[str], alpha: float,
-               bases: list[dict[str, Any]] | None = None) -> None:
+               bases: list[dict[str, Any]] | None = None,
+               held: list[Tensor | None] | None = None) -> None:
         """W ← W - lr·wd·W + alpha·(update brought back); decoupled decay on the full weight.
         `params` are what this rank holds (its rows under fsdp), `bases` the projections cut
-        to them (default: the states' own)."""
+        to them (default: the states' own), `held` the gradients' rows (Fira's residual)."""
         lr, wd = group["lr"], group["weight_decay"]
         bases = bases or states
         if not self.exact:  # in place, in the weights' dtype: no full-size temporaries
@@ -164,6 +170,7 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         params = [params[i] for i in live]  # a weight whose first SVD failed waits a step
         states, sides = [states[i] for i in live], [sides[i] for i in live]
         bases = [_cut(p, st) for p, st in zip(params, states, strict=True)]
+        held = [fsdp.local(p.grad) for p in params]  # G (this rank's rows), for Fira's residual
         grads = self._inner_grads([_low_rank(p, st, b, s) for p, st, b, s
                                    in zip(params, states, bases, sides, strict=True)])
         params = [fsdp.local(p) for p in params]
@@ -173,7 +180,7 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         else:  # Adam leaves -N in a zeroed scratch tensor: lr 1, no decay there
             updates, alpha = [torch.zeros_like(g) for g in grads], lr * scale
             self.adam(group, updates, grads, states, 1.0, 0.0)
-        self._apply(group, params, updates, states, sides, alpha, bases)
+        self._apply(group, params, updates, states, sides, alpha, bases, held)
         for st in states:
             st["proj_step"] += 1
 

@@ -4,7 +4,7 @@ profiler's memory timeline with accumulation), every method fsdp accepts.
 
 Measured (llama_micro, fp32, 2026-11-27): the estimate is within 0.72% of every rank's peak
 (lowrank on 4: +0.72%; LoRA and ReLoRA +0.36%; the accumulating run, profiled: -0.30%; full,
-GaLore, Adam-mini, APOLLO and APOLLO-Mini within 700 bytes); ranks agree to the byte under
+GaLore, Fira, Adam-mini, APOLLO and APOLLO-Mini within 700 bytes); ranks agree to the byte under
 FSDPMemTracker. TOLERANCE 2% holds that with room for buffers another torch version keeps a
 moment longer (the issue's bound is 5%). The profiler's timeline, outside these tests, saw
 some ranks up to 2.7% above the others.
@@ -30,7 +30,8 @@ METHODS = {"full": {"name": "full"}, "lora": {"name": "lora", "rank": 4},
            "adam_mini": {"name": "adam_mini"},
            "relora": {"name": "relora", "rank": 4, "reset_every": 2, "restart_warmup_steps": 1},
            "apollo": {"name": "apollo", "rank": 8, "update_proj_gap": 3},
-           "apollo_mini": {"name": "apollo_mini", "update_proj_gap": 3}}  # fmt: skip
+           "apollo_mini": {"name": "apollo_mini", "update_proj_gap": 3},
+           "fira": {"name": "fira", "rank": 8, "update_proj_gap": 3}}  # fmt: skip
 TOLERANCE = 0.02
 
 
