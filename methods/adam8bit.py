@@ -8,8 +8,20 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import Field
 
+from harness import distributed
+from harness.distributed import fsdp
+from harness.errors import UserError
 from harness.methods.adam_kernel import BLOCK, QMAP
-from harness.methods.base import Groups, MemoryEstimate, Method, Shapes, grad_bytes, numel, register
+from harness.methods.base import (
+    Groups,
+    MemoryEstimate,
+    Method,
+    Shapes,
+    grad_bytes,
+    numel,
+    register,
+    row_share,
+)
 from harness.methods.full import AdamConfig
 from harness.methods.galore_optim import GaLoreOptimizer
 from harness.methods.widths import widths
@@ -40,11 +52,16 @@ class Adam8bit(Method):
 
     def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
         """bitsandbytes' AdamW8bit, which rounds its bf16-true update to nearest and keeps small
-        tensors' states in float32; any other bf16-true setting runs the same 8-bit blockwise
-        kernel in GaLore's optimizer (no projection), which honours both keys."""
+        tensors' states in float32; any other bf16-true setting, and `train.parallel: fsdp`
+        (whose shards bitsandbytes' optimizer cannot take; on any number of processes, so that
+        its checkpoints resume at any), runs the same 8-bit blockwise kernel in GaLore's
+        optimizer (no projection), which honours both keys."""
         c, t = self.config, run.train
-        if t.precision == "bf16-true" and (t.state_dtype, t.update_compensation) != (
-                "float32", "none"):
+        if any(fsdp.is_sharded(p) for g in groups for p in g["params"]):
+            self._check_blocks(groups)
+        own_kernel = t.precision == "bf16-true" and (t.state_dtype, t.update_compensation) != (
+            "float32", "none")
+        if t.parallel == "fsdp" or own_kernel:  # fsdp on 1 process too: one checkpoint format
             return GaLoreOptimizer(groups, lr=t.lr, betas=c.betas, eps=c.eps, inner="adam8bit",
                                    min_8bit_size=c.min_8bit_size, **own_optimizer_kwargs(t))
         import bitsandbytes as bnb
@@ -55,12 +72,31 @@ class Adam8bit(Method):
         return bnb.optim.AdamW8bit(groups, **kwargs)
 
     def fsdp_refusal(self, run: RunConfig) -> str | None:
-        return ("bitsandbytes' 8-bit states are quantized in blocks of 256 values of the "
-                "flattened tensor, which FSDP's row shards cut unless every shard is a multiple "
-                "of 256, and they are not sharded yet; use train.parallel: ddp")
+        """8-bit Adam shards: bitsandbytes' blockwise kernel (the one GaLore's optimizer runs
+        unprojected) on each rank's rows, whose blocks are the whole tensor's where every shard
+        is the same whole number of 256-value blocks (checked as the optimizer is built)."""
+        return None
+
+    def _check_blocks(self, groups: Groups) -> None:
+        """Under fsdp, one line naming the first 8-bit tensor whose shards would cut blocks."""
+        for g in groups:
+            for p in g["params"]:
+                if p.numel() >= self.config.min_8bit_size and not fsdp.aligned(p, BLOCK):
+                    raise UserError(
+                        f"method adam8bit with train.parallel fsdp on {distributed.world_size()} "
+                        f"processes: a {tuple(p.shape)} tensor's shards are not equal whole "
+                        f"numbers of {BLOCK}-value blocks, which its 8-bit states quantize; use "
+                        "a world size that divides its rows into such shards, or "
+                        "train.parallel: ddp")
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        sizes, w = [numel(s) for s in shapes.values()], widths(run)
-        states = sum(adam8bit_state_bytes(n, self.config.min_8bit_size, w.state) for n in sizes)
+        return self.estimate_sharded(shapes, run, 1)
+
+    def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
+        """This rank's rows of each tensor, 8-bit where the whole tensor is large enough."""
+        w, least = widths(run), self.config.min_8bit_size
+        sizes = [numel(row_share(s, world)) for s in shapes.values()]
+        states = sum(adam8bit_state_bytes(n, least, w.state) if numel(s) >= least
+                     else 2 * w.state * n for s, n in zip(shapes.values(), sizes, strict=True))
         states += w.compensation * sum(sizes)
         return MemoryEstimate(w.weight * sum(sizes), grad_bytes(sizes, run, self.steps), states)

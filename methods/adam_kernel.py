@@ -34,11 +34,14 @@ class AdamKernel:
             # profiled there: 1.9M events, 45 s of torch's memory-timeline analysis
 
     def __call__(self, group: dict[str, Any], targets: list[Tensor], grads: list[Tensor],
-              states: list[dict[str, Any]], lr: float, wd: float) -> None:
-        """AdamW on `targets`; 8-bit blockwise states for the large ones when asked."""
+              states: list[dict[str, Any]], lr: float, wd: float,
+              sizes: list[int] | None = None) -> None:
+        """AdamW on `targets`; 8-bit blockwise states for the large ones when asked, large by
+        `sizes` where given (fsdp: the whole tensors', of which `grads` are a rank's rows)."""
         fused: list[int] = []
+        sizes = sizes or [g.numel() for g in grads]
         for i, (g, st) in enumerate(zip(grads, states, strict=True)):
-            if self.eight_bit and g.numel() >= self.min_8bit_size:
+            if self.eight_bit and sizes[i] >= self.min_8bit_size:
                 self._adam8bit(group, targets[i], g, st, lr, wd)
                 continue
             if "exp_avg" not in st:

@@ -44,6 +44,8 @@ from harness.methods.projection import (
 from harness.modifiers.compensation import add_update, restore_dtypes
 
 BASIS_KEYS = ("left", "right")  # projection matrices: extra bytes, not optimizer state
+QMAPS = ("qmap1", "qmap2")  # 8-bit states' quantization maps: the same on every rank
+ABSMAX = ("absmax1", "absmax2")  # 8-bit states' per-block scales: under fsdp, a rank's blocks
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col",
                "state1", "state2", "absmax1", "absmax2")
 
@@ -118,16 +120,17 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         lr, wd = group["lr"], group["weight_decay"]
         states = [self.state[p] for p in params]
         grads = self._inner_grads([fsdp.local(p.grad) for p in params])
+        sizes = [p.numel() for p in params]  # whole: they choose 8-bit states (fsdp: rows)
         params, sides = [fsdp.local(p) for p in params], ["none"] * len(params)
         if self.inner == "adafactor":
             updates = adafactor(group["lr"], self.beta1, states, grads)
             self._apply(group, params, updates, states, sides, -1.0)
         elif self.exact:  # Adam leaves -N in a zeroed scratch tensor: lr 1, no decay there
             updates = [torch.zeros_like(g) for g in grads]
-            self.adam(group, updates, grads, states, 1.0, 0.0)
+            self.adam(group, updates, grads, states, 1.0, 0.0, sizes)
             self._apply(group, params, updates, states, sides, lr)
         else:
-            self.adam(group, params, grads, states, lr, wd)
+            self.adam(group, params, grads, states, lr, wd, sizes)
 
     def _inner_grads(self, grads: list[Tensor]) -> list[Tensor]:
         """What the inner optimizer sees, in the moments' dtype."""
@@ -278,7 +281,8 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         sd = super().state_dict()
         for index, (p, side) in enumerate(self._sides()):
             if side in ("right", "none") and index in sd["state"]:
-                sd["state"][index] = fsdp.rows_whole(sd["state"][index], p, BASIS_KEYS)
+                rows = fsdp.rows_whole(sd["state"][index], p, (*BASIS_KEYS, *QMAPS, *ABSMAX))
+                sd["state"][index] = fsdp.blocks_whole(rows, p, ABSMAX, BLOCK)
         sd["svd_counts"] = self.svd_counts()
         return sd
 
@@ -289,7 +293,8 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         restore_dtypes(self, super().load_state_dict, state_dict)
         for p, side in self._sides():
             if side in ("right", "none") and p in self.state:
-                fsdp.rows_cut(self.state[p], p, BASIS_KEYS)
+                fsdp.rows_cut(self.state[p], p, (*BASIS_KEYS, *QMAPS, *ABSMAX))
+                fsdp.blocks_cut(self.state[p], p, ABSMAX)
         self.load_svd_counts(state_dict)
 
     def _sides(self) -> list[tuple[Tensor, str]]:

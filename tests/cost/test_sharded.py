@@ -31,7 +31,8 @@ METHODS = {"full": {"name": "full"}, "lora": {"name": "lora", "rank": 4},
            "relora": {"name": "relora", "rank": 4, "reset_every": 2, "restart_warmup_steps": 1},
            "apollo": {"name": "apollo", "rank": 8, "update_proj_gap": 3},
            "apollo_mini": {"name": "apollo_mini", "update_proj_gap": 3},
-           "fira": {"name": "fira", "rank": 8, "update_proj_gap": 3}}  # fmt: skip
+           "fira": {"name": "fira", "rank": 8, "update_proj_gap": 3},
+           "adam8bit": {"name": "adam8bit", "min_8bit_size": 256}}  # fmt: skip
 TOLERANCE = 0.02
 
 

@@ -68,6 +68,7 @@ def state(out: Path) -> dict[str, Any]:
 FULL = {"name": "full"}
 GALORE = {"name": "galore", "rank": 8, "update_proj_gap": 3}  # refreshes at steps 1 and 4
 FIRA = {"name": "fira", "rank": 8, "update_proj_gap": 3}
+ADAM8BIT = {"name": "adam8bit", "min_8bit_size": 256}  # 8-bit states for every matrix
 APOLLO = {"name": "apollo", "rank": 8, "update_proj_gap": 3}  # new projections at steps 1 and 4
 RELORA = {"name": "relora", "rank": 4, "reset_every": 2, "restart_warmup_steps": 1}  # 2 merges
 # Final weights against 1 process: Adam's m/√v turns a 1e-7 difference in a near-zero gradient
@@ -76,8 +77,11 @@ RELORA = {"name": "relora", "rank": 4, "reset_every": 2, "restart_warmup_steps":
 # moments at or below their 0.999 quantile: an entry within that 1e-7 of it is pruned in one run
 # and kept in the other, and its next updates differ (measured 6.3e-4 on 59 of 4,096 entries of
 # one weight, 2 processes; with random pruning, whose mask is drawn whole, within 5e-5).
-# Fira takes GaLore's bases: measured 6.0e-5 (one embedding entry, 4 processes).
-WEIGHT_ATOL = {"galore": 3e-4, "fira": 3e-4, "relora": 2e-3}
+# Fira takes GaLore's bases: measured 6.0e-5 (one embedding entry, 4 processes). 8-bit Adam
+# rounds each moment to one of 256 levels of its block: an entry within 1e-7 of a boundary
+# rounds to the neighbour in one run, and its update moves by up to 8% of lr (measured 4.8e-4
+# on 15 of 524,288 embedding entries, 4 processes).
+WEIGHT_ATOL = {"galore": 3e-4, "fira": 3e-4, "relora": 2e-3, "adam8bit": 2e-3}
 
 
 @pytest.mark.parametrize(("procs", "method", "memory"), [
@@ -86,10 +90,10 @@ WEIGHT_ATOL = {"galore": 3e-4, "fira": 3e-4, "relora": 2e-3}
     (2, GALORE, {}), (4, GALORE, {}), (2, GALORE, {"layerwise": True}),
     (4, {"name": "adam_mini"}, {}), (2, RELORA, {}), (4, {**RELORA, "prune": "random"}, {}),
     (2, APOLLO, {}), (4, APOLLO, {}), (4, {"name": "apollo_mini", "update_proj_gap": 3}, {}),
-    (2, FIRA, {}), (4, FIRA, {}),
+    (2, FIRA, {}), (4, FIRA, {}), (2, ADAM8BIT, {}), (4, ADAM8BIT, {}),
 ], ids=["2", "4", "2-layerwise", "2-recompute", "2-lora", "2-lowrank", "2-galore", "4-galore",
         "2-galore-layerwise", "4-adam_mini", "2-relora", "4-relora-random", "2-apollo",
-        "4-apollo", "4-apollo_mini", "2-fira", "4-fira"])
+        "4-apollo", "4-apollo_mini", "2-fira", "4-fira", "2-adam8bit", "4-adam8bit"])
 def test_fsdp_trains_as_one_process(tmp_path, procs, method, memory):
     """Layer-wise: FSDP runs each parameter's hook on its reduced shard, which clips (the norm
     over the shards) and steps it; recompute: the gathered layer runs its forward again. LoRA:
@@ -125,7 +129,10 @@ def test_fsdp_trains_as_one_process(tmp_path, procs, method, memory):
             theirs = b["optimizer"].get("inner", [b["optimizer"]])[i]["state"][index]
             assert {k: getattr(v, "shape", v) for k, v in theirs.items() if k != "step"} == \
                 {k: getattr(v, "shape", v) for k, v in st.items() if k != "step"}
-            torch.testing.assert_close(theirs["exp_avg"], st["exp_avg"], rtol=0, atol=2e-6)
+            if "exp_avg" in st:  # 8-bit codes: through the losses and weights above (a moment
+                # near a level boundary rounds to either side; a block's scale then drifts up to
+                # 0.9%, measured on 4 processes)
+                torch.testing.assert_close(theirs["exp_avg"], st["exp_avg"], rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
@@ -160,7 +167,7 @@ def stop_after(data: dict[str, Any], out: Path, procs: int, step: int) -> int:
 
 @pytest.mark.parametrize(("first", "then", "method"), [
     (4, 2, FULL), (2, 1, FULL), (4, 2, GALORE), (4, 2, {"name": "adam_mini"}), (2, 2, GALORE),
-    (4, 2, APOLLO)])
+    (4, 2, APOLLO), (4, 2, ADAM8BIT)])
 def test_a_trial_stopped_at_one_world_size_resumes_at_another(tmp_path, first, then, method):
     """Each rank wrote its shards; a resume at any world size reads the rows it now holds
     (GaLore: its row-sharded moments by rows, its bases whole), one process reads them whole;
@@ -197,6 +204,18 @@ def test_a_sharded_checkpoint_that_does_not_verify_is_skipped_for_the_one_before
     assert read_json(tmp_path / "trial" / "summary.json")["step"] == 10 > stopped
     train(load_run(data), tmp_path / "one")
     assert_same_losses(tmp_path / "one", tmp_path / "trial")
+
+
+def test_8bit_states_need_shards_of_whole_blocks(monkeypatch):
+    """A shard of an 8-bit tensor must be the same whole number of 256-value blocks on every
+    rank: 64 x 64 over 4 ranks is 16 x 64 = 4 blocks each; 66 x 64 over 3 is 22 x 64 = 5.5
+    blocks, and 2 x 128 over 2 half a block."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert fsdp.aligned(torch.empty(64, 64), 256)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert not fsdp.aligned(torch.empty(66, 64), 256)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not fsdp.aligned(torch.empty(2, 128), 256)
 
 
 def test_what_fsdp_cannot_shard_is_refused_in_one_line():
