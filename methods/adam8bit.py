@@ -8,9 +8,6 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import Field
 
-from harness import distributed
-from harness.distributed import fsdp
-from harness.errors import UserError
 from harness.methods.adam_kernel import BLOCK, QMAP
 from harness.methods.base import (
     Groups,
@@ -57,8 +54,6 @@ class Adam8bit(Method):
         its checkpoints resume at any), runs the same 8-bit blockwise kernel in GaLore's
         optimizer (no projection), which honours both keys."""
         c, t = self.config, run.train
-        if any(fsdp.is_sharded(p) for g in groups for p in g["params"]):
-            self._check_blocks(groups)
         own_kernel = t.precision == "bf16-true" and (t.state_dtype, t.update_compensation) != (
             "float32", "none")
         if t.parallel == "fsdp" or own_kernel:  # fsdp on 1 process too: one checkpoint format
@@ -74,20 +69,8 @@ class Adam8bit(Method):
     def fsdp_refusal(self, run: RunConfig) -> str | None:
         """8-bit Adam shards: bitsandbytes' blockwise kernel (the one GaLore's optimizer runs
         unprojected) on each rank's rows, whose blocks are the whole tensor's where every shard
-        is the same whole number of 256-value blocks (checked as the optimizer is built)."""
+        is the same whole number of 256-value blocks (GaLoreOptimizer checks as it is built)."""
         return None
-
-    def _check_blocks(self, groups: Groups) -> None:
-        """Under fsdp, one line naming the first 8-bit tensor whose shards would cut blocks."""
-        for g in groups:
-            for p in g["params"]:
-                if p.numel() >= self.config.min_8bit_size and not fsdp.aligned(p, BLOCK):
-                    raise UserError(
-                        f"method adam8bit with train.parallel fsdp on {distributed.world_size()} "
-                        f"processes: a {tuple(p.shape)} tensor's shards are not equal whole "
-                        f"numbers of {BLOCK}-value blocks, which its 8-bit states quantize; use "
-                        "a world size that divides its rows into such shards, or "
-                        "train.parallel: ddp")
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         return self.estimate_sharded(shapes, run, 1)

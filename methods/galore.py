@@ -105,11 +105,8 @@ class GaLore(Method):
     def fsdp_refusal(self, run: RunConfig) -> str | None:
         """GaLore shards (methods/galore_optim.py): a refresh gathers each gradient once and
         broadcasts one SVD; between refreshes a right side projects this rank's rows, a left
-        side all-reduces its r×n product. Per-block or factored inner states do not split."""
-        if self.config.optimizer == "adam8bit":
-            return ("optimizer adam8bit quantizes blocks of the flattened low-rank moments, "
-                    "which FSDP's row shards would cut; use optimizer: adamw, or "
-                    "train.parallel: ddp")
+        side all-reduces its r×n product; 8-bit moments by rows where their shards are whole
+        blocks (checked as the optimizer is built). Factored inner states do not split."""
         if self.config.optimizer == "adafactor":
             return ("optimizer adafactor's factored second moment averages over all rows, "
                     "which FSDP's row shards split; use optimizer: adamw, or train.parallel: ddp")
@@ -141,9 +138,10 @@ class GaLore(Method):
                 side = side_of(shape, c.proj_type, c.rank)
                 extra += w.weight * basis_numel(shape, side, c.rank)
                 shape = lowrank_shape(shape, side, c.rank)
+            least = c.min_8bit_size if numel(shape) < c.min_8bit_size else 0  # by the whole
             if side in ("right", "none"):
                 shape = row_share(shape, world)
-            state += state_bytes(shape, c.optimizer, c.min_8bit_size,
+            state += state_bytes(shape, c.optimizer, least,
                                  getattr(c, "adafactor_beta1", None), w.state)  # Fira: none
         return MemoryEstimate(w.weight * sum(sizes), grad_bytes(sizes, run, self.steps), state,
                               extra)

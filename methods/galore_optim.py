@@ -20,6 +20,7 @@ reference code's arithmetic.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,12 +29,14 @@ from torch import Tensor
 
 from harness import distributed
 from harness.distributed import fsdp
+from harness.errors import UserError
 from harness.methods.adafactor import adafactor
 from harness.methods.adam_kernel import BLOCK, AdamKernel
 from harness.methods.projection import (
     SVDCounts,
     back_projected,
     compute_basis,
+    lowrank_shape,
     project,
     project_back_,
     rotate,
@@ -69,6 +72,28 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         # state_dtype: the moments' dtype when it is not the gradients' (None: theirs)
         self.state_dtype, self.compensation = state_dtype, compensation
         self.exact = state_dtype is not None or compensation != "none"
+        if inner == "adam8bit" and self.sharded:
+            self._check_blocks()
+
+    def _moment_shape(self, p: Tensor, side: str, group: dict[str, Any]) -> tuple[int, ...]:
+        """The whole shape of p's moments: its own, or the low-rank one of its side."""
+        return tuple(p.shape) if side == "none" else lowrank_shape(p.shape, side, group["rank"])
+
+    def _check_blocks(self) -> None:
+        """fsdp: 8-bit moments kept by rows (an unprojected tensor's, a right side's) must split
+        into the same whole number of 256-value blocks on every rank, or the blocks are not
+        the whole tensor's; one line naming the first that would not."""
+        for p, side in self._sides():
+            group = next(g for g in self.param_groups if any(p is q for q in g["params"]))
+            shape = self._moment_shape(p, side, group)
+            if side != "left" and math.prod(shape) >= self.min_8bit_size \
+                    and not fsdp.aligned(shape, BLOCK):
+                raise UserError(
+                    f"optimizer adam8bit with train.parallel fsdp on {distributed.world_size()} "
+                    f"processes: the {shape} moments of a {tuple(p.shape)} weight do not split "
+                    f"into equal whole numbers of {BLOCK}-value blocks, which 8-bit states "
+                    "quantize; use a world size that divides their rows so, or "
+                    "train.parallel: ddp")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -174,6 +199,7 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         states, sides = [states[i] for i in live], [sides[i] for i in live]
         bases = [_cut(p, st) for p, st in zip(params, states, strict=True)]
         held = [fsdp.local(p.grad) for p in params]  # G (this rank's rows), for Fira's residual
+        whole_params = params
         grads = self._inner_grads([_low_rank(p, st, b, s) for p, st, b, s
                                    in zip(params, states, bases, sides, strict=True)])
         params = [fsdp.local(p) for p in params]
@@ -182,7 +208,9 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
             updates, alpha = adafactor(group["lr"], self.beta1, states, grads), -scale
         else:  # Adam leaves -N in a zeroed scratch tensor: lr 1, no decay there
             updates, alpha = [torch.zeros_like(g) for g in grads], lr * scale
-            self.adam(group, updates, grads, states, 1.0, 0.0)
+            sizes = [math.prod(self._moment_shape(p, side, group))  # whole: they choose 8-bit
+                     for p, side in zip(whole_params, sides, strict=True)]
+            self.adam(group, updates, grads, states, 1.0, 0.0, sizes)
         self._apply(group, params, updates, states, sides, alpha, bases, held)
         for st in states:
             st["proj_step"] += 1
@@ -282,7 +310,9 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         for index, (p, side) in enumerate(self._sides()):
             if side in ("right", "none") and index in sd["state"]:
                 rows = fsdp.rows_whole(sd["state"][index], p, (*BASIS_KEYS, *QMAPS, *ABSMAX))
-                sd["state"][index] = fsdp.blocks_whole(rows, p, ABSMAX, BLOCK)
+                group = next(g for g in self.param_groups if any(p is q for q in g["params"]))
+                blocks = -(-math.prod(self._moment_shape(p, side, group)) // BLOCK)
+                sd["state"][index] = fsdp.blocks_whole(rows, p, ABSMAX, blocks)
         sd["svd_counts"] = self.svd_counts()
         return sd
 

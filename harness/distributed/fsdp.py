@@ -211,14 +211,13 @@ def rows_cut(state: dict[str, Any], param: torch.Tensor, whole: Collection[str])
 
 
 def blocks_whole(state: dict[str, Any], param: torch.Tensor, keys: Collection[str],
-                 block: int) -> dict:
-    """Per-block values of this rank's rows (8-bit states' absmax: one a `block` of the
-    flattened shard) placed as shards of the whole tensor's blocks; sound where every shard is
-    a whole number of blocks and the ranks hold equal rows (`aligned`)."""
+                 blocks: int) -> dict:
+    """Per-block values of this rank's rows (8-bit states' absmax: one a block of the
+    flattened shard) placed as shards of the whole tensor's `blocks`; sound where every shard
+    is a whole number of blocks and the ranks hold equal rows (`aligned`)."""
     if not isinstance(param, DTensor):
         return state
-    whole = (-(-param.numel() // block),)
-    return {k: _row_shard(v, param, whole) if k in keys and isinstance(v, torch.Tensor)
+    return {k: _row_shard(v, param, (blocks,)) if k in keys and isinstance(v, torch.Tensor)
             and not isinstance(v, DTensor) else v for k, v in state.items()}
 
 
@@ -234,12 +233,14 @@ def blocks_cut(state: dict[str, Any], param: torch.Tensor, keys: Collection[str]
             state[key] = value[rows(value, sharded=True)].clone()
 
 
-def aligned(param: torch.Tensor, block: int) -> bool:
-    """Whether each rank's shard of `param` is the same whole number of `block`-value blocks of
-    the flattened tensor: then blockwise states on the shards are the whole tensor's."""
-    world = distributed.world_size()
-    m = param.shape[0]
-    return m % world == 0 and (m // world) * (param.numel() // m) % block == 0
+def aligned(shape: Iterable[int], block: int) -> bool:
+    """Whether each rank's rows of a `shape` tensor are the same whole number of `block`-value
+    blocks of the flattened tensor: then blockwise states on the shards are the whole's."""
+    rows, *rest = shape
+    world, width = distributed.world_size(), 1
+    for d in rest:
+        width *= d
+    return rows % world == 0 and (rows // world) * width % block == 0
 
 
 def _holds_rows(value: Any, span: slice) -> bool:

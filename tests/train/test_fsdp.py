@@ -69,6 +69,8 @@ FULL = {"name": "full"}
 GALORE = {"name": "galore", "rank": 8, "update_proj_gap": 3}  # refreshes at steps 1 and 4
 FIRA = {"name": "fira", "rank": 8, "update_proj_gap": 3}
 ADAM8BIT = {"name": "adam8bit", "min_8bit_size": 256}  # 8-bit states for every matrix
+# rank 32: a right side's moments split into whole blocks (88 rows x 32 = 11 blocks a rank)
+GALORE_8BIT = {**GALORE, "rank": 32, "optimizer": "adam8bit", "min_8bit_size": 256}
 APOLLO = {"name": "apollo", "rank": 8, "update_proj_gap": 3}  # new projections at steps 1 and 4
 RELORA = {"name": "relora", "rank": 4, "reset_every": 2, "restart_warmup_steps": 1}  # 2 merges
 # Final weights against 1 process: Adam's m/√v turns a 1e-7 difference in a near-zero gradient
@@ -91,9 +93,11 @@ WEIGHT_ATOL = {"galore": 3e-4, "fira": 3e-4, "relora": 2e-3, "adam8bit": 2e-3}
     (4, {"name": "adam_mini"}, {}), (2, RELORA, {}), (4, {**RELORA, "prune": "random"}, {}),
     (2, APOLLO, {}), (4, APOLLO, {}), (4, {"name": "apollo_mini", "update_proj_gap": 3}, {}),
     (2, FIRA, {}), (4, FIRA, {}), (2, ADAM8BIT, {}), (4, ADAM8BIT, {}),
+    (2, GALORE_8BIT, {"layerwise": True}),
 ], ids=["2", "4", "2-layerwise", "2-recompute", "2-lora", "2-lowrank", "2-galore", "4-galore",
         "2-galore-layerwise", "4-adam_mini", "2-relora", "4-relora-random", "2-apollo",
-        "4-apollo", "4-apollo_mini", "2-fira", "4-fira", "2-adam8bit", "4-adam8bit"])
+        "4-apollo", "4-apollo_mini", "2-fira", "4-fira", "2-adam8bit", "4-adam8bit",
+        "2-galore-8bit-layerwise"])
 def test_fsdp_trains_as_one_process(tmp_path, procs, method, memory):
     """Layer-wise: FSDP runs each parameter's hook on its reduced shard, which clips (the norm
     over the shards) and steps it; recompute: the gathered layer runs its forward again. LoRA:
@@ -211,11 +215,11 @@ def test_8bit_states_need_shards_of_whole_blocks(monkeypatch):
     rank: 64 x 64 over 4 ranks is 16 x 64 = 4 blocks each; 66 x 64 over 3 is 22 x 64 = 5.5
     blocks, and 2 x 128 over 2 half a block."""
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert fsdp.aligned(torch.empty(64, 64), 256)
+    assert fsdp.aligned((64, 64), 256)
     monkeypatch.setenv("WORLD_SIZE", "3")
-    assert not fsdp.aligned(torch.empty(66, 64), 256)
+    assert not fsdp.aligned((66, 64), 256)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not fsdp.aligned(torch.empty(2, 128), 256)
+    assert not fsdp.aligned((2, 128), 256)
 
 
 def test_what_fsdp_cannot_shard_is_refused_in_one_line():
@@ -228,8 +232,8 @@ def test_what_fsdp_cannot_shard_is_refused_in_one_line():
         with pytest.raises(UserError, match=rf"^method apollo with train\.parallel fsdp: .*{why}"):
             load_run({**fsdp_run(), "method": {**APOLLO, **setting}})
     with pytest.raises(UserError, match=r"^method galore with train\.parallel fsdp: optimizer "
-                       r"adam8bit .*use optimizer: adamw"):
-        load_run({**fsdp_run(), "method": {"name": "galore", "optimizer": "adam8bit"}})
+                       r"adafactor.*use optimizer: adamw"):
+        load_run({**fsdp_run(), "method": {"name": "galore", "optimizer": "adafactor"}})
     with pytest.raises(UserError, match=r"^memory\.optimizer_offload paged with train\.parallel "
                        r"fsdp: .*use optimizer_offload: host"):
         load_run({**fsdp_run(), "memory": {"optimizer_offload": "paged"}})
