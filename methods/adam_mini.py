@@ -134,7 +134,7 @@ class AdamMini(ParamwiseOptimizer):
         add_update(w, update, self.compensation, st)
 
     def state_dict(self) -> dict[str, Any]:
-        """Under fsdp, row states placed as row shards, which the trainer gathers whole."""
+        """Under fsdp, row states placed as row shards, which a checkpoint writes shard by shard."""
         sd = super().state_dict()
         for index, (p, kind) in enumerate(self._kinds()):
             if index in sd["state"]:

@@ -305,7 +305,7 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Under fsdp, states of this rank's rows (a right-side or unprojected weight's) are
-        placed as row shards, which the trainer gathers whole: the 1-process checkpoint."""
+        placed as row shards, which a checkpoint writes shard by shard."""
         sd = super().state_dict()
         for index, (p, side) in enumerate(self._sides()):
             if side in ("right", "none") and index in sd["state"]:

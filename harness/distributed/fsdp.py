@@ -184,7 +184,7 @@ def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 def rows_whole(state: dict[str, Any], param: torch.Tensor, whole: Collection[str]) -> dict:
     """An optimizer state kept as plain tensors of this rank's rows (dim 0 the shard's rows,
     keys outside `whole`, which every rank holds entire) with those tensors placed as row
-    shards of the whole: `gathered` then writes them whole, as one process would."""
+    shards of the whole, which a checkpoint writes shard by shard and reads at any world size."""
     if not isinstance(param, DTensor):
         return state
     span = rows(param)
