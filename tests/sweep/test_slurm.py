@@ -127,15 +127,15 @@ def test_a_preempted_fsdp_trial_of_two_tasks_resumes_from_its_shards(tmp_path):
     job's two ranks read them, and the losses are a 1-process run's (to the reduction order's
     1e-5, as in tests/train/test_fsdp.py)."""
     out = tmp_path / "runs"
-    proc = start_sweep(sweep_file(tmp_path, 40, [3e-3]), out, "launcher.tasks_per_node=2",
+    proc = start_sweep(sweep_file(tmp_path, 24, [3e-3]), out, "launcher.tasks_per_node=2",
                        "train.parallel=fsdp")
     trial_dir = only_trial(out)
     wait_for_step(trial_dir, 4)
     preempt(job_of(trial_dir))
-    assert_requeued_ok(proc, trial_dir, 1, 40)
+    assert_requeued_ok(proc, trial_dir, 1, 24)
     assert {p.name for p in (trial_dir / "checkpoint" / "state.pt").glob("*.distcp")} == {
         "__0_0.distcp", "__1_0.distcp"}
-    train(load_run(micro_run(steps=40, log_every=1, parallel="fsdp") | {
+    train(load_run(micro_run(steps=24, log_every=1, parallel="fsdp") | {
         "eval": {"every": 0, "tokens": 128}}), tmp_path / "one")
     one, two = train_losses(tmp_path / "one"), train_losses(trial_dir)
     assert two.keys() == one.keys()
