@@ -75,17 +75,13 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         if inner == "adam8bit" and self.sharded:
             self._check_blocks()
 
-    def _moment_shape(self, p: Tensor, side: str, group: dict[str, Any]) -> tuple[int, ...]:
-        """The whole shape of p's moments: its own, or the low-rank one of its side."""
-        return tuple(p.shape) if side == "none" else lowrank_shape(p.shape, side, group["rank"])
 
     def _check_blocks(self) -> None:
         """fsdp: 8-bit moments kept by rows (an unprojected tensor's, a right side's) must split
         into the same whole number of 256-value blocks on every rank, or the blocks are not
         the whole tensor's; one line naming the first that would not."""
-        for p, side in self._sides():
-            group = next(g for g in self.param_groups if any(p is q for q in g["params"]))
-            shape = self._moment_shape(p, side, group)
+        for p, side, rank in self._sides():
+            shape = _moment_shape(p, side, rank)
             if side != "left" and math.prod(shape) >= self.min_8bit_size \
                     and not fsdp.aligned(shape, BLOCK):
                 raise UserError(
@@ -199,7 +195,8 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         states, sides = [states[i] for i in live], [sides[i] for i in live]
         bases = [_cut(p, st) for p, st in zip(params, states, strict=True)]
         held = [fsdp.local(p.grad) for p in params]  # G (this rank's rows), for Fira's residual
-        whole_params = params
+        sizes = [math.prod(_moment_shape(p, side, rank))  # whole: they choose 8-bit states
+                 for p, side in zip(params, sides, strict=True)]
         grads = self._inner_grads([_low_rank(p, st, b, s) for p, st, b, s
                                    in zip(params, states, bases, sides, strict=True)])
         params = [fsdp.local(p) for p in params]
@@ -208,8 +205,6 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
             updates, alpha = adafactor(group["lr"], self.beta1, states, grads), -scale
         else:  # Adam leaves -N in a zeroed scratch tensor: lr 1, no decay there
             updates, alpha = [torch.zeros_like(g) for g in grads], lr * scale
-            sizes = [math.prod(self._moment_shape(p, side, group))  # whole: they choose 8-bit
-                     for p, side in zip(whole_params, sides, strict=True)]
             self.adam(group, updates, grads, states, 1.0, 0.0, sizes)
         self._apply(group, params, updates, states, sides, alpha, bases, held)
         for st in states:
@@ -307,11 +302,10 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         """Under fsdp, states of this rank's rows (a right-side or unprojected weight's) are
         placed as row shards, which a checkpoint writes shard by shard."""
         sd = super().state_dict()
-        for index, (p, side) in enumerate(self._sides()):
+        for index, (p, side, rank) in enumerate(self._sides()):
             if side in ("right", "none") and index in sd["state"]:
                 rows = fsdp.rows_whole(sd["state"][index], p, (*BASIS_KEYS, *QMAPS, *ABSMAX))
-                group = next(g for g in self.param_groups if any(p is q for q in g["params"]))
-                blocks = -(-math.prod(self._moment_shape(p, side, group)) // BLOCK)
+                blocks = -(-math.prod(_moment_shape(p, side, rank)) // BLOCK)
                 sd["state"][index] = fsdp.blocks_whole(rows, p, ABSMAX, blocks)
         sd["svd_counts"] = self.svd_counts()
         return sd
@@ -321,16 +315,22 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         moments of bf16 weights come back as saved. Under fsdp, whole row states are cut to
         this rank's rows (the bases stay whole on every rank)."""
         restore_dtypes(self, super().load_state_dict, state_dict)
-        for p, side in self._sides():
+        for p, side, _ in self._sides():
             if side in ("right", "none") and p in self.state:
                 fsdp.rows_cut(self.state[p], p, (*BASIS_KEYS, *QMAPS, *ABSMAX))
                 fsdp.blocks_cut(self.state[p], p, ABSMAX)
         self.load_svd_counts(state_dict)
 
-    def _sides(self) -> list[tuple[Tensor, str]]:
-        """Every parameter with its projected side, in state_dict's order."""
-        return [(p, side_of(p.shape, g["proj_type"], g["rank"]) if g["rank"] else "none")
-                for g in self.param_groups for p in g["params"]]
+    def _sides(self) -> list[tuple[Tensor, str, int | None]]:
+        """Every parameter with its projected side and its group's rank, in state_dict's
+        order."""
+        return [(p, side_of(p.shape, g["proj_type"], g["rank"]) if g["rank"] else "none",
+                 g["rank"]) for g in self.param_groups for p in g["params"]]
+
+
+def _moment_shape(p: Tensor, side: str, rank: int | None) -> tuple[int, ...]:
+    """The whole shape of p's moments: its own, or the low-rank one of its side."""
+    return tuple(p.shape) if side == "none" else lowrank_shape(p.shape, side, rank)
 
 
 def _has_basis(st: dict[str, Any]) -> bool:

@@ -34,6 +34,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
+from harness import distributed
 from harness.distributed import fsdp
 from harness.methods.base import MemoryEstimate, Shapes, register
 from harness.methods.full import adam_bytes
@@ -348,9 +349,10 @@ def reset_moments(
             else:
                 whole = fsdp.full(moment)
                 rows.mul_(rows.abs() > magnitude_threshold(whole, cfg.prune_ratio))
-            whole = fsdp.full(moment)
-            zeros += int((whole == 0).sum())
-            total += whole.numel()
+            zeros += int((rows == 0).sum())
+            total += rows.numel()
+    if any(fsdp.is_sharded(p) for p in params):  # each rank counted its own rows
+        zeros, total = (int(n) for n in distributed.all_sum(torch.tensor([zeros, total])))
     return zeros / total if total else 0.0
 
 

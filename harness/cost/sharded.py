@@ -22,12 +22,13 @@ from __future__ import annotations
 from harness.config import RunConfig
 from harness.cost.activations import Activations, targets, trains_norms
 from harness.methods.base import MemoryEstimate, Method, Shapes, is_target, numel, row_share
+from harness.methods.widths import widths
 
 REDUCE_WIDTH = 4  # gradients are reduced in float32 under bf16-mixed (harness/distributed/fsdp.py)
 
 
 def _widths(run: RunConfig) -> tuple[int, int]:
-    """Bytes an element of a gathered weight and of a whole gradient, and of the reduction."""
+    """Bytes an element of a gathered weight and of a whole gradient."""
     if run.train.precision == "32-true":
         return 4, 4
     return 2, 2  # bf16-mixed gathers and differentiates in bf16; bf16-true holds bf16
@@ -57,11 +58,13 @@ def fsdp_peak(shard: MemoryEstimate, whole: MemoryEstimate, acts: Activations, r
     gather, grad = _widths(run)
     reduce = REDUCE_WIDTH if run.train.precision == "bf16-mixed" else grad
     root = {n: s for n, s in shapes.items() if ".layers." not in n}
-    trained_root = [s for s in root.values()] if trains_norms(method) else []
+    trained_root = list(root.values()) if trains_norms(method) else []
     gathered_root = gather * sum(map(numel, root.values()))
     layer = _layer_numel(shapes, method)
     static = shard.weight_bytes + shard.optimizer_state_bytes + shard.extra_bytes
-    accumulated = whole.grad_bytes * grad // 4 if acts.micro_batches > 1 else 0
+    # the whole gradients accumulation keeps, at the width FSDP differentiates in (bf16-mixed:
+    # bf16, where the one-process estimate counts float32)
+    accumulated = whole.grad_bytes * grad // widths(run).grad if acts.micro_batches > 1 else 0
     loss = acts.start + accumulated
     head = grad * numel(shapes["lm_head.weight"]) if trained_root else 0
     first_layer = acts.bottom + head + 2 * gather * layer + (grad + reduce) * layer

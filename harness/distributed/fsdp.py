@@ -12,6 +12,7 @@ helpers below are how methods and modifiers see a parameter that may be sharded 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -237,10 +238,8 @@ def aligned(shape: Iterable[int], block: int) -> bool:
     """Whether each rank's rows of a `shape` tensor are the same whole number of `block`-value
     blocks of the flattened tensor: then blockwise states on the shards are the whole's."""
     rows, *rest = shape
-    world, width = distributed.world_size(), 1
-    for d in rest:
-        width *= d
-    return rows % world == 0 and (rows // world) * width % block == 0
+    world = distributed.world_size()
+    return rows % world == 0 and (rows // world) * math.prod(rest) % block == 0
 
 
 def _holds_rows(value: Any, span: slice) -> bool:

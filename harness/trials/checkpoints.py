@@ -100,21 +100,32 @@ def save(folder: Path, state: dict[str, Any], keep: int) -> None:
     (one line) when it cannot be written, the previous checkpoints then as they were."""
     newest = folder / NEWEST
     tmp = folder / f".{NEWEST}.tmp{os.getpid()}"
-    out = _Hashing(None)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob(f".{NEWEST}.tmp*"):  # a writer killed mid-save left it
             stale.unlink(missing_ok=True)
-        with open(tmp, "wb") as f:
-            out = _Hashing(f)
-            torch.save(state, out)
-            f.flush()
-            os.fsync(f.fileno())
-        _publish(folder, tmp, {"sha256": out.sha.hexdigest(), "bytes": out.bytes}, keep)
+        _publish(folder, tmp, _write(tmp, state), keep)
     except (OSError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {newest} not saved: {brief(out.error or e)}") from e
+        raise CheckpointError(f"checkpoint {newest} not saved: {brief(e)}") from e
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _write(path: Path, state: Any) -> dict[str, Any]:
+    """torch.save `state` to `path` and fsync it; returns its record ({"sha256", "bytes"}),
+    hashed as the bytes pass. A failed write raises its own OSError, not torch's opaque
+    RuntimeError around it."""
+    with open(path, "wb") as f:
+        out = _Hashing(f)
+        try:
+            torch.save(state, out)
+        except RuntimeError:
+            if out.error is None:
+                raise
+            raise out.error from None
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": out.sha.hexdigest(), "bytes": out.bytes}
 
 
 def _publish(folder: Path, tmp: Path, record: dict[str, Any], keep: int) -> None:
@@ -163,13 +174,10 @@ def save_sharded(folder: Path, tensors: dict[str, Any], rest: dict[str, Any], ke
     errors = [e for e, _ in every if e]
     if rank == 0 and not errors:
         try:
-            with open(tmp / REST, "wb") as f:
-                torch.save(rest, f)
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_dir(tmp)
             record = {k: v for _, digests in every for k, v in digests.items()}
-            record.update({name: _digest(tmp / name) for name in (".metadata", REST)})
+            record[REST] = _write(tmp / REST, rest)
+            record[".metadata"] = _digest(tmp / ".metadata")
+            fsync_dir(tmp)
             _publish(folder, tmp, {"files": record}, keep)
         except OSError as e:
             errors.append(f"checkpoint {folder / NEWEST} not saved: {brief(e)}")
