@@ -39,7 +39,7 @@ METHODS = {  # one small setting each, so every method runs on any preset
     "qlora": {"rank": 8}, "lowrank": {"rank": 16}, "galore": {"rank": 16},
     "galore_8bit_layerwise": {"method": "galore", "rank": 16, "optimizer": "adam8bit"},
     "qgalore": {"rank": 16}, "fira": {"rank": 16}, "adam_mini": {}, "apollo": {"rank": 16},
-    "apollo_mini": {},
+    "apollo_mini": {}, "muon": {},
     "apollo_mini_int8_layerwise": {"method": "apollo_mini", "int8_weights": True},
 }  # fmt: skip
 PEAK_TOLERANCE = 0.05

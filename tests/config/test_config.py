@@ -123,7 +123,7 @@ def test_shipped_sweeps_are_valid(name):
     names = {t.run.method_name for t in trials}
     every = {"full", "adam8bit", "lora", "relora", "lowrank", "galore", "qgalore"}
     if name.startswith("c4_"):
-        every |= {"apollo", "apollo_mini", "fira", "adam_mini"}
+        every |= {"apollo", "apollo_mini", "fira", "adam_mini", "muon"}
     seven = {"galore", "adam8bit", "qgalore", "apollo", "apollo_mini"}  # APOLLO Table 3
     assert names == seven if name == "c4_7b" else every <= names
 

@@ -32,7 +32,8 @@ METHODS = {"full": {"name": "full"}, "lora": {"name": "lora", "rank": 4},
            "apollo": {"name": "apollo", "rank": 8, "update_proj_gap": 3},
            "apollo_mini": {"name": "apollo_mini", "update_proj_gap": 3},
            "fira": {"name": "fira", "rank": 8, "update_proj_gap": 3},
-           "adam8bit": {"name": "adam8bit", "min_8bit_size": 256}}  # fmt: skip
+           "adam8bit": {"name": "adam8bit", "min_8bit_size": 256},
+           "muon": {"name": "muon"}}  # fmt: skip
 # 8-bit GaLore's right-side moments by rows must be whole 256-value blocks: (176, 32) is 11
 # blocks a rank on 2, 5.5 on 4 (refused there: tests/train/test_fsdp.py)
 GALORE_8BIT = {"name": "galore", "rank": 32, "update_proj_gap": 3, "optimizer": "adam8bit",
