@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from harness.methods.apollo_int8_optim import APOLLOInt8Optimizer
@@ -70,6 +70,16 @@ class APOLLOCommon(AdamConfig):
         False, description="scaled targets are INT8 codes updated in backward by stochastic "
         "rounding (the paper's 7B recipe with apollo_mini; the rest AdamW, layer-wise)")
     weight_group: int = Field(256, ge=1, description="int8_weights: values per quantization group")
+    decay_vectors: bool = Field(
+        False, description="train.weight_decay on norms and biases too (the reference's "
+        "main_pretrain.py: its non-target group takes the optimizer's decay)")
+
+    @model_validator(mode="after")
+    def _check_decay(self) -> APOLLOCommon:
+        if self.decay_vectors and self.int8_weights:
+            raise ValueError("decay_vectors applies to the float form; with int8_weights the "
+                             "reference (q_apollo.py) decays no non-target parameter")
+        return self
 
 
 class APOLLOConfig(APOLLOCommon):
@@ -136,7 +146,7 @@ class APOLLO(GaLore):
     def param_groups(self, model: nn.Module, run: RunConfig) -> Groups:
         """One group per scaled matrix, with its projection seed (its 1-based place among
         the trained parameters, as the reference numbers them), so a layer-wise split keeps
-        each seed; then the other matrices, then vectors (never decayed)."""
+        each seed; then the other matrices, then vectors (decayed with `decay_vectors`)."""
         wd, rank = run.train.weight_decay, self.shape_settings()[0]
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups: Groups = [{"params": [p], "rank": rank, "seed": i, "weight_decay": wd}
@@ -144,8 +154,9 @@ class APOLLO(GaLore):
                           if self.projects(n, tuple(p.shape))]
         ids = {id(g["params"][0]) for g in groups}
         rest = [p for _, p in named if id(p) not in ids]
+        vector_wd = wd if self.config.decay_vectors else 0.0
         return [*groups, {"params": [p for p in rest if p.dim() >= 2], "weight_decay": wd},
-                {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+                {"params": [p for p in rest if p.dim() < 2], "weight_decay": vector_wd}]
 
     def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
         c, scale_type = self.config, self.shape_settings()[1]

@@ -178,12 +178,15 @@ def changed_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if defaults.get(k) != v}
 
 
-def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices only, never on norms and biases."""
+def decay_groups(model: nn.Module, weight_decay: float,
+                 vectors: bool = False) -> list[dict[str, Any]]:
+    """Weight decay on matrices; on norms and biases only with `vectors` (some references
+    decay every parameter: docs/fidelity.md)."""
     params = [p for p in model.parameters() if p.requires_grad]
     return [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if p.dim() < 2],
+         "weight_decay": weight_decay if vectors else 0.0},
     ]
 
 

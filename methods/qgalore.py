@@ -84,6 +84,9 @@ class QGaLoreConfig(ProjectionConfig):
     simulate_mode: Literal["fake_quant", "snap"] = Field(
         "fake_quant", description="simulate: fake_quant keeps float weights between steps; "
         "snap (the reference's) rounds them stochastically to the INT8 grid after each step")
+    snap_rounding: Literal["stochastic", "nearest"] = Field(
+        "stochastic", description="simulate_mode snap: how weights round onto the grid "
+        "(the reference: stochastic with --stochastic_round, else nearest)")
     lazy_schedule: Literal["ours", "reference"] = Field(
         "ours", description="ours: |cosine|, queue restarted after each growth, gap counted "
         "from the last SVD; reference: signed cosine, rolling queue, SVD when step % gap == 0")
@@ -93,6 +96,8 @@ class QGaLoreConfig(ProjectionConfig):
 
     @model_validator(mode="after")
     def _check(self) -> QGaLoreConfig:
+        if self.snap_rounding == "nearest" and self.simulate_mode != "snap":
+            raise ValueError("snap_rounding 'nearest' needs simulate_mode: snap")
         if self.simulate_mode == "snap" and not self.simulate:
             raise ValueError("simulate_mode 'snap' needs simulate: true (simulate: false "
                              "already keeps INT8 weights)")
@@ -152,7 +157,8 @@ class QGaLore(GaLore):
         c = self.config
         snap = c.weight_group if c.simulate_mode == "snap" else None
         return QGaLoreSimOptimizer(groups, proj_group=c.proj_group, proj_type=c.proj_type,
-                                   scale=c.scale, snap=snap, seed=run.seed, **self.common(run))
+                                   scale=c.scale, snap=snap, seed=run.seed,
+                                   stochastic=c.snap_rounding == "stochastic", **self.common(run))
 
     def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
         c = self.config

@@ -174,15 +174,17 @@ class QGaLoreOptimizer(LazySVDCounts, Int8LayerwiseOptimizer):
 
 class QGaLoreSimOptimizer(LazySVDCounts, GaLoreOptimizer):
     """GaLore with INT4-rounded bases and the lazy schedule, on float weights (`simulate`);
-    `snap`: the INT8 group size to which targeted weights are snapped after each step."""
+    `snap`: the INT8 group size to which targeted weights are snapped after each step,
+    `stochastic`ally (from a generator seeded by `seed`) or to the nearest code."""
 
     def __init__(self, params: Iterable[Any], *, lazy: dict[str, Any], proj_group: int,
-                 snap: int | None, seed: int, **kwargs: Any) -> None:
+                 snap: int | None, seed: int, stochastic: bool = True, **kwargs: Any) -> None:
         super().__init__(params, update_proj_gap=1, moments="keep", **kwargs)  # LazyGap decides
         self.lazy, self.proj_group, self.snap = lazy, proj_group, snap
         targets = self.targets()
         device = targets[0].device if targets else torch.device("cpu")
-        self.generator = None if snap is None else torch.Generator(device).manual_seed(seed)
+        self.generator = torch.Generator(device).manual_seed(seed) \
+            if snap is not None and stochastic else None
 
     def targets(self) -> list[Tensor]:
         return [p for g in self.param_groups if g["rank"] for p in g["params"]]
@@ -192,7 +194,7 @@ class QGaLoreSimOptimizer(LazySVDCounts, GaLoreOptimizer):
         """GaLore's step, then (snap) each targeted weight that has a gradient, as the
         reference does, onto its INT8 grid."""
         loss = super().step(closure)
-        if self.snap is not None and self.generator is not None:  # both or neither
+        if self.snap is not None:  # no generator: to the nearest code
             for p in self.targets():
                 if p.grad is not None:
                     snap_int8_(p, self.snap, self.generator)

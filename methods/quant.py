@@ -121,10 +121,11 @@ def dequantize_int8(
 
 @torch.no_grad()
 def snap_int8_(
-    w: torch.Tensor, group: int, generator: torch.Generator
+    w: torch.Tensor, group: int, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w ← its stochastic rounding onto a fresh per-group INT8 grid, in place (in w's dtype):
-    the reference's `simulate` keeps float weights on the INT8 grid this way after each step.
+    """w ← its stochastic rounding (nearest without a generator) onto a fresh per-group INT8
+    grid, in place (in w's dtype): the reference's `simulate` keeps float weights on the INT8
+    grid this way after each step.
     Returns the grid (codes, scale, zero) it snapped to."""
     q = quantize_int8(w, group, generator)
     w.copy_(dequantize_int8(*q, group))

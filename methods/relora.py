@@ -36,7 +36,7 @@ from torch import nn
 
 from harness import distributed
 from harness.distributed import fsdp
-from harness.methods.base import MemoryEstimate, Shapes, register
+from harness.methods.base import Groups, MemoryEstimate, Shapes, decay_groups, register
 from harness.methods.full import adam_bytes
 from harness.methods.lora import (
     ADAPTER,
@@ -91,6 +91,9 @@ class ReLoraParams(LoraParams):
         description="orthogonal: B·A = 0 with both nonzero (both get gradients at once); "
         "lora: A Kaiming, B zero (peft's; the reference's after a merge)",
     )
+    decay_vectors: bool = Field(
+        False, description="train.weight_decay on norms and biases too (the reference's: it "
+        "decays every trainable parameter)")
 
     @model_validator(mode="after")
     def _check(self) -> ReLoraParams:
@@ -113,6 +116,9 @@ class ReLoraParams(LoraParams):
 class ReLora(Lora):
     summary = "ReLoRA: LoRA merged and re-drawn every N steps, pruned moments, jagged cosine LR"
     Config = ReLoraParams
+
+    def param_groups(self, model: nn.Module, run: RunConfig) -> Groups:
+        return decay_groups(model, run.train.weight_decay, self.config.decay_vectors)
 
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         model = add_adapters(model, self.config, init=PEFT_INIT[self.config.init])

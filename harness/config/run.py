@@ -85,10 +85,11 @@ LATER_TRAIN_KEYS = {**PURE_BF16_KEYS, "parallel": "ddp", "reshard_after_forward"
 # Method settings added after trials had run, at the value that does what those trials did:
 # left out of a trial's id there, so that earlier sweeps' finished trials stay finished.
 LATER_METHOD_KEYS = {
-    "qgalore": {"lazy_schedule": "ours", "clip_int8": True, "simulate_mode": "fake_quant"},
-    "relora": {"prune": "magnitude"},
-    "apollo": {"int8_weights": False, "weight_group": 256},
-    "apollo_mini": {"int8_weights": False, "weight_group": 256},
+    "qgalore": {"lazy_schedule": "ours", "clip_int8": True, "simulate_mode": "fake_quant",
+                "snap_rounding": "stochastic"},
+    "relora": {"prune": "magnitude", "decay_vectors": False},
+    "apollo": {"int8_weights": False, "weight_group": 256, "decay_vectors": False},
+    "apollo_mini": {"int8_weights": False, "weight_group": 256, "decay_vectors": False},
 }
 WARM_START_KEYS = ("warm_start", "warm_start_warmup_steps")  # ReLoRA's: idle without warm start
 

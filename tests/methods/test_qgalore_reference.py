@@ -111,6 +111,8 @@ def test_clip_int8_clips_the_low_rank_gradient_or_leaves_it(clip_int8):
 @pytest.mark.parametrize(("method", "message"), [
     ({"simulate_mode": "snap"}, "method: simulate_mode 'snap' needs simulate: true"),
     ({"simulate": True, "clip_int8": False}, "method: clip_int8: false needs simulate: false"),
+    ({"simulate": True, "snap_rounding": "nearest"},
+     "method: snap_rounding 'nearest' needs simulate_mode: snap"),
     ({"lazy_schedule": "paper"}, "method.lazy_schedule: 'paper' is not allowed"),
 ])
 def test_misused_keys_are_one_line_errors(method, message):
@@ -182,6 +184,25 @@ def test_snap_leaves_every_targeted_weight_on_its_int8_grid(tmp_path, monkeypatc
     loss = [r["loss"] for r in rows(tmp_path, "train")]
     assert loss[-1] < loss[0] - 0.3
     check_estimate(run, trainer.costs)
+
+
+def test_snap_rounds_to_nearest_as_the_reference_without_stochastic_round(tmp_path,
+                                                                         monkeypatch):
+    """`snap_rounding: nearest` (the reference's simulation without --stochastic_round): every
+    snap gets no generator, and each targeted weight ends on its grid's nearest codes."""
+    generators: list = []
+
+    def recording(w, group, generator):
+        generators.append(generator)
+        before = w.clone()
+        grid = snap_int8_(w, group, generator)
+        assert torch.equal(grid[0], quantize_int8(before, group)[0])  # nearest codes
+        return grid
+
+    monkeypatch.setattr(qgalore_optim, "snap_int8_", recording)
+    run = load_run(qgalore_run(2, simulate=True, simulate_mode="snap", snap_rounding="nearest"))
+    fit(run, tmp_path)
+    assert len(generators) == 2 * 14 and all(g is None for g in generators)
 
 
 @pytest.mark.parametrize("method", [

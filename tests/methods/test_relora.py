@@ -197,3 +197,23 @@ def test_warm_start_trains_the_base_then_freezes_it_also_after_a_resume():
 def test_odd_rank_with_orthogonal_init_is_refused():
     with pytest.raises(Exception, match="even rank"):
         load_run(fast_run({"name": "relora", "rank": 7}))
+
+
+@pytest.mark.parametrize("decay_vectors", [False, True])
+def test_vectors_are_decayed_only_with_decay_vectors(decay_vectors):
+    """The reference decays every trainable parameter (its 1B config at 0.01); ours the
+    matrices, and the norms too with `decay_vectors`: a norm weight with no gradient left
+    shrinks by (1 - lr·λ) a step exactly then, and stays put otherwise."""
+    data = fast_run({"name": "relora", "decay_vectors": decay_vectors})
+    data["train"].update(weight_decay=0.1, lr=0.01)
+    run = load_run(data)
+    method = build_method(run)
+    model = method.prepare(micro_model(seed=0), run)
+    optimizer = method.optimizer(model, run)
+    norm = model.base_model.model.model.norm.weight
+    before = norm.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    optimizer.step()
+    expected = before * (1 - 0.01 * 0.1) if decay_vectors else before
+    assert torch.equal(norm.detach(), expected)
