@@ -216,8 +216,9 @@ def optuna_figures(runs_dir: PathArg) -> list[tuple[Figure, str]]:
     if not studies:
         return []
     name = str(sweep.get("name") or Path(runs_dir).resolve().name)
-    metric = str((sweep.get("search") or {}).get("metric") or "eval_ppl")
-    figures = [history_plot(studies, name, metric)]
+    search = sweep.get("search") or {}
+    objectives = search.get("objectives") or [{"metric": search.get("metric") or "eval_ppl"}]
+    figures = [history_plot(studies, name, str(objectives[0]["metric"]))]
     importances = {label: imp for label, study in studies.items()
                    if (imp := param_importances(study))}
     if importances:
@@ -245,22 +246,25 @@ def load_studies(sweep: dict[str, Any], runs_dir: Path) -> dict[str, optuna.Stud
 
 
 def param_importances(study: optuna.Study) -> dict[str, float]:
-    """fANOVA importances over the params that varied among complete trials; {} when fewer
-    than two trials completed, nothing varied or every value was equal (nothing to explain)."""
+    """fANOVA importances over the params that varied among complete trials (for the first
+    objective of several); {} when fewer than two trials completed, nothing varied or every
+    value was equal (nothing to explain)."""
     from optuna.importance import FanovaImportanceEvaluator, get_param_importances
     from optuna.trial import TrialState
 
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     keys = {key for t in complete for key in t.params}
     varying = sorted(k for k in keys if len({repr(t.params.get(k)) for t in complete}) > 1)
-    if len(complete) < 2 or not varying or len({t.value for t in complete}) < 2:
+    if len(complete) < 2 or not varying or len({t.values[0] for t in complete}) < 2:
         return {}
     return get_param_importances(study, evaluator=FanovaImportanceEvaluator(seed=0),
+                                 target=lambda t: t.values[0],
                                  params=varying)
 
 
 def history_plot(studies: dict[str, optuna.Study], name: str, metric: str) -> tuple[Figure, str]:
-    """Every complete trial's value by trial number, and the best so far, per method."""
+    """Every complete trial's value by trial number, and the best so far, per method (of a
+    multi-objective study: its first objective's)."""
     from optuna.study import StudyDirection
     from optuna.trial import TrialState
 
@@ -275,8 +279,8 @@ def history_plot(studies: dict[str, optuna.Study], name: str, metric: str) -> tu
         if not trials:
             continue
         numbers = np.array([t.number for t in trials])
-        values = np.array([t.value for t in trials], dtype=float)
-        running = np.minimum if study.direction == StudyDirection.MINIMIZE else np.maximum
+        values = np.array([t.values[0] for t in trials], dtype=float)
+        running = np.minimum if study.directions[0] == StudyDirection.MINIMIZE else np.maximum
         ax.scatter(numbers, values, s=20, alpha=0.5, color=f"C{i}")
         ax.step(numbers, running.accumulate(values), where="post", color=f"C{i}",
                 label=f"{label} (best so far)")

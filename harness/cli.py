@@ -178,6 +178,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from harness.sweep.dashboard import serve
+
+    serve(Path(args.runs_dir), args.port)
+    return EXIT_OK
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     from harness.cost.estimate import format_table, paper_comparison, to_json
     from harness.sweep.plan import estimate_sweep, load_sweep
@@ -295,6 +302,10 @@ def build_parser() -> Parser:
                 "the tables as csv and md, the plots as png) and print the tables.")
     r.add_argument("runs_dirs", nargs="+", metavar="RUNS_DIR", help=runs_dir)
     r.add_argument("--out", help="report folder (default: the first RUNS_DIR/report)")
+    d = command(sub, "dashboard", cmd_dashboard, "watch a search sweep's studies",
+                "optuna-dashboard on the sweep's own study storage, on 127.0.0.1.")
+    d.add_argument("runs_dir", help=runs_dir)
+    d.add_argument("--port", type=positive_int, default=8080, help="default 8080")
 
     b = command(sub, "bench", cmd_bench, "measure costs", "loop: the harness's training loop "
                 "against a bare PyTorch loop (same model, data, batch, precision, steps), in "

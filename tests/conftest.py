@@ -185,6 +185,23 @@ def missing(what: str, how: str) -> None:
     pytest.skip(f"needs {what}: {how}")
 
 
+def chromium() -> str:
+    """Skipped on a developer's machine without it, but never in CI, where .ci/run installs it."""
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not path:
+        missing("chromium", "`sudo bash scripts/chromium.sh`")
+    return path  # type: ignore[return-value]
+
+
+def headless(browser: str, page: Path, profile: Path, *flags: str) -> str:
+    done = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--hide-scrollbars", f"--user-data-dir={profile}", *flags, page.as_uri()],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    return done.stdout
+
+
 def require_service(env: str, what: str, start: str) -> str:
     """Tests on a real cluster or database: the service's address from `env`, which `.ci/run`
     sets after starting it."""
@@ -322,6 +339,7 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_bench_syncs_json", "test_bench_memory_counts_what_it_estimates",
     "test_bench_loop_precision_trains_in_that_precision",
     "test_encoder_from_a_local_folder_fine_tunes",
+    "test_the_dashboard_shows_the_study_its_trials_and_the_pareto_front",  # a server, Chromium
 }
 QUICK_TOOLS = {"git"}  # run by the code under test in every tier (the commit in config.yaml)
 

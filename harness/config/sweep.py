@@ -7,13 +7,15 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from harness.config.objectives import Constraint, Objective
 from harness.config.run import Common, Strict
 from harness.config.space import check_distributions, check_space
 from harness.errors import UserError
 
 
 class SearchConfig(Strict):
-    sampler: Literal["grid", "random", "tpe", "cmaes"] = "grid"
+    sampler: Literal["grid", "random", "tpe", "cmaes", "nsga2"] = Field(
+        "grid", description="tpe searches one or several objectives; nsga2 several (NSGA-II)")
     space: dict[str, Any] = Field(
         default_factory=dict,
         description="grid: dotted key -> list of values; other samplers: key -> distribution",
@@ -22,6 +24,12 @@ class SearchConfig(Strict):
         "eval_ppl", description="eval_score: a GLUE task's score (maximize)"
     )
     direction: Literal["minimize", "maximize"] = "minimize"
+    objectives: list[Objective] = Field(
+        default_factory=list, description="several {metric, direction}: a multi-objective "
+        "study (its Pareto front in the report); none: metric and direction")
+    constraints: list[str] = Field(
+        default_factory=list, description="e.g. 'peak_memory_bytes <= 24GB': each trial's "
+        "margin is recorded and the sampler prefers trials that meet them")
     n_trials: int | None = Field(None, ge=1, description="Optuna trials per method")
     timeout_min: float | None = Field(None, gt=0, description="stop asking new trials after this")
     enqueue: list[dict[str, Any]] = Field(
@@ -32,6 +40,27 @@ class SearchConfig(Strict):
         60, ge=1, description="database storage: a trial silent 3x this long is retried"
     )
 
+    @property
+    def goals(self) -> list[Objective]:
+        """What the study optimizes: `objectives`, or the one `metric` and `direction`."""
+        return self.objectives or [Objective(metric=self.metric, direction=self.direction)]
+
+    @property
+    def limits(self) -> list[Constraint]:
+        return [Constraint.parse(c, f"search.constraints[{i}]")
+                for i, c in enumerate(self.constraints)]
+
+    @model_validator(mode="after")
+    def _fits_objectives(self) -> SearchConfig:
+        self.limits  # noqa: B018  (each constraint parses, or its one-line error)
+        if len(self.goals) > 1 and self.pruner != "none":
+            raise ValueError(f"pruner {self.pruner!r} needs one objective: Optuna cannot prune a "
+                             "multi-objective study (use pruner: none)")
+        if len(self.goals) > 1 and self.sampler == "cmaes":
+            raise ValueError("sampler 'cmaes' searches one objective; with several use tpe or "
+                             "nsga2")
+        return self
+
     @model_validator(mode="after")
     def _fits_sampler(self) -> SearchConfig:
         if self.sampler == "grid":
@@ -39,7 +68,7 @@ class SearchConfig(Strict):
             extra += ["enqueue"] * bool(self.enqueue) + ["pruner"] * (self.pruner != "none")
             if extra:
                 raise ValueError(
-                    f"{extra[0]} needs an Optuna sampler (random, tpe, cmaes), not grid"
+                    f"{extra[0]} needs an Optuna sampler (random, tpe, cmaes, nsga2), not grid"
                 )
             check_space(self.space, "search.space")
         elif self.n_trials is None:

@@ -141,7 +141,7 @@ def run_search(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> boo
     for label in sweep.methods:
         study = open_study(sweep, label, storage)
         if not isinstance(storage, RDBStorage):  # heartbeats find dead workers there
-            recover(study, out, sweep.search.metric)
+            recover(study, out, sweep.search)
         if retry_failed:
             retry_failures(study, out)
         for point in points[label]:
@@ -157,7 +157,7 @@ def run_search(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> boo
     def again(_: list[TrialDir]) -> None:
         if not isinstance(storage, RDBStorage):
             for label in sweep.methods:
-                recover(open_study(sweep, label, storage), out, sweep.search.metric)
+                recover(open_study(sweep, label, storage), out, sweep.search)
         workers()
 
     workers()

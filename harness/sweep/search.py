@@ -191,7 +191,7 @@ class StudySource:
         if status in FINISHED and not (again and status in FAILED):
             return Pick(trial.id, trial_dir, label, ot.number, run=False)
         link = {"storage": self.target, "study": study.study_name, "trial": ot.number,
-                "metric": s.metric, "pruner": s.pruner}
+                "metric": s.goals[0].metric if len(s.goals) == 1 else None, "pruner": s.pruner}
         return Pick(trial.id, trial_dir, label, ot.number, trial.run, link)
 
     @staticmethod
@@ -212,7 +212,7 @@ class StudySource:
         summary = TrialDir(pick.dir).read_summary()
         if summary is None or summary.status not in FINISHED:
             return False
-        tell(self.study, pick.number, summary, self.sweep.search.metric)
+        tell(self.study, pick.number, summary, self.sweep.search)
         return True
 
     def resumed(self, pick: Pick | None) -> StudySource:

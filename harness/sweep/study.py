@@ -38,7 +38,9 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from harness.config import SweepConfig
+from harness.config.objectives import Constraint, objective_value
 from harness.config.space import check_distributions
+from harness.config.sweep import SearchConfig
 from harness.errors import UserError
 from harness.sweep.plan import Trial, make_trial, method_entry
 from harness.sweep.status import trial_statuses
@@ -109,7 +111,9 @@ def make_sampler(sweep: SweepConfig, worker: str = "") -> optuna.samplers.BaseSa
         return optuna.samplers.RandomSampler(seed=seed)
     if sweep.search.sampler == "cmaes":
         return optuna.samplers.CmaEsSampler(seed=seed)
-    return optuna.samplers.TPESampler(seed=seed)
+    if sweep.search.sampler == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)  # multi-objective TPE with several objectives
 
 
 def _to_optuna(spec: dict[str, Any]) -> BaseDistribution:
@@ -162,25 +166,41 @@ def open_study(
         study_name=f"{sweep.name}/{label}",
         sampler=make_sampler(sweep, worker),
         pruner=make_pruner(sweep.search.pruner),
-        direction=sweep.search.direction,
+        directions=[goal.direction for goal in sweep.search.goals],
         load_if_exists=True,
     )
 
 
 def tell(
-    study: optuna.Study, number: int, summary: Summary | dict[str, Any] | None, metric: str
+    study: optuna.Study, number: int, summary: Summary | dict[str, Any] | None,
+    search: SearchConfig,
 ) -> None:
-    """ok with a finite metric: COMPLETE; pruned: PRUNED; failed, nan, oom or no metric: FAIL.
-    A trial already finished (failed as stale while its worker still ran it: a database
-    outage, a stalled machine) is left alone: its retry records the result."""
-    summary = summary or {}
-    value = summary.get(metric)
+    """ok with every objective finite: COMPLETE, with each constraint's margin recorded first
+    (the sampler reads them); pruned: PRUNED; failed, nan, oom or a missing objective: FAIL. A
+    trial already finished (failed as stale while its worker still ran it: a database outage,
+    a stalled machine) is left alone: its retry records the result."""
+    summary = dict(summary or {})
+    values = [objective_value(summary, goal.metric) for goal in search.goals]
     if summary.get("status") == Status.PRUNED:
         study.tell(number, state=TrialState.PRUNED, skip_if_finished=True)
-    elif summary.get("status") == Status.OK and value is not None and math.isfinite(value):
-        study.tell(number, value, skip_if_finished=True)
+    elif summary.get("status") == Status.OK and all(
+            v is not None and math.isfinite(v) for v in values):
+        _constrain(study, number, summary, search.limits)
+        study.tell(number, values if len(values) > 1 else values[0], skip_if_finished=True)
     else:
         study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
+
+
+def _constrain(study: optuna.Study, number: int, summary: dict[str, Any],
+               limits: list[Constraint]) -> None:
+    trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+    if not limits or study._storage.get_trial(trial_id).state != TrialState.RUNNING:
+        return
+    trial = optuna.trial.Trial(study, trial_id)
+    for limit in limits:
+        value = objective_value(summary, limit.metric)
+        if value is not None and math.isfinite(value):
+            trial.set_constraint(limit.key, limit.violation(value))
 
 
 def retry(study: optuna.Study, trial: FrozenTrial) -> None:
@@ -209,7 +229,7 @@ def counted(trials: list[FrozenTrial]) -> list[FrozenTrial]:
     return [t for t in trials if not (t.state == TrialState.FAIL and t.number in again)]
 
 
-def recover(study: optuna.Study, out: Path, metric: str) -> None:
+def recover(study: optuna.Study, out: Path, search: SearchConfig) -> None:
     """Trials a killed sweep left RUNNING (journal storage has no heartbeats) are told from
     their summary if the run finished, else failed and queued again: their folder keeps the
     checkpoint they resume from."""
@@ -219,7 +239,7 @@ def recover(study: optuna.Study, out: Path, metric: str) -> None:
         if status in (Status.RUNNING, Status.QUEUED):  # a live process still owns it
             continue
         summary = trial.read_summary() if status in FINISHED else None
-        tell(study, t.number, summary, metric)
+        tell(study, t.number, summary, search)
         if status not in FINISHED:
             retry(study, t)
 
@@ -249,7 +269,9 @@ def describe(sweep: SweepConfig) -> str:
     s = sweep.search
     spaces = {label: method_space(sweep, label) for label in sweep.methods}
     enqueued(sweep, spaces)
-    lines = [f"sampler {s.sampler}, pruner {s.pruner}, {s.direction} {s.metric}"]
+    goals = ", ".join(f"{g.direction} {g.metric}" for g in s.goals)
+    lines = [f"sampler {s.sampler}, pruner {s.pruner}, {goals}"]
+    lines += [f"constraint: {limit.key}" for limit in s.limits]
     for label, space in spaces.items():
         lines.append(f"{label}: study {sweep.name}/{label}")
         lines += [f"  {key}: {dist}" for key, dist in space.items()]

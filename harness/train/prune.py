@@ -43,8 +43,11 @@ def pruner_for(trial_dir: Path) -> Callable[[int, dict[str, float]], bool] | Non
 
 
 def report(link_path: Path, step: int, metrics: dict[str, float]) -> bool:
-    """Called by a trial at each evaluation: report the metric to its study, ask to prune."""
+    """Called by a trial at each evaluation: report the metric to its study, ask to prune (a
+    multi-objective study, which Optuna cannot prune, has no metric in the link)."""
     link = read_json(link_path) or {}
+    if link.get("metric") is None:
+        return False
     storage = plain_storage(link["storage"])
     study = optuna.load_study(
         study_name=link["study"], storage=storage, pruner=make_pruner(link["pruner"])

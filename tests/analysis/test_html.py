@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from html.parser import HTMLParser
 from io import BytesIO
 from pathlib import Path
@@ -13,7 +11,7 @@ import matplotlib.image
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import missing
+from conftest import chromium, headless
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from test_plots import write_runs
@@ -51,23 +49,6 @@ class Page(HTMLParser):
     def handle_data(self, data: str) -> None:
         if self._in_cell:
             self.cells[-1] += data
-
-
-def chromium() -> str:
-    """Skipped on a developer's machine without it, but never in CI, where .ci/run installs it."""
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if not path:
-        missing("chromium", "`sudo bash scripts/chromium.sh`")
-    return path  # type: ignore[return-value]
-
-
-def headless(browser: str, page: Path, profile: Path, *flags: str) -> str:
-    done = subprocess.run(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-         "--hide-scrollbars", f"--user-data-dir={profile}", *flags, page.as_uri()],
-        capture_output=True, text=True, timeout=120, check=True,
-    )
-    return done.stdout
 
 
 @pytest.fixture

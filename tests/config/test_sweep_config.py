@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness.config import LauncherConfig, SearchConfig, SweepConfig, validate
@@ -59,3 +61,35 @@ def test_ranks_are_nodes_times_tasks_and_need_a_process_launcher():
     searched = sweep(launcher={"kind": "slurm", "nodes": 2},
                      search={"sampler": "random", "n_trials": 2, "space": {}})
     assert (searched.launcher.ranks, searched.search.sampler) == (2, "random")
+
+
+def test_objectives_default_to_the_metric_and_constraints_parse():
+    one = sweep().search
+    assert [(g.metric, g.direction) for g in one.goals] == [("eval_ppl", "minimize")]
+    two = SearchConfig(sampler="nsga2", n_trials=4, objectives=[
+        {"metric": "eval_ppl"}, {"metric": "tokens_per_s", "direction": "maximize"}],
+        constraints=["peak_memory_bytes <= 24GB", "trial_hours>=0.5"])
+    assert [(g.metric, g.direction) for g in two.goals] == [
+        ("eval_ppl", "minimize"), ("tokens_per_s", "maximize")]
+    memory, hours = two.limits
+    assert (memory.metric, memory.op, memory.limit) == ("peak_memory_bytes", "<=", 24e9)
+    assert memory.violation(25e9) == 1e9 and memory.violation(23e9) == -1e9
+    assert hours.violation(0.25) == 0.25 and hours.violation(1.0) == -0.5
+
+
+@pytest.mark.parametrize(("search", "message"), [
+    ({"sampler": "tpe", "n_trials": 2, "pruner": "median",
+      "objectives": [{"metric": "eval_ppl"}, {"metric": "peak_memory_bytes"}]},
+     "search: pruner 'median' needs one objective: Optuna cannot prune a multi-objective study"),
+    ({"sampler": "cmaes", "n_trials": 2,
+      "objectives": [{"metric": "eval_ppl"}, {"metric": "peak_memory_bytes"}]},
+     "search: sampler 'cmaes' searches one objective; with several use tpe or nsga2"),
+    ({"constraints": ["peak_memory < 24GB"]},
+     "search: search.constraints[0]: 'peak_memory < 24GB' is not a constraint (allowed: "
+     "METRIC <= VALUE"),
+    ({"objectives": [{"metric": "loss"}]}, "search.objectives.0.metric: 'loss' is not allowed"),
+])
+def test_objective_mistakes_are_one_line_errors(search, message):
+    with pytest.raises(UserError, match="^" + re.escape(message)) as error:
+        sweep(search=search)
+    assert "\n" not in str(error.value)

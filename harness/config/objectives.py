@@ -1,0 +1,71 @@
+"""What a search optimizes: one or several objectives read from a trial's summary, and the
+constraints a trial must meet to count as feasible (Optuna's constrained sampling)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field
+
+from harness.config.run import Strict
+
+Metric = Literal["eval_ppl", "eval_loss", "eval_score", "peak_memory_bytes", "tokens_per_s",
+                 "trial_hours"]
+METRICS: tuple[str, ...] = Metric.__args__  # type: ignore[attr-defined]
+UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
+         "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+class Objective(Strict):
+    metric: Metric = Field(description="trial_hours: the trial's wall time in hours")
+    direction: Literal["minimize", "maximize"] = "minimize"
+
+
+def size(text: str) -> float | None:
+    """'24GB', '24 GB', '24GiB', '16000MB', '1e9' -> bytes (GB = 1e9, GiB = 2**30); None when
+    it is not a size."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = UNITS.get(match.group(2).lower()) if match else None
+    value = float(match.group(1)) * unit if match and unit else None
+    return value if value is not None and math.isfinite(value) else None
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """`metric op limit`: feasible when the metric is at or below (`<=`) or at or above (`>=`)
+    the limit."""
+
+    metric: str
+    op: str
+    limit: float
+    value: str  # the limit as written: the constraint's name in the study ("24GB")
+
+    @classmethod
+    def parse(cls, text: str, where: str) -> Constraint:
+        match = re.fullmatch(r"\s*(\w+)\s*(<=|>=)\s*(.+?)\s*", text)
+        if not match or match.group(1) not in METRICS or size(match.group(3)) is None:
+            raise ValueError(f"{where}: {text!r} is not a constraint (allowed: METRIC <= VALUE or "
+                             f"METRIC >= VALUE, METRIC one of {', '.join(METRICS)}, VALUE a "
+                             "number or a size such as 24GB)")
+        metric, op, value = match.groups()
+        return cls(metric, op, size(value), value)  # type: ignore[arg-type]
+
+    @property
+    def key(self) -> str:
+        return f"{self.metric} {self.op} {self.value}"
+
+    def violation(self, value: float) -> float:
+        """Optuna's convention: at or below 0 when the trial meets it, by how much it misses."""
+        return value - self.limit if self.op == "<=" else self.limit - value
+
+
+def objective_value(summary: dict[str, Any], metric: str) -> float | None:
+    """The metric of a finished trial's summary (trial_hours from its wall time)."""
+    if metric == "trial_hours":
+        wall = summary.get("wall_s")
+        return None if wall is None else wall / 3600
+    value = summary.get(metric)
+    return None if value is None else float(value)

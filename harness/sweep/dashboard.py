@@ -1,0 +1,41 @@
+"""`harness dashboard RUNS_DIR`: optuna-dashboard on a search sweep's own study storage (its
+journal file, or the database its `storage:` names), so its users watch a study where they
+already would, with its history, its Pareto front and each trial's parameters. Bound to
+127.0.0.1: reach it from elsewhere through an SSH tunnel, never an open port."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.errors import UserError
+from harness.sweep.study import open_storage
+from harness.trials import RunsDir
+
+HOST = "127.0.0.1"
+
+
+def storage_of(runs_dir: Path) -> str:
+    """The sweep's Optuna storage; a one-line error for a folder that has none."""
+    folder = RunsDir(runs_dir)
+    sweep = folder.read_sweep()
+    if not sweep:
+        raise UserError(f"{runs_dir}: no sweep.yaml here (allowed: a sweep's run directory, "
+                        "e.g. runs/quickstart)")
+    if (sweep.get("search") or {}).get("sampler", "grid") == "grid":
+        raise UserError(f"{runs_dir}: a grid sweep keeps no Optuna study; the dashboard shows "
+                        "search sweeps (search.sampler random, tpe, cmaes or nsga2)")
+    target = str(sweep.get("storage") or folder.journal)
+    if "://" not in target and not Path(target).is_file():
+        raise UserError(f"{runs_dir}: its study storage {target} does not exist yet (run the "
+                        "sweep first)")
+    return target
+
+
+def serve(runs_dir: Path, port: int) -> None:
+    """Serve until interrupted (Ctrl-C)."""
+    import optuna_dashboard
+
+    storage = open_storage(storage_of(runs_dir))
+    print(f"dashboard of {runs_dir}: http://{HOST}:{port}/dashboard (Ctrl-C stops it)",
+          flush=True)
+    optuna_dashboard.run_server(storage, host=HOST, port=port)
