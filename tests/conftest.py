@@ -340,6 +340,7 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_bench_loop_precision_trains_in_that_precision",
     "test_encoder_from_a_local_folder_fine_tunes",
     "test_the_dashboard_shows_the_study_its_trials_and_the_pareto_front",  # a server, Chromium
+    "test_the_dashboard_reads_a_postgresql_storage",
 }
 QUICK_TOOLS = {"git"}  # run by the code under test in every tier (the commit in config.yaml)
 

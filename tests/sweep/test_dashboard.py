@@ -3,6 +3,7 @@ headless Chromium (a service: fails in CI without it, as tests/analysis/test_htm
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import chromium, free_port, headless, write_yaml
+from conftest import chromium, free_port, headless, require_service, write_yaml
 
 from harness.errors import UserError
 from harness.sweep.dashboard import storage_of
@@ -20,12 +21,13 @@ from harness.sweep.study import open_storage
 VALUES = [(310.0, 2.0e7), (290.0, 2.6e7), (330.0, 1.8e7), (320.0, 2.7e7)]  # the last: dominated
 
 
-def search_runs(out: Path) -> Path:
-    """A multi-objective search sweep's folder: its sweep.yaml and a study of four told trials."""
-    write_yaml(out / "sweep.yaml", {"name": "mo", "methods": {"full": {}},
+def search_runs(out: Path, storage: str | None = None, name: str = "mo") -> Path:
+    """A multi-objective search sweep's folder: its sweep.yaml and a study of four told trials
+    in its journal, or in the database `storage` names."""
+    write_yaml(out / "sweep.yaml", {"name": name, "methods": {"full": {}}, "storage": storage,
                                     "search": {"sampler": "tpe", "n_trials": 4}})
-    study = optuna.create_study(study_name="mo/full", directions=["minimize", "minimize"],
-                                storage=open_storage(str(out / "optuna.journal")))
+    study = optuna.create_study(study_name=f"{name}/full", directions=["minimize", "minimize"],
+                                storage=open_storage(storage or str(out / "optuna.journal")))
     lr = optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)
     for i, values in enumerate(VALUES):
         study.add_trial(optuna.trial.create_trial(
@@ -46,22 +48,30 @@ def test_grid_sweeps_and_empty_folders_are_one_line_errors(tmp_path):
         storage_of(tmp_path)
 
 
-def test_the_dashboard_shows_the_study_its_trials_and_the_pareto_front(tmp_path):
-    runs = search_runs(tmp_path / "runs")
+def start(runs: Path) -> tuple[subprocess.Popen, str]:
+    """`harness dashboard RUNS` on a free port, once it answers; its base URL."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "harness.cli", "dashboard", str(runs),
                                "--port", str(port)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/dashboard", timeout=5)
+            return server, base
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise AssertionError(f"no dashboard: {server.communicate()[0]}") from None
+            time.sleep(0.5)
+
+
+def test_the_dashboard_shows_the_study_its_trials_and_the_pareto_front(tmp_path):
+    runs = search_runs(tmp_path / "runs")
+    server, base = start(runs)
+    base += "/dashboard"
     try:
-        base = f"http://127.0.0.1:{port}/dashboard"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(base, timeout=5)
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, "no dashboard"
-                time.sleep(0.5)
         study_id = open_storage(str(runs / "optuna.journal")).get_study_id_from_name("mo/full")
         browser, profile = chromium(), tmp_path / "profile"
         studies = headless(browser, _Url(base), profile, "--dump-dom",
@@ -76,7 +86,22 @@ def test_the_dashboard_shows_the_study_its_trials_and_the_pareto_front(tmp_path)
     finally:
         server.terminate()
         output, _ = server.communicate(timeout=30)
-    assert f"http://127.0.0.1:{port}/dashboard" in output
+    assert base in output
+
+
+def test_the_dashboard_reads_a_postgresql_storage(tmp_path):
+    """A sweep whose `storage:` is a database: the dashboard lists its study (optuna-dashboard's
+    own API, which its pages read)."""
+    url = require_service("HARNESS_PG_URL", "a PostgreSQL server", "bash scripts/postgres.sh start")
+    name = f"dash{time.time_ns()}"
+    server, base = start(search_runs(tmp_path / "runs", url, name))
+    try:
+        studies = json.load(urllib.request.urlopen(f"{base}/api/studies", timeout=30))
+    finally:
+        server.terminate()
+        server.communicate(timeout=30)
+    mine = [s for s in studies["study_summaries"] if s["study_name"] == f"{name}/full"]
+    assert len(mine) == 1 and len(mine[0]["directions"]) == 2
 
 
 class _Url(str):
