@@ -22,6 +22,7 @@ from scipy import stats
 from harness.trials import RunsDir, Status
 
 from .format import VARIANT_DEFAULTS, fill_variants, variant_label
+from .front import hypervolume_plot
 from .load import PathArg, read_sweep
 from .plots import logged_points, plain_log_y
 from .stats import at_best_lr
@@ -174,12 +175,39 @@ def pareto_plot(best: pd.DataFrame, name: str) -> tuple[Figure, str]:
     for row in points.itertuples(index=False):
         ax.scatter(row.peak_memory_bytes / 1e9, row.eval_ppl, s=40, color=colors[row.variant],
                    zorder=3)
-        ax.annotate(row.variant, (row.peak_memory_bytes / 1e9, row.eval_ppl), fontsize="small",
-                    xytext=(6, 4), textcoords="offset points")
     plain_log_y(ax)
+    label_points(ax, points["peak_memory_bytes"] / 1e9, points["eval_ppl"], points["variant"])
     ax.legend(fontsize="small")
     ax.grid(True, which="both", alpha=0.3)
     return figure, caption
+
+
+MAX_RISE = 40  # lines a label may move up before it is left where it overlaps
+
+
+def label_points(ax: Axes, xs: pd.Series, ys: pd.Series, labels: pd.Series) -> None:
+    """Each label beside its point, moved up in steps of a line's height until its box clears
+    every label placed before it (points that nearly coincide, as lora, relora and lowrank at
+    llama_tiny, would otherwise print over each other); a moved label keeps a leader line."""
+    figure = ax.get_figure()
+    assert figure is not None
+    renderer = figure.canvas.get_renderer()  # type: ignore[attr-defined]
+    placed: list[Any] = []
+    step = 1.2 * 0.833 * 10  # points: one line of "small" text (10 pt x 0.833)
+    for x, y, text in sorted(zip(xs, ys, labels, strict=True), key=lambda p: (p[1], p[0])):
+        for lines in range(MAX_RISE):
+            note = ax.annotate(str(text), (x, y), xytext=(6, 4 + lines * step),
+                               textcoords="offset points", fontsize="small")
+            box = note.get_window_extent(renderer).expanded(1.02, 1.1)
+            if not any(box.overlaps(other) for other in placed):
+                break
+            note.remove()
+        placed.append(box)
+        if lines:  # moved: a leader line back to its point
+            note.remove()
+            ax.annotate(str(text), (x, y), xytext=(6, 4 + lines * step), fontsize="small",
+                        textcoords="offset points",
+                        arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.6})
 
 
 def throughput_chart(best: pd.DataFrame, name: str) -> tuple[Figure, str]:
@@ -219,6 +247,8 @@ def optuna_figures(runs_dir: PathArg) -> list[tuple[Figure, str]]:
     search = sweep.get("search") or {}
     objectives = search.get("objectives") or [{"metric": search.get("metric") or "eval_ppl"}]
     figures = [history_plot(studies, name, str(objectives[0]["metric"]))]
+    if (volume := hypervolume_plot(studies, name)) is not None:
+        figures.append(volume)
     importances = {label: imp for label, study in studies.items()
                    if (imp := param_importances(study))}
     if importances:

@@ -33,6 +33,7 @@ from .format import (
     variant_label,
     whole,
 )
+from .front import front_line, front_table, objectives_of
 from .html import Block, Heading, Image, Paragraph, Preformatted, Table, write_html
 from .load import PathArg, Paths, load_runs, load_steps, read_sweep, run_dirs
 from .paper import task_kind
@@ -105,6 +106,11 @@ def write_report(paths: Paths, out: PathArg | None = None) -> str:
         blocks += [Heading("Methods at their best learning rate"), Table(table),
                    Paragraph(best_lr_line(table))]
         terminal.append(text_table(table))
+        objectives = objectives_of(sweep, pretraining)
+        front = front_table(pretraining, objectives)
+        blocks += [Heading("Pareto front"), Table(front),
+                   Paragraph(front_line(pretraining, front, objectives))]
+        terminal.append(f"Pareto front\n{text_table(front)}")
     for title, note, table in write_tables(trials, out, order):
         blocks += [Heading(title), Paragraph(note), Table(table, flag="differs")]
         terminal.append(f"{title}\n{text_table(table)}")
