@@ -40,12 +40,12 @@ def test_bench_syncs_json(capfd):
     has no fused kernel: torch's GradScaler then reads found_inf once a device
     (`sum(v.item() for v in found_inf_per_device.values())` in `_maybe_opt_step`), called from
     our precision step. Fused AdamW takes found_inf into its kernel and reads nothing. (Its 42 s
-    are the 21 trainers' set-up: one counted step instead of three saves nothing.)"""
+    are the 22 trainers' set-up: one counted step instead of three saves nothing.)"""
     records, _ = json_out(capfd, "bench", "syncs", "--preset", "llama_micro", "--steps", "3",
                             "--seq-len", "32", "--batch-size", "1", "--json")
     reads = {r["name"].removeprefix("syncs/llama_micro/"): r["value"] for r in records}
-    assert len(reads) == 21  # the 14 methods of bench memory and 7 variants
-    assert {"full", "galore", "qgalore", "adam_mini", "full+16-mixed", "galore+16-mixed",
+    assert len(reads) == 22  # the 15 methods of bench memory and 7 variants
+    assert {"full", "galore", "qgalore", "adam_mini", "muon", "full+16-mixed", "galore+16-mixed",
             "full+offload", "full+accumulation"} <= reads.keys()
     assert reads == {name: float(name == "galore+16-mixed") for name in reads}
     for r in records:
