@@ -33,8 +33,11 @@ def storage_of(runs_dir: Path) -> str:
 
 def serve(runs_dir: Path, port: int) -> None:
     """Serve until interrupted (Ctrl-C)."""
-    import optuna_dashboard
-
+    try:
+        import optuna_dashboard
+    except ImportError:
+        raise UserError("harness dashboard needs optuna-dashboard: pip install -e "
+                        "'.[dashboard]' (or pip install optuna-dashboard)") from None
     storage = open_storage(storage_of(runs_dir))
     print(f"dashboard of {runs_dir}: http://{HOST}:{port}/dashboard (Ctrl-C stops it)",
           flush=True)

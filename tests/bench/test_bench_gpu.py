@@ -45,8 +45,8 @@ def test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left(t
     assert tests["value"] > 0 and tests["failed"] == 0, tests
     estimate = parts["estimate"]["records"]
     labels = {r["name"].split("/")[3] for r in estimate}
-    assert len(labels) == 14 and {"full", "qgalore", "apollo_mini_int8_layerwise"} <= labels
-    assert len(estimate) == 14 * 5  # 4 counted parts and the peak, each method
+    assert len(labels) == 15 and {"full", "qgalore", "apollo_mini_int8_layerwise"} <= labels
+    assert len(estimate) == 15 * 5  # 4 counted parts and the peak, each method
     assert all(r["value"] == r["estimate"] for r in estimate if "tolerance" not in r)
     table11 = {r["name"].rsplit("/", 1)[1]: r for r in parts["table11"]["records"]}
     assert table11["galore_8bit_layerwise"]["paper_gb"] == 5.63  # GaLore Table 11, by hand
