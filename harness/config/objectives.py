@@ -15,8 +15,8 @@ from harness.config.run import Strict
 Metric = Literal["eval_ppl", "eval_loss", "eval_score", "peak_memory_bytes", "tokens_per_s",
                  "trial_hours"]
 METRICS: tuple[str, ...] = Metric.__args__  # type: ignore[attr-defined]
-UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
-         "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20,
+         "gib": 2**30, "tib": 2**40}  # fmt: skip
 
 
 class Objective(Strict):
@@ -24,11 +24,12 @@ class Objective(Strict):
     direction: Literal["minimize", "maximize"] = "minimize"
 
 
-def size(text: str) -> float | None:
-    """'24GB', '24 GB', '24GiB', '16000MB', '1e9' -> bytes (GB = 1e9, GiB = 2**30); None when
-    it is not a size."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = UNITS.get(match.group(2).lower()) if match else None
+def size(text: str, bare: bool = True) -> float | None:
+    """'24GB', '24 GB', '24GiB', '16000MB' -> bytes (GB = 1e9, GiB = 2**30), and a bare
+    number as itself when `bare`; None when it is not one (or is infinite: 400 digits)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = (1 if bare else None) if match and not match.group(2) else \
+        UNITS.get(match.group(2).lower()) if match else None
     value = float(match.group(1)) * unit if match and unit else None
     return value if value is not None and math.isfinite(value) else None
 

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import csv
 import json
-import math
-import re
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import Any
 
 from tabulate import tabulate
 
+from harness.config.objectives import size
 from harness.config.steps import Steps
 from harness.cost.activations import KIND_LINEARS, activations, targets, trains_norms
 from harness.cost.estimate import _shapes, estimate_run, human_bytes, vocab_size
@@ -84,8 +83,6 @@ OPTIMIZER_MODIFIERS: dict[str, dict[str, Any]] = {
     "optimizer host": {"optimizer_offload": "host"},
     "layerwise, optimizer host": {"layerwise": True, "optimizer_offload": "host"},
 }
-UNITS = {"": None, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
-         "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 BREAKDOWN = ("weight_bytes", "grad_bytes", "optimizer_state_bytes", "extra_bytes", "peak_bytes")
 TABLE11_CSV = "paper/galore_table11.csv"  # GaLore Table 11: LLaMA-1B tok/s, token batch 256
 TABLE11_METHODS = {"full": "AdamW", "adam8bit": "Adam8bit", "galore_8bit": "8-bit GaLore"}
@@ -93,13 +90,11 @@ TABLE11_METHODS = {"full": "AdamW", "adam8bit": "Adam8bit", "galore_8bit": "8-bi
 
 def parse_memory(text: str) -> int:
     """'24GB', '24 GB', '24GiB', '16000MB' -> bytes (GB = 1e9, GiB = 2**30)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = UNITS.get(match.group(2).lower()) if match else None
-    size = float(match.group(1)) * unit if match and unit else 0.0
-    if not 1 <= size < math.inf:  # 400 digits are infinite as a float; 0.1B is no byte
+    value = size(text, bare=False) or 0.0
+    if value < 1:  # 0.1B is no byte
         raise UserError(f"--memory: '{text}' is not a memory size (e.g. 24GB, 24 GB, 24GiB, "
                         "16000MB; GB = 1e9 bytes, GiB = 2^30)")
-    return int(size)
+    return int(value)
 
 
 @dataclass
