@@ -16,8 +16,8 @@ from conftest import (
     micro_model,
     micro_run,
 )
+from package_steps import assert_stepped_as_package, package_groups
 from test_galore import assert_steps_like_adamw, check_estimate, steps_of
-from test_muon import feed
 
 from harness.errors import UserError
 from harness.methods import build_method
@@ -201,15 +201,6 @@ def test_two_processes_layerwise_train_as_one(tmp_path):
     assert_two_processes_train_as_one(data, tmp_path)
 
 
-def package_groups(model: torch.nn.Module, settings: dict) -> list[dict]:
-    """apollo-torch's groups for `model`: one a parameter in the model's order, so that its
-    seeds (a parameter's place among the optimizer's) are ours (its place in the model); the
-    targets with the APOLLO `settings`."""
-    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    return [{"params": [p], **(settings if any(t in n for t in targets) else {})}
-            for n, p in model.named_parameters()]
-
-
 @pytest.mark.parametrize("decay_vectors", [False, True])
 def test_the_built_method_at_its_defaults_steps_as_the_package(decay_vectors):
     """What a run builds (`build_method`: llama_micro's groups and seeds, the defaults but rank 8
@@ -229,16 +220,4 @@ def test_the_built_method_at_its_defaults_steps_as_the_package(decay_vectors):
               "update_proj_gap": 8, "proj_type": "std"}
     reference = APOLLOAdamW(package_groups(ref, apollo), lr=0.01, eps=1e-8, weight_decay=0.1)
 
-    def step() -> None:
-        ours.step()
-        reference.step()
-
-    start = [p.detach().clone() for p in model.parameters()]
-    feed([model, ref], 20, step)
-    for (name, p), q, p0 in zip(model.named_parameters(), ref.parameters(), start, strict=True):
-        gap = (p - q).abs().max()
-        assert (p - p0).abs().max() > 1e-2, name
-        if p.dim() < 2:
-            assert gap < 3e-4 if decay_vectors else gap > 1.5e-2, name
-        else:
-            assert gap < (3e-3 if "embed" in name or "lm_head" in name else 2e-4), name
+    assert_stepped_as_package(model, ref, ours, reference, vectors_close=decay_vectors)

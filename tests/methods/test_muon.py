@@ -18,6 +18,7 @@ from conftest import (
     micro_model,
     micro_run,
 )
+from package_steps import feed
 
 from harness.errors import UserError
 from harness.methods import build_method
@@ -38,18 +39,6 @@ def muon_run(steps: int = 4, method: dict[str, Any] | None = None, memory: dict 
     data = micro_run(steps=steps, grad_clip=None, **train_keys)
     data["eval"] = {"every": 0, "tokens": 256}
     return {**data, "method": {**METHOD, **(method or {})}, "memory": memory or {}}
-
-
-def feed(models: list[torch.nn.Module], steps: int, step: Any) -> None:
-    """The same random gradients, rows of very different scales, into each model; `step()`."""
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        for params in zip(*(m.parameters() for m in models), strict=True):
-            scale = torch.rand(params[0].shape[0], *[1] * (params[0].dim() - 1), generator=gen)
-            grad = torch.randn(params[0].shape, generator=gen) * scale * 10
-            for p in params:
-                p.grad = grad.clone()
-        step()
 
 
 @pytest.mark.parametrize(("adjust", "nesterov"), [("original", True), ("match_rms_adamw", False)])
