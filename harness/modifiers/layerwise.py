@@ -28,7 +28,9 @@ graph, so the per-parameter collectives match up. Ranks start equal (the trainer
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -49,7 +51,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.clip = clip
         self.sync = True
         self.defaults = {}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._update) for p in params]
+        # Each hook reaches this optimizer through a weak reference: the hooks live on the
+        # parameters' C++ side, where the cycle collector cannot see them, so a bound method
+        # there (parameter -> hook -> optimizer -> its states and parameters) kept every
+        # finished layer-wise run alive for the rest of the process. On an H200 each later run
+        # of the CUDA kit counted the earlier ones' weights and states in its peak
+        # (LLaMA-1B 8-bit Adam: 20.1 GB measured after a layer-wise run, 7.7 GB alone).
+        self._hooks = [p.register_post_accumulate_grad_hook(partial(_update, weakref.ref(self)))
+                       for p in params]
 
     def _update(self, param: torch.Tensor) -> None:
         fold = getattr(self.inner[param], "fold", None)  # GaLore: accumulate in low rank
@@ -89,3 +98,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for opt, sd in zip(self.inner.values(), state_dict["inner"], strict=True):
             opt.load_state_dict(sd)
+
+
+def _update(optimizer: weakref.ref[LayerwiseOptimizer], param: torch.Tensor) -> None:
+    """A parameter's hook: its optimizer's update, while that optimizer is in use."""
+    live = optimizer()
+    if live is not None:
+        live._update(param)

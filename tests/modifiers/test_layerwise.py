@@ -83,3 +83,18 @@ def test_param_groups_are_the_inner_ones_and_state_round_trips():
     again.load_state_dict(saved)
     assert [g["lr"] for g in again.param_groups] == [0.0, 0.0]
     assert all(int(s["step"]) == 1 for s in again.state.values())
+
+
+def test_a_dropped_optimizer_and_its_parameters_are_freed():
+    """The hooks sit on the parameters' C++ side, out of the cycle collector's sight: a hook
+    holding the optimizer strongly kept it, its states and every parameter alive for good."""
+    import gc
+    import weakref
+
+    ps = params()
+    opt = LayerwiseOptimizer(ps, adamw, clip=None)
+    loss(ps).backward()
+    refs = [weakref.ref(opt), *(weakref.ref(p) for p in ps)]
+    del ps, opt
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
