@@ -83,7 +83,7 @@ def estimate_run(run: RunConfig, world: int = 1) -> dict[str, Any]:
         whole, estimate = estimate, method.estimate_sharded(shapes, run, world)
         peak = fsdp_peak(estimate, whole, acts, run, shapes, method, world)
     return {"method_name": run.method_name, "params": run.method_params, **estimate.as_dict(),
-            "activation_bytes": acts.start, "peak_bytes": peak}
+            "activation_bytes": acts.start, "workspace_bytes": acts.workspace, "peak_bytes": peak}
 
 
 def _changed(record: dict[str, Any]) -> str:

@@ -61,7 +61,7 @@ def fsdp_peak(shard: MemoryEstimate, whole: MemoryEstimate, acts: Activations, r
     trained_root = list(root.values()) if trains_norms(method) else []
     gathered_root = gather * sum(map(numel, root.values()))
     layer = _layer_numel(shapes, method)
-    static = shard.weight_bytes + shard.optimizer_state_bytes + shard.extra_bytes
+    static = shard.weight_bytes + shard.optimizer_state_bytes + shard.extra_bytes + acts.workspace
     # the whole gradients accumulation keeps, at the width FSDP differentiates in (bf16-mixed:
     # bf16, where the one-process estimate counts float32)
     accumulated = whole.grad_bytes * grad // widths(run).grad if acts.micro_batches > 1 else 0

@@ -18,7 +18,7 @@ from harness.sweep.plan import estimate_sweep, load_sweep, plan
 
 KEYS = {"trial", "method", "method_name", "params", "weight_bytes", "grad_bytes",
         "optimizer_state_bytes", "extra_bytes", "total_bytes", "activation_bytes",
-        "peak_bytes"}  # fmt: skip
+        "workspace_bytes", "peak_bytes"}  # fmt: skip
 # Other methods are being written beside these; these three are finished and exact.
 FINISHED = ("full", "adam8bit", "lowrank")
 PAPER_RANK = {"llama_60m": 128, "llama_130m": 256, "llama_350m": 256, "llama_1b": 512}
@@ -61,6 +61,7 @@ def test_one_record_per_trial_with_every_key_and_totals_that_add_up(path, monkey
         assert r.keys() == KEYS
         assert r["total_bytes"] == sum(r[k] for k in est.BYTE_FIELDS) > 0
         assert r["peak_bytes"] > r["total_bytes"] - r["grad_bytes"]  # activations come on top
+        assert r["workspace_bytes"] == 2 * 32 * 2**20  # a sweep's device is CUDA by default
     json_records = json.loads(est.to_json(records))
     assert [r["total_bytes"] for r in json_records] == [r["total_bytes"] for r in records]
     assert "GB" in est.format_table(records) or "MB" in est.format_table(records)

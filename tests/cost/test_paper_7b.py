@@ -37,7 +37,8 @@ def test_bf16_adamw_splits_as_the_paper_does_but_for_the_activations(records):
     assert abs((r["grad_bytes"] + r["optimizer_state_bytes"]) / 42e9 - 1) <= TOLERANCE
     assert 1.4e9 < r["activation_bytes"] < 2e9
     # the peak: gradients and activations are never all alive at once
-    assert r["peak_bytes"] == r["total_bytes"] < parts_bytes(r)
+    workspaces = 2 * 32 * 2**20  # torch's two cuBLAS workspaces, measured on an H200
+    assert r["peak_bytes"] - workspaces == r["total_bytes"] < parts_bytes(r)
 
 
 def test_8bit_galore_saves_what_the_paper_says_against_8bit_adam(records):

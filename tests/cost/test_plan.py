@@ -25,8 +25,10 @@ MICRO_PARAMS, MICRO_TENSORS = 1_149_248, 21
 
 @pytest.fixture(scope="module")
 def micro_plan() -> pl.Plan:
-    """A budget (34 MB) some configurations fit (peaks here run from 27 to 42 MB)."""
-    return pl.plan("llama_micro", int(34e6), seq_len=64, token_batch=256, tokenizer="sample")
+    """A budget (34 MB and the 64 MiB of cuBLAS workspaces a CUDA device keeps) some
+    configurations fit (peaks here run from 27 to 42 MB beside the workspaces)."""
+    return pl.plan("llama_micro", int(34e6) + 2 * 32 * 2**20, seq_len=64, token_batch=256,
+                   tokenizer="sample")
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,9 @@ def test_the_fastest_fitting_candidate_trains_within_the_budget(micro_plan: pl.P
     # Measured over planned: 1.00012 in each of 3 runs for this row (qlora, bf16-true with bf16
     # states; the profiler counts tensors, so runs agree); 1e-3 is 8x that. Not every row is as
     # close (Q-GaLore with recompute attention: 1.0024-1.0035; layer-wise at 2 x 2: 1.21).
-    assert measured == pytest.approx(c.peak_bytes, rel=1e-3)
+    # the plan is for a CUDA device, with its 64 MiB of cuBLAS workspaces (measured on an H200);
+    # the CPU run has none
+    assert measured == pytest.approx(c.peak_bytes - 2 * 32 * 2**20, rel=1e-3)
 
 
 def counted_state_bytes(precision: str, tmp_path) -> int:
