@@ -245,7 +245,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.out:
             raise UserError("bench gpu: --out DIR is required (the kit's gpu.json and gpu.md; "
                             "run again with the same DIR to go on with the parts left)")
-        text, status = bench_gpu(Path(args.out), args.budget_min, args.smoke)
+        parts = args.parts.split(",") if args.parts else None
+        text, status = bench_gpu(Path(args.out), args.budget_min, args.smoke, parts, args.cap_min)
         print(text)
         return status
     from harness.bench import measure
@@ -351,6 +352,10 @@ def build_parser() -> Parser:
     b.add_argument("--out", help="gpu: the folder of gpu.json and gpu.md (required)")
     b.add_argument("--budget-min", type=positive_float, default=25.0, metavar="MINUTES",
                    help="gpu: start a part only if its time cap fits in what is left (default 25)")
+    b.add_argument("--parts", metavar="NAME,...",
+                   help="gpu: only these parts, in the kit's order (default: all five)")
+    b.add_argument("--cap-min", type=positive_float, metavar="MINUTES",
+                   help="gpu: every part's time cap (default: each part's own, 4 to 8)")
     b.add_argument("--smoke", action="store_true",
                    help="gpu: the same parts on the CPU at llama_micro, in about a minute")
     b.add_argument("--json", action="store_true", help="print JSON records instead of a table")

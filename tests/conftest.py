@@ -334,6 +334,9 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     # `harness bench gpu`: its smoke run and a part killed at its cap
     "test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left",
     "test_a_part_past_its_cap_is_killed_and_says_so",
+    "test_a_tests_part_cut_off_at_its_cap_keeps_the_outcomes_it_had",
+    "test_parts_and_cap_choose_what_runs_and_how_long",
+    "test_the_lease_script_runs_every_part_into_four_folders",
     "test_the_script_prepares_the_locked_kit",  # scripts/gpu_wheels.sh through pip
     # a benchmark or a real pretrained model in one test: a sweep's worth of training
     "test_bench_syncs_json", "test_bench_memory_counts_what_it_estimates",

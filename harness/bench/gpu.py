@@ -96,14 +96,24 @@ def run_part(name: str, out: Path, cap_s: float, smoke: bool) -> dict[str, Any]:
     return part
 
 
-def bench_gpu(out: Path, budget_min: float, smoke: bool) -> tuple[str, int]:
-    """Run the parts not yet done that the budget holds; (what to print, exit status)."""
+def bench_gpu(out: Path, budget_min: float, smoke: bool, parts: list[str] | None = None,
+              cap_min: float | None = None) -> tuple[str, int]:
+    """Run the parts not yet done that the budget holds; (what to print, exit status).
+
+    `parts` and `cap_min` fit the kit to a shorter lease than its caps were sized for: parts
+    that measure memory alone can then run side by side, each in its own --out."""
+    unknown = sorted(set(parts or []) - set(CAPS))
+    if unknown:
+        raise UserError(f"bench gpu --parts: no part {', '.join(unknown)}; "
+                        f"the parts are {', '.join(CAPS)}")
     out.mkdir(parents=True, exist_ok=True)
     state = load_state(out, smoke)
     state["environment"] = environment(smoke)
     start, lines, left = time.monotonic(), [], []
     for name, cap in CAPS.items():
-        cap_s = (SMOKE_CAP if smoke else cap) * 60
+        if parts is not None and name not in parts:
+            continue
+        cap_s = (cap_min or (SMOKE_CAP if smoke else cap)) * 60
         if name in state["parts"]:
             lines.append(f"{name}: done before ({state['parts'][name]['status']})")
             continue

@@ -90,9 +90,13 @@ def tests(s: Settings, out: Path) -> Iterator[Record]:
     if not tests_dir.is_dir():
         raise SystemExit(f"no {tests_dir}: run the kit from the repository's root")
     report = out / "gpu-tests.xml"
-    env = {**os.environ, **({"HARNESS_GPU_SMOKE": "1"} if s.device == "cpu" else {})}
+    path = os.pathsep.join(filter(None, [str(tests_dir), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path,  # each outcome as it comes (gpu_outcomes.py):
+           "HARNESS_GPU_RECORDS": str(out / "tests.jsonl"),  # pytest's report dies with a cap
+           **({"HARNESS_GPU_SMOKE": "1"} if s.device == "cpu" else {})}
     done = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", str(tests_dir), "-q",
-                           "-n0", "-p", "no:cacheprovider", f"--junitxml={report}"],
+                           "-n0", "-p", "no:cacheprovider", "-p", "gpu_outcomes",
+                           f"--junitxml={report}"],
                           env=env, capture_output=True, text=True)
     yield _junit(report, done.returncode, done.stdout[-2000:])
     report.unlink(missing_ok=True)

@@ -4,6 +4,8 @@ llama_micro, so a kit that no device has run for weeks still works the day one i
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import time
 
 import pytest
@@ -41,8 +43,10 @@ def test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left(t
     assert env["smoke"] is True and "bench gpu" in env["command"]
     assert sorted(p.name for p in out.iterdir()) == ["gpu.json", "gpu.md"]  # nothing else kept
 
-    (tests,) = parts["tests"]["records"]
-    assert tests["value"] > 0 and tests["failed"] == 0, tests
+    *outcomes, tests = parts["tests"]["records"]  # each test's as it ended, then pytest's sum
+    assert tests["name"] == "gpu/tests" and tests["value"] > 0 and tests["failed"] == 0, tests
+    assert len(outcomes) == tests["value"] + tests["skipped"]  # the plugin saw what junit saw
+    assert {o["outcome"] for o in outcomes} <= {"passed", "skipped"}
     estimate = parts["estimate"]["records"]
     labels = {r["name"].split("/")[3] for r in estimate}
     assert len(labels) == 15 and {"full", "qgalore", "apollo_mini_int8_layerwise"} <= labels
@@ -99,6 +103,57 @@ def test_junit_counts_and_names_the_failures(tmp_path):
     assert (record["value"], record["failed"], record["skipped"]) == (2, 1, 1)
     assert record["failures"] == ["tests.gpu.test_gpu::test_b: assert nan is finite"]
     assert record["met"] is False
+
+
+def test_a_tests_part_cut_off_at_its_cap_keeps_the_outcomes_it_had(tmp_path):
+    """pytest's report comes at the end, which a cap never lets it reach: each outcome is
+    appended as it comes, and the page counts them and names the failures."""
+    part = run_part("tests", tmp_path, cap_s=12, smoke=True)
+    assert part["status"] == "timeout"
+    outcomes = part["records"]
+    assert outcomes and all(o["name"].startswith("gpu/test/tests/gpu/") for o in outcomes)
+    assert not any(r["name"] == "gpu/tests" for r in outcomes)  # no summary: pytest was killed
+    failed = {**outcomes[0], "outcome": "failed", "message": "AssertionError: loss is nan"}
+    state = {"smoke": True, "environment": None,
+             "parts": {"tests": {**part, "records": [failed, *outcomes[1:]]}}}
+    page = render(state)
+    assert f"cut off at the cap after {len(outcomes)} outcomes: passed" in page
+    assert "failed 1, skipped" in page and "(call): AssertionError: loss is nan" in page
+
+
+def test_parts_and_cap_choose_what_runs_and_how_long(tmp_path):
+    """--parts runs only those, in the kit's order; --cap-min replaces every part's cap; a part
+    that is no part is refused in one line naming the five."""
+    start = time.monotonic()
+    done = harness("bench", "gpu", "--out", str(tmp_path), "--smoke", "--parts",
+                   "loop,estimate", "--cap-min", "0.05", cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.index("estimate: timeout") < done.stdout.index("loop: timeout")
+    parts = read_json(tmp_path / "gpu.json")["parts"]
+    assert list(parts) == ["estimate", "loop"] and {p["cap_s"] for p in parts.values()} == {3.0}
+    assert time.monotonic() - start < 60
+    bad = harness("bench", "gpu", "--out", str(tmp_path), "--smoke", "--parts", "tests,mfu",
+                  cwd=REPO)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "no part mfu; the parts are tests, estimate, table11, loop, llama7b" in bad.stderr
+
+
+def test_the_lease_script_runs_every_part_into_four_folders(tmp_path):
+    """scripts/gpu_lease.sh on a 15-minute lease: the memory parts side by side, then the
+    timed ones, each kit in its own folder. Scaled so that every cap is a second: the
+    structure is what is checked here; the smoke run above checks the parts."""
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_lease.sh"), str(tmp_path),
+                           "0.004"], env={**os.environ, "GPU_LEASE_SMOKE": "1"}, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    folders = {p.name: list(read_json(p / "gpu.json")["parts"]) for p in tmp_path.iterdir()}
+    assert folders == {"tests": ["tests"], "estimate": ["estimate"], "llama7b": ["llama7b"],
+                       "timing": ["table11", "loop"]}
+    caps = {n: p["cap_s"] for f in tmp_path.iterdir()
+            for n, p in read_json(f / "gpu.json")["parts"].items()}
+    # 4.5, 3 and 1.5 minutes scaled by 0.004: 1.08, 0.72 and 0.36 s
+    assert caps == pytest.approx({"tests": 1.08, "estimate": 1.08, "llama7b": 1.08,
+                                  "table11": 0.72, "loop": 0.36})
 
 
 def test_the_page_shows_each_part_with_its_machine():
