@@ -44,12 +44,16 @@ def load_runs(paths: Paths) -> pd.DataFrame:
     return frame
 
 
-def load_steps(paths: Paths) -> pd.DataFrame:
-    """One row per metrics.jsonl line, tagged with its trial and method label for plotting."""
+def load_steps(paths: Paths, trials: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per metrics.jsonl line, tagged with its trial and method label for plotting.
+    Given `load_runs`' table of the same paths, the configs and summaries are not read again."""
+    if trials is None:
+        trials = load_runs(paths)
     rows = [
-        {"run_dir": row["run_dir"], "trial": row["trial"], "method": row["method"], **record}
-        for trial_dir, row in _trials(paths)
-        for record in read_jsonl(trial_dir.metrics)
+        {"run_dir": run_dir, "trial": trial, "method": method, **record}
+        for run_dir, trial, method in trials[["run_dir", "trial", "method"]].itertuples(
+            index=False)
+        for record in read_jsonl(RunsDir(run_dir).trial(trial).metrics)
     ]
     return pd.DataFrame(rows) if rows else pd.DataFrame(columns=list(STEP_COLUMNS))
 

@@ -14,8 +14,11 @@ from matplotlib.ticker import EngFormatter, LogFormatter
 
 from harness.trials import atomic_write
 
-from .format import whole
+from .format import VARIANT_DEFAULTS, fill_variants, variant_label, whole
 
+# Past this many trials a figure draws one mark per method setting, not one per trial (2,000
+# bars made a 7.4 MB memory.png no one could read, and 53 of a 58 s report)
+PER_TRIAL = 40
 # Stacked segments of the memory chart: summary field -> legend text.
 SEGMENTS = {
     "param_bytes": "parameters",
@@ -92,33 +95,43 @@ def trial_labels(trials: pd.DataFrame) -> dict[tuple[str, str], str]:
 def memory_chart(trials: pd.DataFrame, name: str) -> tuple[Figure, str]:
     """Stacked bars per trial: parameters, gradients, optimizer state and extras as the method
     counted them, and the rest of the peak of live tensors (activations, temporaries) as "other".
-    States kept on the host by `optimizer_offload: host` leave a CUDA device's bar."""
+    States kept on the host by `optimizer_offload: host` leave a CUDA device's bar. Past
+    PER_TRIAL trials, one bar per method setting (method, memory modifiers, precision: learning
+    rates and seeds folded, as the tables fold them), the mean of its trials."""
     done = trials[trials["param_bytes"].notna()].reset_index(drop=True)
-    labels = trial_labels(done)
-    longest = max((len(v) for v in labels.values()), default=0)
-    size = (max(9.0, 5 + 0.08 * longest), 2.2 + 0.4 * max(1, len(done)))
+    parts = pd.DataFrame({k: pd.to_numeric(done[k], errors="coerce") for k in SEGMENTS}).fillna(0)
+    on_host = (done.get("memory.optimizer_offload") == "host") & done["device"].astype(
+        str).str.startswith("cuda")
+    parts.loc[on_host, "optimizer_state_bytes"] = 0
+    parts["other"] = (done["peak_memory_bytes"].fillna(0) - parts.sum(axis=1)).clip(lower=0)
+    if len(done) > PER_TRIAL:
+        keys = fill_variants(done)[list(VARIANT_DEFAULTS)]
+        grouped = parts.groupby([keys[k] for k in keys], sort=False)
+        parts = grouped.mean()
+        names = [f"{variant_label(*key)} ({n} trials)"
+                 for key, n in zip(parts.index, grouped.size(), strict=True)]
+        caption = "Memory breakdown per method setting"
+    else:
+        labels = trial_labels(done)
+        names = [labels[(r, t)] for r, t in zip(done["run_dir"], done["trial"], strict=True)]
+        caption = "Memory breakdown per trial"
+    longest = max(map(len, names), default=0)
+    size = (max(9.0, 5 + 0.08 * longest), 2.2 + 0.4 * max(1, len(names)))
     figure = Figure(figsize=size, layout="constrained")
     FigureCanvasAgg(figure)
     ax = figure.add_subplot()
-    caption = "Memory breakdown per trial"
     ax.set_title(f"{name}: {caption.lower()}")
     if done.empty:
         ax.text(0.5, 0.5, "no finished trials yet", ha="center", va="center",
                 transform=ax.transAxes)
         return figure, caption
-    parts = pd.DataFrame({k: pd.to_numeric(done[k], errors="coerce") for k in SEGMENTS}).fillna(0)
-    on_host = (done.get("memory.optimizer_offload") == "host") & done["device"].astype(
-        str).str.startswith("cuda")
-    parts.loc[on_host, "optimizer_state_bytes"] = 0
-    other = (done["peak_memory_bytes"].fillna(0) - parts.sum(axis=1)).clip(lower=0)
-    y = np.arange(len(done))
-    left = np.zeros(len(done))
+    y = np.arange(len(names))
+    left = np.zeros(len(names))
     for key, legend in [*SEGMENTS.items(), ("other", "activations / other")]:
-        values = (other if key == "other" else parts[key]).to_numpy(dtype=float) / 1e9
+        values = parts[key].to_numpy(dtype=float) / 1e9
         ax.barh(y, values, left=left, label=legend)
         left += values
-    ax.set_yticks(y, [labels[(r, t)] for r, t in zip(done["run_dir"], done["trial"], strict=True)],
-                  fontsize="small")
+    ax.set_yticks(y, names, fontsize="small")
     ax.invert_yaxis()
     # the bars add up to peak_memory_bytes (harness/cost/tensor_peak.py), not peak_rss_bytes
     ax.set_xlabel("GB (peak of live tensors: allocated on CUDA, profiled on CPU)")

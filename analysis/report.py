@@ -37,7 +37,7 @@ from .front import front_line, front_table, objectives_of
 from .html import Block, Heading, Image, Paragraph, Preformatted, Table, write_html
 from .load import PathArg, Paths, load_runs, load_steps, read_sweep, run_dirs
 from .paper import task_kind
-from .plots import curves_plot, memory_chart, save_png
+from .plots import PER_TRIAL, curves_plot, memory_chart, save_png
 from .stats import at_best_lr
 from .tables import write_tables
 
@@ -89,7 +89,8 @@ def write_report(paths: Paths, out: PathArg | None = None) -> str:
     table as csv and md, the figures as png, report.md and report.html (one self-contained
     file); return the tables for the terminal."""
     dirs = run_dirs(paths)
-    trials, steps = load_runs(dirs), load_steps(dirs)
+    trials = load_runs(dirs)
+    steps = load_steps(dirs, trials)
     sweep = read_sweep(dirs[0])
     name = str(sweep.get("name") or dirs[0].resolve().name)
     order = _sweep_methods(sweep)
@@ -129,7 +130,10 @@ def _figures(trials: pd.DataFrame, pretraining: pd.DataFrame, steps: pd.DataFram
              order: Sequence[str], name: str, out: Path, runs_dir: Path) -> list[Block]:
     """Every trial's curve and memory; per method at its best LR: eval perplexity and training
     loss (95% bands over seeds), perplexity vs memory (Pareto frontier), tok/s; Optuna's."""
-    figures = [("loss.png", curves_plot(steps, trials, name))]
+    figures = [("loss.png", curves_plot(steps, trials, name))] if len(trials) <= PER_TRIAL else []
+    skipped = [] if figures else [Paragraph(
+        f"loss.png, a curve per trial, is left out past {PER_TRIAL} trials ({len(trials)} here): "
+        "eval.png and train_loss.png fold them per method setting.")]
     if not pretraining.empty:
         best = best_lr_trials(pretraining, order)
         figures += [("eval.png", eval_curves(steps, best, name)),
@@ -138,7 +142,8 @@ def _figures(trials: pd.DataFrame, pretraining: pd.DataFrame, steps: pd.DataFram
                     ("throughput.png", throughput_chart(best, name))]
     figures.append(("memory.png", memory_chart(trials, name)))
     figures += [(f"optuna_{i}.png", fig) for i, fig in enumerate(optuna_figures(runs_dir))]
-    return [Image(out / file, save_png(*figure, out / file)) for file, figure in figures]
+    return [*skipped, *(Image(out / file, save_png(*figure, out / file))
+                        for file, figure in figures)]
 
 
 def markdown_page(title: str, blocks: list[Block]) -> str:

@@ -4,6 +4,7 @@ call into one room, and every user error one line (harness.errors)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -249,6 +250,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         text, status = bench_gpu(Path(args.out), args.budget_min, args.smoke, parts, args.cap_min)
         print(text)
         return status
+    if args.what == "report":  # the analysis room's, beside bench's (the two do not import
+        # each other)
+        from harness.analysis.report_bench import bench_report, report_table
+
+        records = bench_report(args.trials)
+        print(json.dumps(records, indent=2) if args.json else report_table(records))
+        return EXIT_OK
     from harness.bench import measure
 
     with logs_to_stderr(args.json):
@@ -324,12 +332,16 @@ def build_parser() -> Parser:
                 "priority order within --budget-min, each part in its own process under its own "
                 "cap, into --out's gpu.json and gpu.md; run again with the same --out to go on "
                 "(docs/bench.md). fsdp: tokens/s of train.parallel fsdp against ddp on --procs "
-                "processes, --model, in --rounds alternating rounds")
-    b.add_argument("what", choices=["loop", "optim", "memory", "launch", "syncs", "gpu", "fsdp"],
+                "processes, --model, in --rounds alternating rounds. report: the time and peak "
+                "memory of `harness report` on --trials synthetic finished trials (target: "
+                "2,000 in under 15 s)")
+    b.add_argument("what", choices=["loop", "optim", "memory", "launch", "syncs", "gpu", "fsdp",
+                                    "report"],
                    help="loop: harness vs bare loop; optim: optimizer step per method vs AdamW "
                    "and galore-torch; memory: estimator vs measured bytes per method; launch: "
                    "each launcher's per-trial overhead; syncs: host reads per training step; "
-                   "gpu: the CUDA kit; fsdp: fsdp vs ddp tokens/s")
+                   "gpu: the CUDA kit; fsdp: fsdp vs ddp tokens/s; report: a large sweep's "
+                   "report")
     b.add_argument("--model", default="llama_tiny", help="model preset (default llama_tiny)")
     b.add_argument("--steps", type=positive_int, default=20, help="steps per run (default 20)")
     b.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
@@ -358,6 +370,8 @@ def build_parser() -> Parser:
                    help="gpu: every part's time cap (default: each part's own, 4 to 8)")
     b.add_argument("--smoke", action="store_true",
                    help="gpu: the same parts on the CPU at llama_micro, in about a minute")
+    b.add_argument("--trials", type=positive_int, default=2000,
+                   help="report: finished trials in the synthetic sweep (default 2000)")
     b.add_argument("--json", action="store_true", help="print JSON records instead of a table")
 
     e = command(sub, "estimate", cmd_estimate, "predict each trial's memory", "Predict each "

@@ -73,10 +73,15 @@ def write_yaml(path: Path, obj: Any) -> None:
     atomic_write(path, yaml.safe_dump(obj, sort_keys=False))
 
 
+# libyaml's safe loader where PyYAML was built with it: the same documents, ~10x faster (a
+# 2,000-trial report read its configs in 12 of its 58 s with the pure-Python one)
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def read_yaml_or_empty(path: Path) -> dict[str, Any]:
     """{} for a file that is missing, unparsable or not a mapping: a trial not yet written."""
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=SAFE_LOADER)
     except (FileNotFoundError, yaml.YAMLError):
         return {}
     return data if isinstance(data, dict) else {}
