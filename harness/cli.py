@@ -204,12 +204,20 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from harness.cost.plan import format_plan, parse_memory, plan, to_json
+    from harness.analysis.load import check_runs_dir
+    from harness.analysis.plan_view import format_plan, to_json
+    from harness.cost.plan import parse_memory, plan
 
+    if args.from_runs:
+        try:
+            check_runs_dir(Path(args.from_runs))
+        except FileNotFoundError as e:
+            raise UserError(f"--from: {e}") from None
     with logs_to_stderr(args.json):
         result = plan(args.model, parse_memory(args.memory), args.seq_len, args.token_batch,
                       args.tokenizer, gpus=args.gpus)
-    print(to_json(result) if args.json else format_plan(result, args.model, args.top))
+    print(to_json(result, args.model, args.from_runs) if args.json
+          else format_plan(result, args.model, args.top, args.from_runs))
     return EXIT_OK
 
 
@@ -231,6 +239,9 @@ def cmd_methods(args: argparse.Namespace) -> int:
             note = f"  - {field.description}" if field.description else ""
             default = field.get_default(call_default_factory=True)
             print(f"    {key}: {kind} = {default!r}{note}")
+        tasks = {"pretrain": "pretraining", "finetune": "fine-tuning"}
+        note = f" ({cls.tasks_note})" if cls.tasks_note else ""
+        print(f"  meant for: {', '.join(tasks[t] for t in cls.tasks)}{note}")
         support = modifier_support(name)
         print(f"  modifiers: {', '.join(m for m, why in support.items() if why is None)}")
         for modifier, why in support.items():
@@ -398,6 +409,9 @@ def build_parser() -> Parser:
                     "--memory; default 1")
     pl.add_argument("--tokenizer", default="t5-base", help="its vocabulary sizes the embedding "
                     "(default t5-base, the papers')")
+    pl.add_argument("--from", dest="from_runs", metavar="RUNS_DIR",
+                    help="order each method's fastest fit by the eval perplexity its trials "
+                    "reached in this runs folder (default: the published perplexities)")
     pl.add_argument("--top", type=int, default=20, help="rows printed (0: all; default 20)")
     pl.add_argument("--json", action="store_true", help="print JSON records instead of a table")
 

@@ -53,6 +53,11 @@ class Method:
     # "float" (trained as they are), "adapter" (frozen, plus rank-r adapters), "factored"
     # (two rank-r factors) or "quantized" (codes, no float weight for autocast to copy).
     linears: ClassVar[str] = "float"
+    # What the method is meant for: "pretrain" (from scratch) and "finetune" (a pretrained
+    # model); `tasks_note` says why where it is one of them. `harness plan` (pretraining) lists
+    # a method without "pretrain" apart, with the note.
+    tasks: ClassVar[tuple[str, ...]] = ("pretrain", "finetune")
+    tasks_note: ClassVar[str] = ""
 
     def __init__(self, config: Strict, steps: Steps) -> None:
         self.config = config

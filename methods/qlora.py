@@ -45,6 +45,9 @@ class QLoraParams(LoraParams):
 @register("qlora")
 class QLora(Lora):
     summary = "LoRA adapters (peft) on NF4 double-quantized frozen linears (bitsandbytes)"
+    tasks_note = ("QLoRA fine-tunes a pretrained model stored in NF4; from scratch there are no "
+                  "weights worth freezing, and its rank-r adapters bound what is learnt, as "
+                  "LoRA's do")
     Config = QLoraParams
 
     def fsdp_refusal(self, run: RunConfig) -> str | None:

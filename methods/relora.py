@@ -115,6 +115,9 @@ class ReLoraParams(LoraParams):
 @register("relora")
 class ReLora(Lora):
     summary = "ReLoRA: LoRA merged and re-drawn every N steps, pruned moments, jagged cosine LR"
+    tasks = ("pretrain", "finetune")  # its merges make the updates high-rank: a pretraining
+    # method (Lialin et al.), unlike the LoRA it builds on
+    tasks_note = ""
     Config = ReLoraParams
 
     def param_groups(self, model: nn.Module, run: RunConfig) -> Groups:

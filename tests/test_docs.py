@@ -315,8 +315,12 @@ def runnable() -> list[Shown]:
 
 @pytest.mark.parametrize("item", runnable(), ids=lambda i: f"{i.where} {' '.join(i.argv)}")
 def test_the_cheap_commands_the_docs_show_exit_0(item: Shown, monkeypatch: pytest.MonkeyPatch,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 tmp_path: Path) -> None:
     monkeypatch.chdir(REPO)  # the docs' paths are the repository's
+    if "RUNS_DIR" in item.argv:  # `plan --from RUNS_DIR` reads one: an empty sweep's
+        (tmp_path / "runs" / "trials").mkdir(parents=True)
+        monkeypatch.setitem(PLACEHOLDERS, "RUNS_DIR", str(tmp_path / "runs"))
     try:
         code = main(filled(item))
     except SystemExit as stop:  # --help

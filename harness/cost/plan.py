@@ -22,17 +22,14 @@ GaLore's SVDs, quantization kernels and 8-bit optimizers' own speed are not mode
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import Any
 
-from tabulate import tabulate
-
 from harness.config.objectives import size
 from harness.config.steps import Steps
 from harness.cost.activations import KIND_LINEARS, activations, targets, trains_norms
-from harness.cost.estimate import _shapes, estimate_run, human_bytes, vocab_size
+from harness.cost.estimate import _shapes, estimate_run, vocab_size
 from harness.errors import UserError
 from harness.methods import method_names
 from harness.methods.base import Method, build_method, get_method, is_target, numel
@@ -128,6 +125,8 @@ class Plan:
     refused: dict[str, str]  # combination -> why it was skipped
     gpus: int = 1  # more than one: each holds its fsdp share; `budget` is one GPU's
     unusable: dict[str, str] = field(default_factory=dict)  # method entry -> why none of it ran
+    # method entry -> why it is not for pretraining from scratch (`Method.tasks`): left out
+    apart: dict[str, str] = field(default_factory=dict)
 
 
 def method_entries(model: str) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -199,6 +198,9 @@ def plan(model: str, budget: int, seq_len: int = 256, token_batch: int = 256,
         evaluated.append(c)
     if not evaluated:  # a setting every candidate shares is wrong (e.g. --seq-len 1)
         raise UserError(next(iter(refused.values())))
+    apart = {label: get_method(name).tasks_note for label, (name, _) in
+             method_entries(model).items() if "pretrain" not in get_method(name).tasks}
+    evaluated = [c for c in evaluated if c.label not in apart]
     fits = _fastest_micro_batch([c for c in evaluated if c.fits])
     fits.sort(key=lambda c: (round(c.cost, 4), c.peak_bytes, c.label, len(c.modifiers)))
     fits = _distinct(fits)
@@ -209,9 +211,9 @@ def plan(model: str, budget: int, seq_len: int = 256, token_batch: int = 256,
     unusable = {}
     for combination, why in refused.items():
         label = combination.split(" [")[0]
-        if label not in ran:
+        if label not in ran and label not in apart:
             unusable.setdefault(label, why)
-    return Plan(budget, fits, near, refused, gpus, unusable)
+    return Plan(budget, fits, near, refused, gpus, unusable, apart)
 
 
 def on_host(run: Any, record: dict[str, Any]) -> int:
@@ -328,76 +330,3 @@ def _measured(rows: list[Candidate], model: str, seq_len: int, token_batch: int)
         pure = c.precision.startswith("bf16-true")
         if pure and c.modifiers in ("", "layerwise") and key in table:
             c.tok_s, c.tok_s_source = table[key], "GaLore Table 11"
-
-
-def _extra(c: Candidate) -> str:
-    parts = []
-    if c.recompute_forwards:
-        parts.append(f"+{c.recompute_forwards:.2f} forward")
-    if c.transfer_bytes:
-        parts.append(f"{human_bytes(c.transfer_bytes)} host transfers")
-    if c.accumulation > 1:
-        parts.append(f"{c.accumulation} micro-batches")
-    return ", ".join(parts) or "none"
-
-
-def _settings(rows: list[Candidate]) -> str:
-    """The settings the planner chose, once: each distinct one with the methods it applies to."""
-    chosen: dict[str, list[str]] = {}
-    for c in rows:
-        for key, value in c.settings.items():
-            chosen.setdefault(f"{key}={value}", []).append(c.label)
-    return "; ".join(f"{k} ({', '.join(dict.fromkeys(labels))})" for k, labels in chosen.items())
-
-
-def format_plan(p: Plan, model: str, top: int = 20) -> str:
-    headers = ["#", "method", "modifiers", "precision", "micro x accum", "peak",
-               "cost", "extra compute", "tok/s"]  # fmt: skip
-    rows = p.fits or p.closest
-    shown = rows[:top] if top > 0 else rows
-
-    def row(i: int, c: Candidate) -> list[str]:
-        tok = f"{c.tok_s:,.0f} ({c.tok_s_source})" if c.tok_s else "—"
-        return [str(i), c.label, c.modifiers or "none", c.precision,
-                f"{c.micro_batch} x {c.accumulation}", human_bytes(c.peak_bytes),
-                f"x{c.cost:.2f}", _extra(c), tok]  # fmt: skip
-
-    table = tabulate([row(i, c) for i, c in enumerate(shown, 1)], headers=headers,
-                     disable_numparse=True)
-    budget = human_bytes(p.budget)
-    if p.gpus > 1:
-        budget += f" a GPU, sharded over {p.gpus} GPUs (train.parallel: fsdp)"
-    if not p.fits:
-        head = f"nothing fits {model} in {budget}; the {len(shown)} closest by peak:"
-    else:
-        head = f"{len(p.fits)} configurations of {model} fit in {budget}, fastest first:"
-    more = len(rows) - len(shown)
-    tail = f"\n... {more} more (--top 0 for all, --json for records)" if more else ""
-    settings = _settings(shown)
-    tail += f"\nsettings: {settings}" if settings else ""
-    note = ("\ncost: step time relative to full AdamW, bf16-mixed, no modifier, one micro-batch "
-            f"(compute model in docs/estimate.md); {len(p.refused)} combinations refused")
-    return f"{head}\n{table}{tail}{note}{_per_method(p)}"
-
-
-def _per_method(p: Plan) -> str:
-    """Each method entry's fastest row that fits (bf16-mixed with no modifier, the papers'
-    usual setting, where that is as fast), and the entries refused in every setting: which
-    baselines a budget holds, whatever the top rows are."""
-    best: dict[str, Candidate] = {}
-    usual = sorted(p.fits, key=lambda c: (round(c.cost, 4), c.precision != "bf16-mixed",
-                                          bool(c.modifiers)))
-    for c in usual:
-        best.setdefault(c.label, c)
-    lines = [f"  {label}: {c.precision}, {c.modifiers or 'no modifier'}, {c.micro_batch} x "
-             f"{c.accumulation}, {human_bytes(c.peak_bytes)}, x{c.cost:.2f}"
-             for label, c in best.items()]
-    lines += [f"  {label}: refused ({why})" for label, why in sorted(p.unusable.items())]
-    return "\neach method's fastest that fits:\n" + "\n".join(lines) if lines else ""
-
-
-def to_json(p: Plan) -> str:
-    return json.dumps({"budget_bytes": p.budget, "gpus": p.gpus, "unusable": p.unusable,
-                       "fits": [c.record() for c in p.fits],
-                       "closest": [c.record() for c in p.closest], "refused": p.refused},
-                      indent=2)  # fmt: skip
