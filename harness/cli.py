@@ -84,13 +84,18 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
         print(describe(sweep))
         return EXIT_OK
+    out = Path(args.out) if args.out else Path("runs") / sweep.name
     if args.dry_run:
         trials = plan(sweep)
         print(plan_table(trials))
         tokens = sum(t.tokens for t in trials if not t.run.train.epochs)
-        print(f"{len(trials)} trials" + (f", {tokens:,} tokens in all" if tokens else ""))
+        if sweep.task.kind == "pretrain":
+            from harness.sweep.forecast import forecast, forecast_table
+
+            print(f"\n{forecast_table(forecast(sweep, trials, out), tokens)}")
+        else:
+            print(f"{len(trials)} trials")
         return EXIT_OK
-    out = Path(args.out) if args.out else Path("runs") / sweep.name
     try:
         if args.jobs:
             sweep.launcher.jobs = args.jobs
