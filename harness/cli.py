@@ -87,14 +87,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("runs") / sweep.name
     if args.dry_run:
         trials = plan(sweep)
-        print(plan_table(trials))
         tokens = sum(t.tokens for t in trials if not t.run.train.epochs)
-        if sweep.task.kind == "pretrain":
-            from harness.sweep.forecast import forecast, forecast_table
+        if sweep.task.kind != "pretrain":  # a GLUE model is measured by running it
+            print(f"{plan_table(trials)}\n{len(trials)} trials")
+            return EXIT_OK
+        from harness.sweep.forecast import forecast, forecast_columns, forecast_totals
 
-            print(f"\n{forecast_table(forecast(sweep, trials, out), tokens)}")
-        else:
-            print(f"{len(trials)} trials")
+        records = forecast(sweep, trials, out)
+        print(f"{plan_table(trials, forecast_columns(records))}\n"
+              f"{forecast_totals(records, tokens)}")
         return EXIT_OK
     try:
         if args.jobs:

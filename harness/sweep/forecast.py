@@ -16,8 +16,6 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from tabulate import tabulate
-
 from harness.config import SweepConfig
 from harness.cost.estimate import estimate_run, human_bytes
 from harness.cost.plan import DEVICE, step_work
@@ -65,19 +63,24 @@ def device_time(hours: float) -> str:
     return f"{hours * 60:.1f} min" if hours * 60 >= 1 else f"{hours * 3600:.1f} s"
 
 
-def forecast_table(records: list[dict[str, Any]], tokens: int) -> str:
-    rows = [[r["trial"], r["method"], human_bytes(r["peak_bytes"]),
-             device_time(r["device_hours"]) + (" (measured)" if r["speed"] == "measured" else ""),
-             human_bytes(r["disk_bytes"])] for r in records]  # fmt: skip
-    table = tabulate(rows, headers=["trial", "method", "peak a process", "device time",
-                                    "checkpoints"], disable_numparse=True)
+def forecast_columns(records: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """The plan table's extra columns: header -> a cell per trial."""
+    return {
+        "peak a process": [human_bytes(r["peak_bytes"]) for r in records],
+        "device time": [device_time(r["device_hours"])
+                        + (" (measured)" if r["speed"] == "measured" else "") for r in records],
+        "checkpoints": [human_bytes(r["disk_bytes"]) for r in records],
+    }
+
+
+def forecast_totals(records: list[dict[str, Any]], tokens: int) -> str:
     hours = sum(r["device_hours"] for r in records)
     disk = sum(r["disk_bytes"] for r in records)
     modelled = sum(r["speed"] == "model" for r in records)
     device = (f"{modelled} of them on the plan's compute model: an H100 at "
               f"{DEVICE.bf16_flops / 1e12:.0f} TFLOP/s bf16, {DEVICE.fp32_flops / 1e12:.0f} fp32"
               if modelled else "all from tokens/s measured in the runs folder")
-    return (f"{table}\n{len(records)} trials, {tokens:,} tokens in all; predicted: "
+    return (f"{len(records)} trials, {tokens:,} tokens in all; predicted: "
             f"{device_time(hours)} of device time ({device}); {human_bytes(disk)} of "
-            "checkpoints; the "
-            f"largest peak {human_bytes(max(r['peak_bytes'] for r in records))} a process")
+            f"checkpoints; the largest peak {human_bytes(max(r['peak_bytes'] for r in records))} "
+            "a process")

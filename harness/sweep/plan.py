@@ -134,17 +134,19 @@ def plan(sweep: SweepConfig) -> list[Trial]:
     return list(trials.values())
 
 
-def plan_table(trials: list[Trial]) -> str:
+def plan_table(trials: list[Trial], more: dict[str, list[str]] | None = None) -> str:
+    """One row per trial; `more`: further columns, header -> a cell per trial."""
     rows = []
-    for t in trials:
+    for i, t in enumerate(trials):
         changed = changed_params(t.run.method_name, t.run.method_params)
         params = {**changed, **t.point, "seed": t.run.seed}
         hp = ", ".join(f"{k}={v}" for k, v in params.items())
         memory = memory_label(t.run.memory.model_dump())
         tokens = "" if t.run.train.epochs else f"{t.tokens:,}"
-        rows.append([t.id, t.label, hp, memory, t.budget, tokens])
-    headers = ["trial", "method", "hyperparameters", "memory", "steps", "tokens"]
-    return tabulate(rows, headers=headers)
+        rows.append([t.id, t.label, hp, memory, t.budget, tokens,
+                     *(cells[i] for cells in (more or {}).values())])
+    headers = ["trial", "method", "hyperparameters", "memory", "steps", "tokens", *(more or {})]
+    return tabulate(rows, headers=headers, disable_numparse=True)
 
 
 def preflight(sweep: SweepConfig) -> None:
