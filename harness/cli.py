@@ -75,8 +75,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     import shlex
 
-    from harness.sweep.plan import load_sweep, plan, plan_table
-    from harness.sweep.run import UNFINISHED, run_sweep, unfinished
+    from harness.sweep.driver import UNFINISHED, run_sweep, unfinished
+    from harness.sweep.expand import expand, load_sweep, plan_table
 
     sweep = load_sweep(args.sweep, parse_overrides(args.set))
     if args.dry_run and sweep.search.sampler != "grid":
@@ -86,7 +86,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return EXIT_OK
     out = Path(args.out) if args.out else Path("runs") / sweep.name
     if args.dry_run:
-        trials = plan(sweep)
+        trials = expand(sweep)
         tokens = sum(t.tokens for t in trials if not t.run.train.epochs)
         if sweep.task.kind != "pretrain":  # a GLUE model is measured by running it
             print(f"{plan_table(trials)}\n{len(trials)} trials")
@@ -128,7 +128,7 @@ def _show_table(out: Path) -> None:
 
 def _load(runs_dir: str):
     from harness.analysis import load_runs
-    from harness.sweep.status import trial_statuses
+    from harness.sweep.trial_state import trial_statuses
     from harness.trials import RunsDir
 
     try:
@@ -194,7 +194,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from harness.cost.estimate import format_table, paper_comparison, to_json
-    from harness.sweep.plan import estimate_sweep, load_sweep
+    from harness.sweep.expand import estimate_sweep, load_sweep
 
     with logs_to_stderr(args.json):
         sweep = load_sweep(args.sweep, parse_overrides(args.set))

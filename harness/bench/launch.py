@@ -17,8 +17,8 @@ from typing import Any
 
 from tabulate import tabulate
 
-from harness.sweep.plan import load_sweep
-from harness.sweep.run import run_sweep
+from harness.sweep.driver import run_sweep
+from harness.sweep.expand import load_sweep
 from harness.trials import RunsDir, write_yaml
 
 KINDS = ("local", "submitit-local")

@@ -19,7 +19,7 @@ from typing import Any
 from harness.config import SweepConfig
 from harness.cost.estimate import estimate_run, human_bytes
 from harness.cost.plan import DEVICE, step_work
-from harness.sweep.plan import Trial
+from harness.sweep.expand import Trial
 from harness.trials import RunsDir, Status
 
 

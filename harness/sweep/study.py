@@ -42,8 +42,8 @@ from harness.config.objectives import Constraint, objective_value
 from harness.config.space import check_distributions
 from harness.config.sweep import SearchConfig
 from harness.errors import UserError
-from harness.sweep.plan import Trial, make_trial, method_entry
-from harness.sweep.status import trial_statuses
+from harness.sweep.expand import Trial, make_trial, method_entry
+from harness.sweep.trial_state import trial_statuses
 from harness.train.prune import make_pruner, plain_storage
 from harness.trials import FAILED, FINISHED, RunsDir, Status, Summary
 

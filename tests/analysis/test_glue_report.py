@@ -13,7 +13,7 @@ import yaml
 
 from harness.analysis import load_runs, write_report
 from harness.analysis.glue import glue_table
-from harness.sweep.plan import load_sweep, plan
+from harness.sweep.expand import expand, load_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEP_ORDER = ["galore_r4", "lora_r4", "full"]  # not alphabetical, to see the sweep's order win
@@ -163,7 +163,7 @@ def test_write_report_adds_the_glue_table(runs: Path) -> None:
 def test_glue_roberta_sweep_plans_every_task_and_method() -> None:
     """The Table 4 protocol: 8 tasks x 3 LRs x 5 methods, one seed; plans offline."""
     sweep = load_sweep(ROOT / "sweeps" / "glue_roberta.yaml", {})
-    trials = plan(sweep)
+    trials = expand(sweep)
     assert len(trials) == 8 * 3 * 5
     labels = ["full", "galore_r4", "galore_r8", "lora_r4", "lora_r8"]
     assert sorted({t.label for t in trials}) == labels

@@ -10,7 +10,7 @@ from conftest import REPO, harness, micro_run, write_yaml
 from harness.cli import main
 from harness.errors import UserError
 from harness.methods.resolve import load_run
-from harness.sweep.plan import load_sweep, plan
+from harness.sweep.expand import expand, load_sweep
 
 
 def user_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
@@ -79,7 +79,7 @@ def test_set_overrides_use_yaml_values():
 
 def test_sweep_expands_methods_space_and_seeds():
     sweep = load_sweep(REPO / "sweeps/quickstart.yaml", {})
-    trials = plan(sweep)
+    trials = expand(sweep)
     assert len(trials) == 2 * len(sweep.methods)
     assert [(t.label, t.run.train.lr) for t in trials[:4]] == [
         ("full", 0.001), ("full", 0.003), ("adam8bit", 0.001), ("adam8bit", 0.003)]
@@ -87,10 +87,10 @@ def test_sweep_expands_methods_space_and_seeds():
     assert [t.run.train.lr for t in trials if t.label == "galore"] == [0.003, 0.01]
     layerwise = next(t for t in trials if t.label == "galore_8bit_layerwise")
     assert layerwise.run.method_name == "galore" and layerwise.run.memory.layerwise is True
-    three = plan(load_sweep(REPO / "sweeps/quickstart.yaml", {"seeds": [0, 1, 2]}))
+    three = expand(load_sweep(REPO / "sweeps/quickstart.yaml", {"seeds": [0, 1, 2]}))
     assert len(three) == 3 * len(trials)
     # --set on a searched key replaces that dimension for every trial
-    fixed = plan(load_sweep(REPO / "sweeps/quickstart.yaml", {"train.lr": 0.01}))
+    fixed = expand(load_sweep(REPO / "sweeps/quickstart.yaml", {"train.lr": 0.01}))
     assert len(fixed) == len(sweep.methods) and {t.run.train.lr for t in fixed} == {0.01}
 
 
@@ -101,11 +101,11 @@ def test_trial_ids_are_stable_and_follow_the_config(tmp_path):
         "methods": {"full": {}},
         "search": {"space": {"train.lr": [0.001]}},
     }
-    ids = [t.id for t in plan(load_sweep(write_yaml(tmp_path / "a.yaml", base), {}))]
-    assert ids == [t.id for t in plan(load_sweep(tmp_path / "a.yaml", {}))]
+    ids = [t.id for t in expand(load_sweep(write_yaml(tmp_path / "a.yaml", base), {}))]
+    assert ids == [t.id for t in expand(load_sweep(tmp_path / "a.yaml", {}))]
     explicit = {**base, "name": "renamed", "methods": {"full": {"eps": 1e-8}}}
-    assert ids == [t.id for t in plan(load_sweep(write_yaml(tmp_path / "b.yaml", explicit), {}))]
-    longer = [t.id for t in plan(load_sweep(tmp_path / "a.yaml", {"train.steps": 7}))]
+    assert ids == [t.id for t in expand(load_sweep(write_yaml(tmp_path / "b.yaml", explicit), {}))]
+    longer = [t.id for t in expand(load_sweep(tmp_path / "a.yaml", {"train.steps": 7}))]
     assert longer != ids and longer[0].startswith("full-")
 
 
@@ -119,7 +119,7 @@ def test_dry_run_prints_the_plan_offline(capsys):
 @pytest.mark.parametrize(
     "name", ["c4_60m", "c4_130m", "c4_350m", "c4_1b", "c4_7b", "quickstart"])
 def test_shipped_sweeps_are_valid(name):
-    trials = plan(load_sweep(Path(REPO / "sweeps" / f"{name}.yaml"), {}))
+    trials = expand(load_sweep(Path(REPO / "sweeps" / f"{name}.yaml"), {}))
     names = {t.run.method_name for t in trials}
     every = {"full", "adam8bit", "lora", "relora", "lowrank", "galore", "qgalore"}
     if name.startswith("c4_"):
@@ -154,7 +154,7 @@ QUICKSTART_IDS = {
 
 
 def test_quickstart_trial_ids_are_those_of_earlier_versions():
-    trials = plan(load_sweep(Path(REPO / "sweeps" / "quickstart.yaml"), {}))
+    trials = expand(load_sweep(Path(REPO / "sweeps" / "quickstart.yaml"), {}))
     assert {t.id for t in trials} == QUICKSTART_IDS
 
 

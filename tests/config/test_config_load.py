@@ -10,7 +10,7 @@ from conftest import write_yaml
 from harness.config import LauncherConfig, parse_overrides, read_yaml, set_dotted, validate
 from harness.errors import UserError, render
 from harness.methods.resolve import load_run
-from harness.sweep.plan import load_sweep, plan
+from harness.sweep.expand import expand, load_sweep
 
 SWEEP = {"name": "s", "model": "llama_micro", "methods": {"full": {}}}
 
@@ -50,7 +50,7 @@ def test_a_malformed_section_under_set_is_one_line(tmp_path, change, match):
     """Given as a `--set`, after the file is read, as the CLI applies it (space keys set this
     way skip read_yaml's key check and reach the grid)."""
     path = write_yaml(tmp_path / "sweep.yaml", SWEEP)
-    fails(match, lambda: plan(load_sweep(path, change)))
+    fails(match, lambda: expand(load_sweep(path, change)))
 
 
 def test_a_run_takes_a_list_precision_in_one_line():

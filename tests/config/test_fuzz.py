@@ -32,7 +32,7 @@ from harness.cost.plan import parse_memory
 from harness.errors import UserError, one_line
 from harness.methods import get_method, method_names
 from harness.methods.resolve import load_run
-from harness.sweep.plan import load_sweep, plan
+from harness.sweep.expand import expand, load_sweep
 
 
 def fuzz(examples: int) -> settings:
@@ -246,7 +246,7 @@ def write(folder: Path, data: dict[str, Any]) -> Path:
 
 
 def load_sweep_file(path: Path, overrides: dict[str, Any] | None = None) -> None:
-    plan(load_sweep(path, overrides or {}))  # what `harness sweep --dry-run` and estimate do
+    expand(load_sweep(path, overrides or {}))  # what `harness sweep --dry-run` and estimate do
 
 
 def load_run_file(path: Path, overrides: dict[str, Any] | None = None) -> None:

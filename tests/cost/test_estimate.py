@@ -14,7 +14,7 @@ from harness.config import SweepConfig
 from harness.cost import estimate as est
 from harness.data.c4 import load_tokenizer
 from harness.models import PRESETS
-from harness.sweep.plan import estimate_sweep, load_sweep, plan
+from harness.sweep.expand import estimate_sweep, expand, load_sweep
 
 KEYS = {"trial", "method", "method_name", "params", "weight_bytes", "grad_bytes",
         "optimizer_state_bytes", "extra_bytes", "total_bytes", "activation_bytes",
@@ -56,7 +56,7 @@ def test_one_record_per_trial_with_every_key_and_totals_that_add_up(path, monkey
     no_tokenizer(monkeypatch)
     sweep = finished_only(path)
     records = estimate_sweep(sweep)
-    assert [r["trial"] for r in records] == [t.id for t in plan(sweep)]
+    assert [r["trial"] for r in records] == [t.id for t in expand(sweep)]
     for r in records:
         assert r.keys() == KEYS
         assert r["total_bytes"] == sum(r[k] for k in est.BYTE_FIELDS) > 0

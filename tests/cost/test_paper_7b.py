@@ -11,7 +11,7 @@ from harness.cost import estimate as est
 from harness.cost.paper_7b import PAPER_7B, TOLERANCE, comparison_7b, parts_bytes
 from harness.methods import build_method
 from harness.models import param_shapes
-from harness.sweep.plan import estimate_sweep, load_sweep, plan
+from harness.sweep.expand import estimate_sweep, expand, load_sweep
 
 SWEEP = "sweeps/c4_7b_paper.yaml"
 ROWS = {"full": "BF16 AdamW", "adam8bit": "8-bit Adam",
@@ -103,7 +103,7 @@ def test_the_comparison_is_left_out_off_the_papers_setting():
 
 
 def test_a_method_s_own_train_keys_win_over_the_sweep_s():
-    runs = {t.label: t.run for t in plan(load_sweep(SWEEP, {}))}
+    runs = {t.label: t.run for t in expand(load_sweep(SWEEP, {}))}
     assert runs["adam8bit"].train.state_dtype == "float32"  # bitsandbytes' small-tensor states
     assert {runs[k].train.state_dtype for k in ("full", "qgalore")} == {"bfloat16"}
 

@@ -252,7 +252,7 @@ def test_recompute_keeps_fewer_activations():
 def test_a_sweep_varies_modifiers_and_a_method_sets_its_own(tmp_path):
     from conftest import write_yaml
 
-    from harness.sweep.plan import load_sweep, plan
+    from harness.sweep.expand import expand, load_sweep
 
     base = micro_run()
     sweep = {
@@ -262,7 +262,7 @@ def test_a_sweep_varies_modifiers_and_a_method_sets_its_own(tmp_path):
                                               "memory": {"layerwise": True}}},
         "search": {"space": {"memory.recompute": ["none", ["attention"]]}},
     }
-    trials = plan(load_sweep(write_yaml(tmp_path / "s.yaml", sweep), {}))
+    trials = expand(load_sweep(write_yaml(tmp_path / "s.yaml", sweep), {}))
     got = {(t.label, str(t.run.memory.recompute), t.run.memory.layerwise) for t in trials}
     assert got == {("full", "none", False), ("full", "['attention']", False),
                    ("galore_lw", "none", True), ("galore_lw", "['attention']", True)}
@@ -270,7 +270,7 @@ def test_a_sweep_varies_modifiers_and_a_method_sets_its_own(tmp_path):
     assert len({t.id for t in trials}) == 4
     sweep["methods"]["relora"] = {"rank": 4, "memory": {"layerwise": True}}
     with pytest.raises(UserError, match=r"^methods\.relora with .*: method relora: ReLoRA's"):
-        plan(load_sweep(write_yaml(tmp_path / "s.yaml", sweep), {}))
+        expand(load_sweep(write_yaml(tmp_path / "s.yaml", sweep), {}))
 
 
 def test_methods_command_lists_modifiers(capsys):

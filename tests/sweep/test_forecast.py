@@ -12,8 +12,8 @@ import yaml
 from conftest import micro_model
 
 from harness.cli import main
+from harness.sweep.expand import expand, load_sweep
 from harness.sweep.forecast import device_time, forecast
-from harness.sweep.plan import load_sweep, plan
 
 
 def _sweep(tmp_path: Path, steps: int = 10, keep: int = 2, **launcher) -> object:
@@ -31,7 +31,7 @@ def test_checkpoints_are_weights_and_adam_states_counted_from_real_tensors(tmp_p
     """AdamW after one step holds exp_avg, exp_avg_sq and a 4-byte step per parameter tensor:
     counted on the model the trainer builds, times keep_checkpoints (3)."""
     sweep = _sweep(tmp_path, keep=3)
-    (record,) = forecast(sweep, plan(sweep), tmp_path / "runs")
+    (record,) = forecast(sweep, expand(sweep), tmp_path / "runs")
     model = micro_model()
     opt = torch.optim.AdamW(model.parameters())
     model(torch.zeros(1, 4, dtype=torch.long)).logits.sum().backward()
@@ -42,8 +42,8 @@ def test_checkpoints_are_weights_and_adam_states_counted_from_real_tensors(tmp_p
 
 
 def test_device_time_is_linear_in_steps_and_processes(tmp_path):
-    one = forecast(s := _sweep(tmp_path, steps=10), plan(s), tmp_path / "runs")[0]
-    twice = forecast(s := _sweep(tmp_path, steps=20), plan(s), tmp_path / "runs")[0]
+    one = forecast(s := _sweep(tmp_path, steps=10), expand(s), tmp_path / "runs")[0]
+    twice = forecast(s := _sweep(tmp_path, steps=20), expand(s), tmp_path / "runs")[0]
     assert twice["device_hours"] == pytest.approx(2 * one["device_hours"], rel=1e-12)
     assert one["speed"] == "model" and one["device_hours"] > 0
 
@@ -57,7 +57,7 @@ def test_measured_tokens_per_s_of_the_same_method_win(tmp_path):
         (runs / "trials" / name).mkdir(parents=True)
         (runs / "trials" / name / "summary.json").write_text(json.dumps(
             {"trial": name, "status": status, "method": "full", "tokens_per_s": rate}))
-    (record,) = forecast(sweep, plan(sweep), runs)
+    (record,) = forecast(sweep, expand(sweep), runs)
     assert record["speed"] == "measured"
     assert record["device_hours"] * 3600 == pytest.approx(640 / 2000, rel=1e-12)
 

@@ -18,8 +18,8 @@ from conftest import train_losses as losses
 from harness.config import LauncherConfig
 from harness.errors import UserError
 from harness.methods.resolve import load_run
+from harness.sweep.expand import load_sweep
 from harness.sweep.launchers import LocalLauncher, TrialJob, submit
-from harness.sweep.plan import load_sweep
 from harness.sweep.study import open_storage
 from harness.train import train
 from harness.trials import RunsDir, read_json

@@ -107,8 +107,8 @@ def test_a_killed_workers_trial_is_retried_by_the_other(tmp_path, url):
 FAST_WORKER = """
 import sys, time
 from pathlib import Path
-from harness.sweep.plan import load_sweep
-from harness.sweep.search import StudySource
+from harness.sweep.expand import load_sweep
+from harness.sweep.study_source import StudySource
 from harness.sweep.worker import Worker
 from harness.trials import TrialDir
 

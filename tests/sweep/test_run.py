@@ -10,10 +10,10 @@ from pathlib import Path
 import optuna
 from conftest import micro_run, write_yaml
 
-from harness.sweep.plan import load_sweep
-from harness.sweep.search import StudySource
+from harness.sweep.expand import load_sweep
 from harness.sweep.source import GridSource, Pick
 from harness.sweep.study import open_storage
+from harness.sweep.study_source import StudySource
 from harness.sweep.worker import TrialJob, Worker
 from harness.trials import RunsDir, TrialDir
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.sweep import status as status_module
-from harness.sweep.status import slurm_states, trial_statuses
+from harness.sweep import trial_state as status_module
+from harness.sweep.trial_state import slurm_states, trial_statuses
 from harness.trials import RunsDir, TrialDir
 
 

@@ -16,7 +16,7 @@ from conftest import harness, micro_run, wait_for_step, write_yaml
 
 from harness.errors import UserError
 from harness.methods.resolve import load_run
-from harness.sweep.plan import load_sweep, make_trial
+from harness.sweep.expand import load_sweep, make_trial
 from harness.sweep.study import method_space, open_storage, open_study, tell
 from harness.train import train
 from harness.trials import read_json, write_json

@@ -7,7 +7,7 @@ import json
 from conftest import harness, micro_run, write_yaml
 
 from harness.methods.resolve import load_run
-from harness.sweep.plan import load_sweep, plan
+from harness.sweep.expand import expand, load_sweep
 from harness.train import train
 
 
@@ -31,7 +31,7 @@ def statuses(out) -> dict[str, str]:
 
 def test_sweep_resumes_skips_finished_and_survives_a_nan_trial(tmp_path):
     path, out = sweep_file(tmp_path), tmp_path / "runs"
-    trials = {(t.label, t.run.train.lr): t for t in plan(load_sweep(path, {}))}
+    trials = {(t.label, t.run.train.lr): t for t in expand(load_sweep(path, {}))}
     assert len(trials) == 3
     # A trial stopped at step 2 (as by Ctrl-C) before the sweep runs.
     stopped = trials[("adam8bit", 0.003)]
@@ -94,7 +94,7 @@ def test_retry_failed_runs_the_nan_trial_again(tmp_path):
 
 
 def test_trial_config_round_trips_through_harness_train(tmp_path):
-    trial = plan(load_sweep(sweep_file(tmp_path), {}))[0]
+    trial = expand(load_sweep(sweep_file(tmp_path), {}))[0]
     config = write_yaml(tmp_path / "config.yaml", trial.run.model_dump())
     from harness.config import read_yaml
 

@@ -30,7 +30,6 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from harness.config import SweepConfig
 from harness.sweep.source import Assigned, Pick
-from harness.sweep.status import trial_status
 from harness.sweep.study import (
     counted,
     harness_trial,
@@ -42,6 +41,7 @@ from harness.sweep.study import (
     study_lock,
     tell,
 )
+from harness.sweep.trial_state import trial_status
 from harness.trials import FAILED, FINISHED, RunsDir, Status, TrialDir
 
 

@@ -14,11 +14,9 @@ from optuna.trial import TrialState
 
 from harness.config import ModelFrom, SweepConfig
 from harness.errors import UserError
+from harness.sweep.expand import expand, load_sweep, preflight
 from harness.sweep.launchers import launch
-from harness.sweep.plan import load_sweep, plan, preflight
-from harness.sweep.search import StudySource
 from harness.sweep.source import GridSource
-from harness.sweep.status import trial_statuses
 from harness.sweep.study import (
     DONE,
     counted,
@@ -30,6 +28,8 @@ from harness.sweep.study import (
     retry_failures,
     storage_target,
 )
+from harness.sweep.study_source import StudySource
+from harness.sweep.trial_state import trial_statuses
 from harness.trials import FAILED, FINISHED, RunsDir, Status, TrialDir
 
 Show = Callable[[Path], None]  # prints a finished sweep's table (the CLI's, from analysis)
@@ -60,7 +60,7 @@ def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False,
 def unfinished(sweep: SweepConfig, out: Path) -> list[tuple[TrialDir, str]]:
     """The sweep's trials without an end, each with its status (interrupted, queued, ...)."""
     if sweep.search.sampler == "grid":
-        dirs = [RunsDir(out).trial(t.id) for t in plan(sweep)]
+        dirs = [RunsDir(out).trial(t.id) for t in expand(sweep)]
     else:
         dirs = RunsDir(out).trial_dirs()
     return [(d, s) for d, s in zip(dirs, trial_statuses(dirs), strict=True) if s not in FINISHED]
@@ -108,7 +108,7 @@ def run_grid(sweep: SweepConfig, out: Path, retry_failed: bool) -> bool:
     """Run the plan's unfinished trials; True if any trial ended failed, oom, nan or killed.
     Trials whose Slurm job is still queued or running are left to it (a sweep run again
     collects)."""
-    trials = plan(sweep)
+    trials = expand(sweep)
     skip = set(FINISHED) - (set(FAILED) if retry_failed else set())
     todo, live = [], 0
     dirs = [RunsDir(out).trial(t.id) for t in trials]

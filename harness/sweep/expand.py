@@ -1,4 +1,6 @@
-"""Expand a sweep into trials (methods x search space x seeds) and run the unfinished ones."""
+"""A sweep file into its trials: read it (profiles, `--set`), expand methods x search space x
+seeds into trials with stable ids, the dry-run's table, the preflight and every trial's
+estimate. Running them is driver.py's."""
 
 from __future__ import annotations
 
@@ -117,7 +119,7 @@ def make_trial(sweep: SweepConfig, label: str, point: dict[str, Any], seed: int)
     return Trial(f"{label}-{run.identity()}", label, run, point)
 
 
-def plan(sweep: SweepConfig) -> list[Trial]:
+def expand(sweep: SweepConfig) -> list[Trial]:
     """Grid trials; for an Optuna sampler, each method's base point (the space left unset)."""
     trials: dict[str, Trial] = {}
     for label in sweep.methods:
@@ -165,4 +167,4 @@ def estimate_sweep(sweep: SweepConfig) -> list[dict[str, Any]]:
         raise UserError("estimate: predicts pretraining presets only; a GLUE sweep's model "
                         "(an encoder or a checkpoint) is measured by running it")
     return [{"trial": t.id, "method": t.label, **estimate_run(t.run, sweep.launcher.ranks)}
-            for t in plan(sweep)]
+            for t in expand(sweep)]
