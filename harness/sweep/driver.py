@@ -9,26 +9,17 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from optuna.storages import RDBStorage
-from optuna.trial import TrialState
-
 from harness.config import ModelFrom, SweepConfig
 from harness.errors import UserError
 from harness.sweep.expand import expand, load_sweep, preflight
 from harness.sweep.launchers import launch
 from harness.sweep.source import GridSource
-from harness.sweep.study import (
-    DONE,
-    counted,
-    enqueued,
-    method_space,
-    open_storage,
-    open_study,
-    recover,
-    retry_failures,
-    storage_target,
+from harness.sweep.study_source import (
+    StudySource,
+    open_studies,
+    recover_studies,
+    studies_failed,
 )
-from harness.sweep.study_source import StudySource
 from harness.sweep.trial_state import trial_statuses
 from harness.trials import FAILED, FINISHED, RunsDir, Status, TrialDir
 
@@ -108,24 +99,14 @@ def run_grid(sweep: SweepConfig, out: Path, retry_failed: bool) -> bool:
     """Run the plan's unfinished trials; True if any trial ended failed, oom, nan or killed.
     Trials whose Slurm job is still queued or running are left to it (a sweep run again
     collects)."""
-    trials = expand(sweep)
-    skip = set(FINISHED) - (set(FAILED) if retry_failed else set())
-    todo, live = [], 0
-    dirs = [RunsDir(out).trial(t.id) for t in trials]
-    for t, trial, status in zip(trials, dirs, trial_statuses(dirs), strict=True):
-        held = status in (Status.QUEUED, Status.RUNNING)  # by a live job or process
-        live += held
-        if status in skip or held:
-            continue
-        trial.write_config(t.run)
-        todo.append((t.id, trial.path))
+    source, dirs, live = GridSource.unfinished(sweep, out, retry_failed)
     in_slurm = f"{live} still in Slurm, " if live else ""
     print(
-        f"{sweep.name}: {len(trials)} trials, {len(trials) - len(todo) - live} already "
-        f"finished, {in_slurm}{len(todo)} to run in {out}",
+        f"{sweep.name}: {len(dirs)} trials, {len(dirs) - len(source) - live} already "
+        f"finished, {in_slurm}{len(source)} to run in {out}",
         flush=True,
     )
-    launch(GridSource(todo).split(), sweep.launcher, out, total=len(todo))
+    launch(source.split(), sweep.launcher, out, total=len(source))
     resubmit(sweep, lambda: dirs, lambda again: launch(
         GridSource([(d.name, d.path) for d in again]).split(), sweep.launcher, out, len(again)))
     return any(status in FAILED for status in trial_statuses(dirs))
@@ -135,19 +116,7 @@ def run_search(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> boo
     """Run each method's study to `n_trials` with `jobs` workers; True if some trial failed
     (pruned is fine). Interrupted trials are queued again in their study, and the workers
     started again, as `resubmit` says."""
-    target = storage_target(sweep, out)
-    storage = open_storage(target, sweep.search.heartbeat_s)
-    points = enqueued(sweep, {label: method_space(sweep, label) for label in sweep.methods})
-    for label in sweep.methods:
-        study = open_study(sweep, label, storage)
-        if not isinstance(storage, RDBStorage):  # heartbeats find dead workers there
-            recover(study, out, sweep.search)
-        if retry_failed:
-            retry_failures(study, out)
-        for point in points[label]:
-            study.enqueue_trial(point, skip_if_exists=True)
-        done = sum(t.state in DONE for t in counted(study.get_trials(deepcopy=False)))
-        print(f"{study.study_name}: {done} of {sweep.search.n_trials} trials finished", flush=True)
+    storage = open_studies(sweep, out, retry_failed)
     lock = threading.Lock()  # local workers check the budget and ask as one step
 
     def workers() -> None:
@@ -155,15 +124,9 @@ def run_search(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> boo
                sweep.launcher, out)
 
     def again(_: list[TrialDir]) -> None:
-        if not isinstance(storage, RDBStorage):
-            for label in sweep.methods:
-                recover(open_study(sweep, label, storage), out, sweep.search)
+        recover_studies(sweep, out, storage)
         workers()
 
     workers()
     resubmit(sweep, RunsDir(out).trial_dirs, again)
-    failed = False
-    for label in sweep.methods:
-        trials = counted(open_study(sweep, label, storage).get_trials(deepcopy=False))
-        failed |= any(t.state == TrialState.FAIL for t in trials)
-    return failed
+    return studies_failed(sweep, storage)

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from harness.config import RunConfig
-from harness.trials import FINISHED, TrialDir
+from harness.config import RunConfig, SweepConfig
+from harness.sweep.expand import expand
+from harness.sweep.trial_state import trial_statuses
+from harness.trials import FAILED, FINISHED, RunsDir, Status, TrialDir
 
 Assigned = list[tuple[str, Path]]
 
@@ -74,6 +76,25 @@ class GridSource:
         self.trials = [(trial_id, Path(trial_dir)) for trial_id, trial_dir in trials]
         self.left = deque(self.trials)
         self.lock = threading.Lock()
+
+    @classmethod
+    def unfinished(cls, sweep: SweepConfig, out: Path,
+                   retry_failed: bool) -> tuple[GridSource, list[TrialDir], int]:
+        """The grid's trials to run (not finished; with `retry_failed` the failed ones too; not
+        held by a live job or process), their configs written; every trial's folder, for the
+        retries; how many are held."""
+        trials = expand(sweep)
+        skip = set(FINISHED) - (set(FAILED) if retry_failed else set())
+        todo, live = [], 0
+        dirs = [RunsDir(out).trial(t.id) for t in trials]
+        for t, trial, status in zip(trials, dirs, trial_statuses(dirs), strict=True):
+            held = status in (Status.QUEUED, Status.RUNNING)  # by a live job or process
+            live += held
+            if status in skip or held:
+                continue
+            trial.write_config(t.run)
+            todo.append((t.id, trial.path))
+        return cls(todo), dirs, live
 
     @property
     def assigned(self) -> Assigned:

@@ -31,11 +31,15 @@ from sqlalchemy.exc import SQLAlchemyError
 from harness.config import SweepConfig
 from harness.sweep.source import Assigned, Pick
 from harness.sweep.study import (
+    DONE,
     counted,
+    enqueued,
     harness_trial,
     method_space,
     open_storage,
     open_study,
+    recover,
+    retry_failures,
     retry_of,
     storage_target,
     study_lock,
@@ -224,3 +228,35 @@ class StudySource:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)
+
+
+def open_studies(sweep: SweepConfig, out: Path, retry_failed: bool) -> BaseStorage:
+    """Each method's study in the sweep's storage, ready for the workers: a journal's trials
+    left running by a dead sweep recovered (a database's heartbeats find them), failed ones
+    queued again with `retry_failed`, the sweep's enqueued points added once."""
+    storage = open_storage(storage_target(sweep, out), sweep.search.heartbeat_s)
+    points = enqueued(sweep, {label: method_space(sweep, label) for label in sweep.methods})
+    for label in sweep.methods:
+        study = open_study(sweep, label, storage)
+        if not isinstance(storage, RDBStorage):  # heartbeats find dead workers there
+            recover(study, out, sweep.search)
+        if retry_failed:
+            retry_failures(study, out)
+        for point in points[label]:
+            study.enqueue_trial(point, skip_if_exists=True)
+        done = sum(t.state in DONE for t in counted(study.get_trials(deepcopy=False)))
+        print(f"{study.study_name}: {done} of {sweep.search.n_trials} trials finished", flush=True)
+    return storage
+
+
+def recover_studies(sweep: SweepConfig, out: Path, storage: BaseStorage) -> None:
+    """Before the workers start again: a journal's interrupted trials queued again."""
+    if not isinstance(storage, RDBStorage):
+        for label in sweep.methods:
+            recover(open_study(sweep, label, storage), out, sweep.search)
+
+
+def studies_failed(sweep: SweepConfig, storage: BaseStorage) -> bool:
+    """Whether some counted trial of some study failed (pruned is fine)."""
+    return any(t.state == TrialState.FAIL for label in sweep.methods
+               for t in counted(open_study(sweep, label, storage).get_trials(deepcopy=False)))
