@@ -6,8 +6,9 @@ median that finished trials of the same method measured in the runs folder, wher
 (the same machine, the same model), else the plan's compute model on its stated device
 (harness/cost/plan.py `DEVICE`: an H100 at 400 TFLOP/s bf16), times the processes a trial
 uses. A checkpoint holds the weights, the optimizer states and the method's extras (GaLore's
-bases, quantization constants), each at the run's widths; `train.keep_checkpoints` of them
-stay. Pretraining only: a GLUE sweep's model is measured by running it.
+bases, quantization constants), each at the run's widths; of the checkpoints a trial writes
+(every `train.checkpoint_every` steps and at the end), `train.keep_checkpoints` stay.
+Pretraining only: a GLUE sweep's model is measured by running it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from harness.config import SweepConfig
+from harness.config import SweepConfig, TrainConfig
 from harness.cost.estimate import estimate_run, human_bytes
 from harness.cost.plan import DEVICE, step_work
 from harness.sweep.expand import Trial
@@ -52,8 +53,15 @@ def forecast(sweep: SweepConfig, trials: list[Trial], out: Path) -> list[dict[st
                  + estimate["extra_bytes"]) * (ranks if t.run.train.parallel == "fsdp" else 1)
         records.append({"trial": t.id, "method": t.label, "peak_bytes": estimate["peak_bytes"],
                         "device_hours": hours, "speed": source,
-                        "disk_bytes": state * t.run.train.keep_checkpoints})
+                        "disk_bytes": state * kept_checkpoints(t.run.train)})
     return records
+
+
+def kept_checkpoints(train: TrainConfig) -> int:
+    """Checkpoints a finished trial keeps: one every `checkpoint_every` steps and one at the
+    end (the last of them when the steps are a multiple), the newest `keep_checkpoints`."""
+    written = -(-train.steps // train.checkpoint_every) if train.checkpoint_every else 1
+    return min(written, train.keep_checkpoints)
 
 
 def device_time(hours: float) -> str:

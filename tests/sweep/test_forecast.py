@@ -16,21 +16,26 @@ from harness.sweep.expand import expand, load_sweep
 from harness.sweep.forecast import device_time, forecast
 
 
-def _sweep(tmp_path: Path, steps: int = 10, keep: int = 2, **launcher) -> object:
+def _sweep(tmp_path: Path, steps: int = 10, keep: int = 2, every: int = 0,
+           **launcher) -> object:
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({
         "name": "f", "model": "llama_micro", "device": "cpu",
         "task": {"dataset": "sample", "tokenizer": "sample", "seq_len": 32},
         "train": {"steps": steps, "batch_size": 2, "precision": "32-true",
-                  "keep_checkpoints": keep},
+                  "keep_checkpoints": keep, "checkpoint_every": every},
         "methods": {"full": {"method": "full"}}, **({"launcher": launcher} if launcher else {})}))
     return load_sweep(path, {})
 
 
-def test_checkpoints_are_weights_and_adam_states_counted_from_real_tensors(tmp_path):
+@pytest.mark.parametrize(("every", "kept"), [(0, 1), (2, 3), (4, 3), (6, 2)])
+def test_checkpoints_are_weights_and_adam_states_counted_from_real_tensors(tmp_path, every,
+                                                                           kept):
     """AdamW after one step holds exp_avg, exp_avg_sq and a 4-byte step per parameter tensor:
-    counted on the model the trainer builds, times keep_checkpoints (3)."""
-    sweep = _sweep(tmp_path, keep=3)
+    counted on the model the trainer builds, times the checkpoints a 10-step trial keeps of
+    3: only the final one (every 0); at 2, 4, ... 10 (every 2: 5 written, 3 kept); at 4, 8 and
+    10 (every 4); at 6 and 10 (every 6)."""
+    sweep = _sweep(tmp_path, keep=3, every=every)
     (record,) = forecast(sweep, expand(sweep), tmp_path / "runs")
     model = micro_model()
     opt = torch.optim.AdamW(model.parameters())
@@ -38,7 +43,7 @@ def test_checkpoints_are_weights_and_adam_states_counted_from_real_tensors(tmp_p
     opt.step()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     states = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
-    assert record["disk_bytes"] == 3 * (weights + states)
+    assert record["disk_bytes"] == kept * (weights + states)
 
 
 def test_device_time_is_linear_in_steps_and_processes(tmp_path):
