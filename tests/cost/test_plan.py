@@ -239,10 +239,13 @@ def test_llama_7b_on_8_gpus_of_80gb() -> None:
     out = harness("plan", "llama_7b", "--memory", "80GB", "--gpus", "8")
     assert out.returncode == 0, out.stderr
     assert "fit in 80.00 GB a GPU, sharded over 8 GPUs (train.parallel: fsdp)" in out.stdout
-    methods = out.stdout.split("each method's fastest that fits:\n")[1].splitlines()
+    methods = out.stdout.split("each method's fastest that fits, best perplexity first")[1]
+    methods, apart = methods.split("\nnot for pretraining from scratch, listed apart:\n")
+    methods = methods.splitlines()[1:]
     full = next(line for line in methods if line.startswith("  full: "))
     assert full.startswith("  full: bf16-mixed, no modifier, 1 x 1, ")
     assert float(full.split(", ")[3].removesuffix(" GB")) < 80
-    assert any(line.startswith("  qlora: refused (method qlora with train.parallel fsdp")
+    assert any(line.startswith("  qgalore: refused (method qgalore with train.parallel fsdp")
                for line in methods)
+    assert apart.startswith("  lora: LoRA fine-tunes") and "\n  qlora: QLoRA fine-tunes" in apart
     assert any(line.startswith("  adam8bit: ") for line in methods)  # a full-rank baseline

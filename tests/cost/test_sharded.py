@@ -68,7 +68,10 @@ def test_each_ranks_peak_is_the_estimate_within_2_percent(tmp_path, world):
     assert len(measured) == world * len(runs)
     rows = []
     for path, data in runs.items():
-        estimate = estimate_run(load_run(data), world)["peak_bytes"]
+        record = estimate_run(load_run(data), world)
+        # less the cuBLAS workspaces a CUDA rank would hold (the estimate's device is a GPU
+        # unless `device: cpu`); these ranks run on the CPU
+        estimate = record["peak_bytes"] - record["workspace_bytes"]
         peaks = [m["peak"] for m in measured if m["config"] == str(path)]
         rows.append(f"{path.stem}: estimate {estimate:,}, ranks {peaks}")
         assert all(abs(peak / estimate - 1) <= TOLERANCE for peak in peaks), rows[-1]
