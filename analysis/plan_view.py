@@ -26,6 +26,7 @@ from harness.trials import Status
 from .load import PathArg, load_runs
 from .paper import PAPER_ROWS, SIZES, paper_key
 from .recipe import load_paper
+from .stats import best_lr
 
 GALORE_SETUP = ("galore_table2", "apollo_table2", "fira_table3", "qgalore_table1")
 SETUP_SIZES = ("60M", "130M", "350M", "1B")
@@ -55,10 +56,15 @@ def measured(runs_dir: PathArg) -> tuple[dict[str, float], str]:
         return {}, f"no finished trial with an eval perplexity in {runs_dir}"
     optimizer = ok["method.optimizer"] if "method.optimizer" in ok else pd.Series(None, ok.index)
     keys = [paper_key(m, o) or m for m, o in zip(ok["method_name"], optimizer, strict=True)]
-    means = ok.assign(key=keys).groupby(["key", "lr"])["eval_ppl"].mean()
+    picks = best_lr(ok.assign(key=keys), ["key"])
     models = ", ".join(sorted(map(str, ok["model"].dropna().unique())))
-    return ({str(k): float(v) for k, v in means.groupby(level="key").min().items()},
+    return ({str(k): float(v) for k, v in zip(picks["key"], picks["mean"], strict=True)},
             f"eval perplexity measured in {runs_dir} ({models}; best LR, seed mean)")
+
+
+def perplexities(model: str, runs_dir: PathArg | None) -> tuple[dict[str, float], str]:
+    """The perplexities that order the methods, and where they come from."""
+    return measured(runs_dir) if runs_dir else published(model)
 
 
 def by_quality(p: Plan, quality: dict[str, float]) -> list[dict[str, Any]]:
@@ -114,7 +120,7 @@ def _settings(rows: list[Candidate]) -> str:
 def format_plan(p: Plan, model: str, top: int = 20, runs_dir: PathArg | None = None) -> str:
     """The table, fastest first, and each method's fastest fit by perplexity: measured in
     `runs_dir`, or published."""
-    quality, source = measured(runs_dir) if runs_dir else published(model)
+    ppl, source = perplexities(model, runs_dir)
     headers = ["#", "method", "modifiers", "precision", "micro x accum", "peak",
                "cost", "extra compute", "tok/s"]  # fmt: skip
     rows = p.fits or p.closest
@@ -141,7 +147,7 @@ def format_plan(p: Plan, model: str, top: int = 20, runs_dir: PathArg | None = N
     tail += f"\nsettings: {settings}" if settings else ""
     note = ("\ncost: step time relative to full AdamW, bf16-mixed, no modifier, one micro-batch "
             f"(compute model in docs/estimate.md); {len(p.refused)} combinations refused")
-    return f"{head}\n{table}{tail}{note}{_per_method(p, quality, source)}"
+    return f"{head}\n{table}{tail}{note}{_per_method(p, ppl, source)}"
 
 
 def _per_method(p: Plan, quality: dict[str, float], source: str) -> str:
@@ -165,9 +171,9 @@ def _per_method(p: Plan, quality: dict[str, float], source: str) -> str:
 
 
 def to_json(p: Plan, model: str, runs_dir: PathArg | None = None) -> str:
-    quality, source = measured(runs_dir) if runs_dir else published(model)
+    ppl, source = perplexities(model, runs_dir)
     ranked = [{"method": r["method"], "perplexity": r["perplexity"], "frontier": r["frontier"],
-               "config": r["candidate"].record()} for r in by_quality(p, quality)]
+               "config": r["candidate"].record()} for r in by_quality(p, ppl)]
     return json.dumps({"budget_bytes": p.budget, "gpus": p.gpus, "unusable": p.unusable,
                        "apart": p.apart, "fits": [c.record() for c in p.fits],
                        "closest": [c.record() for c in p.closest], "refused": p.refused,

@@ -178,13 +178,18 @@ def plan(model: str, budget: int, seq_len: int = 256, token_batch: int = 256,
     preset = check_preset(model, "model")
     if seq_len > preset.max_seq_len:
         raise UserError(f"--seq-len {seq_len}: {model} takes at most {preset.max_seq_len}")
-    base = None
+    apart = {label: get_method(name).tasks_note for label, (name, _) in
+             method_entries(model).items() if "pretrain" not in get_method(name).tasks}
+    base, loaded = None, False
     evaluated, refused = [], {}
     for c in candidates(model, seq_len, token_batch):
         try:
             run = run_of(c, model, seq_len, tokenizer, gpus)
         except UserError as e:
             refused.setdefault(f"{c.label} [{c.modifiers or 'none'}] {c.precision}", str(e))
+            continue
+        loaded = True
+        if c.label in apart:  # listed apart, not ranked: no estimate to throw away
             continue
         if base is None:  # full AdamW, bf16-mixed, no modifier, one micro-batch
             whole = Candidate("full", "full", {}, "", {}, "bf16-mixed", token_batch // seq_len, 1)
@@ -196,11 +201,8 @@ def plan(model: str, budget: int, seq_len: int = 256, token_batch: int = 256,
         c.cost = seconds / base
         c.fits = c.peak_bytes <= budget
         evaluated.append(c)
-    if not evaluated:  # a setting every candidate shares is wrong (e.g. --seq-len 1)
+    if not loaded:  # a setting every candidate shares is wrong (e.g. --seq-len 1)
         raise UserError(next(iter(refused.values())))
-    apart = {label: get_method(name).tasks_note for label, (name, _) in
-             method_entries(model).items() if "pretrain" not in get_method(name).tasks}
-    evaluated = [c for c in evaluated if c.label not in apart]
     fits = _fastest_micro_batch([c for c in evaluated if c.fits])
     fits.sort(key=lambda c: (round(c.cost, 4), c.peak_bytes, c.label, len(c.modifiers)))
     fits = _distinct(fits)
