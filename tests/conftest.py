@@ -4,7 +4,8 @@ Helpers (imported as `from conftest import ...`): `micro_run` (a run config), `m
 small LLaMA preset, seeded), `write_c4_shards` (a local C4-layout corpus), `write_yaml`,
 `harness` (the real command line). Fixtures: `micro`, `tiny_model`, `sample_tokenizer`,
 `tiny_corpus`, and `finished_run` (a sweep run once per session through the CLI; read-only,
-`finished_run_copy` for a test that writes into it).
+`finished_run_copy` for a test that writes into it). The quick and integration tiers and the
+service groups: tiers.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from typing import Any
 
 import pytest
 import yaml
+from tiers import (  # noqa: F401  the tiers' hooks and fixture, found by pytest here
+    pytest_collection_modifyitems,
+    pytest_xdist_make_scheduler,
+    unmarked_processes,
+)
 
 # Idle OpenMP threads sleep instead of spinning (libgomp reads this as torch loads, here and in
 # every child): tests run two at a time on 2 cores, and a trial's spinning threads then burn
@@ -296,120 +302,3 @@ def assert_resumes_exactly(run: Any, tmp_path: Path, stop: int = 3) -> None:
     assert (first["status"], first["step"]) == ("interrupted", stop)
     assert train(run, tmp_path / "resumed")["status"] == "ok"
     assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "straight")
-
-
-# -- the integration tier ------------------------------------------------------------------------
-# Tests that start processes (the CLI in a child, torchrun, a sweep's trials, Slurm jobs,
-# Chromium), use a service, or run a sweep's worth of trainings (a sweep, a benchmark, the
-# method x modifier grid) carry the `integration` marker, applied here, so that
-# `pytest -m "not integration"` is a quick loop for an edit. A grid keeps some cases quick: a
-# test module's `QUICK` maps a test's name to the parameter tuples that stay (the matrix's
-# diagonal: every method once, every modifier at least once). A test that starts a process
-# without the marker fails (`unmarked_processes` below), so these lists cannot fall behind.
-INTEGRATION_FILES = {  # every test in these files
-    "sweep/test_faults.py", "sweep/test_launchers.py", "sweep/test_postgres.py",
-    "sweep/test_run.py", "sweep/test_slurm.py", "sweep/test_study.py", "sweep/test_sweep.py",
-    "train/test_ddp.py", "train/test_fsdp.py", "test_distributed.py", "analysis/test_html.py",
-    "trials/test_wandb.py",
-    "bench/test_bench.py",  # `harness bench`: many trainings (every method, every config)
-    "gpu/test_gpu.py",  # the CUDA checks (`pytest -m gpu`): a grid of trainings and a sweep
-    "test_optional_imports.py",  # the CLI in a child without wandb and psycopg2
-    "cost/test_sharded.py",  # fsdp runs under torchrun
-}
-INTEGRATION_FIXTURES = {"finished_run", "finished_run_copy"}  # a sweep through the CLI
-INTEGRATION_TESTS = {  # test names (parameters left out) in other files
-    "test_two_processes_train_as_one", "test_two_processes_layerwise_train_as_one",  # torchrun
-    "test_bench_launch_times_each_launcher", "test_bench_loop_json_pipes_into_a_json_reader",
-    "test_user_error_from_the_real_command", "test_llama_7b_in_24gb",
-    "test_llama_7b_on_8_gpus_of_80gb",
-    "test_one_command_pretrains_then_fine_tunes_and_reports",
-    "test_resume_skips_a_torn_checkpoint_for_the_one_before",
-    "test_a_full_disk_while_checkpointing_fails_the_trial_and_keeps_the_previous",
-    "test_a_finished_trial_with_torn_checkpoints_trains_again_or_ends_failed",
-    "test_a_save_the_disk_cannot_hold_leaves_the_previous_whole",
-    "test_a_kill_mid_save_leaves_the_previous_whole",
-    "test_wandb_logs_offline_into_the_run_folder",  # wandb's service process
-    "test_compile_trains_the_same_model",  # torch.compile runs the C++ compiler
-    "test_an_8bit_kernel_is_loaded_before_the_first_step",  # a fresh process
-    # `harness bench gpu`: its smoke run and a part killed at its cap
-    "test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left",
-    "test_a_part_past_its_cap_is_killed_and_says_so",
-    "test_a_tests_part_cut_off_at_its_cap_keeps_the_outcomes_it_had",
-    "test_parts_and_cap_choose_what_runs_and_how_long",
-    "test_the_lease_script_runs_every_part_into_four_folders",
-    "test_bench_report_times_the_report_and_says_met_or_missed",  # `harness report` in a child
-    "test_the_script_prepares_the_locked_kit",  # scripts/gpu_wheels.sh through pip
-    # a benchmark or a real pretrained model in one test: a sweep's worth of training
-    "test_bench_syncs_json", "test_bench_memory_counts_what_it_estimates",
-    "test_bench_loop_precision_trains_in_that_precision",
-    "test_encoder_from_a_local_folder_fine_tunes",
-    "test_the_dashboard_shows_the_study_its_trials_and_the_pareto_front",  # a server, Chromium
-    "test_the_dashboard_reads_a_postgresql_storage",
-}
-QUICK_TOOLS = {"git"}  # run by the code under test in every tier (the commit in config.yaml)
-
-
-def is_integration(item: pytest.Item) -> bool:
-    file = item.path.relative_to(REPO / "tests").as_posix()
-    name = item.name.split("[")[0]
-    quick = getattr(item.module, "QUICK", {}).get(name)  # a grid: these cases stay quick
-    if quick is not None:
-        return tuple(item.callspec.params.values()) not in quick  # type: ignore[attr-defined]
-    return (file in INTEGRATION_FILES or name in INTEGRATION_TESTS
-            or bool(INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))))
-
-
-# One service, one test at a time: each group runs on one worker (ServiceGroups below), so two
-# sweeps never compete for the one Slurm node's CPUs or the same database, and no GPU check
-# shares the device (an over-budget batch fills it before it fails).
-SERVICE_GROUPS = {"sweep/test_slurm.py": "slurm", "sweep/test_postgres.py": "postgres",
-                  "gpu/test_gpu.py": "gpu"}
-
-
-def service_group(nodeid: str) -> str | None:
-    return SERVICE_GROUPS.get(nodeid.split("::", 1)[0].removeprefix("tests/"))
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if is_integration(item):
-            item.add_marker(pytest.mark.integration)
-    # The service groups first: each runs on one worker, one test after another (Slurm's ~7
-    # minutes, much of it waiting on the scheduler), so started first they overlap the rest of
-    # the suite instead of being its tail (collected last, they added ~5 minutes to CI's wall).
-    items.sort(key=lambda item: service_group(item.nodeid) is None)
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`--dist loadgroup`'s rule, decided here by file: xdist 3.8 marks a group by rewriting
-    `item._nodeid`, which pytest 9 no longer reads (nodeid comes from `_id`), so its groups were
-    silently split over workers. A service file is one scope; every other test its own."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ServiceGroups(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return service_group(nodeid) or nodeid
-
-    return ServiceGroups(config, log)
-
-
-@pytest.fixture(autouse=True)
-def unmarked_processes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """Fails a test outside the integration tier that starts a process."""
-    if request.node.get_closest_marker("integration"):
-        yield
-        return
-    started: list[str] = []
-    start = subprocess.Popen.__init__
-
-    def watched(self: subprocess.Popen, args: Any, *rest: Any, **kw: Any) -> None:
-        argv = [args] if isinstance(args, str | os.PathLike) else list(args)
-        if Path(str(argv[0]).split()[0]).name not in QUICK_TOOLS:
-            started.append(" ".join(map(str, argv))[:120])
-        start(self, args, *rest, **kw)
-
-    monkeypatch.setattr(subprocess.Popen, "__init__", watched)
-    yield
-    if started:
-        pytest.fail(f"started a process ({started[0]}) without the integration marker: "
-                    "add the test to INTEGRATION_TESTS in tests/conftest.py")
