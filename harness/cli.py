@@ -163,6 +163,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from harness.cost.estimate import human_bytes
+    from harness.train.export import export_trial
+
+    size = export_trial(Path(args.trial), Path(args.out))
+    print(f"{args.out}: {human_bytes(size)} in Hugging Face format "
+          "(transformers loads it with from_pretrained)")
+    return EXIT_OK
+
+
 def cmd_dashboard(args: argparse.Namespace) -> int:
     from harness.sweep.dashboard import serve
 
@@ -280,6 +290,12 @@ def build_parser() -> Parser:
                 "the tables as csv and md, the plots as png) and print the tables.")
     r.add_argument("runs_dirs", nargs="+", metavar="RUNS_DIR", help=runs_dir)
     r.add_argument("--out", help="report folder (default: the first RUNS_DIR/report)")
+    x = command(sub, "export", cmd_export, "a trial's model in Hugging Face format", "Write "
+                "a trial's model as transformers loads it: its final model, or (an unfinished "
+                "trial, or one kept without) the model of its newest checkpoint, exported by "
+                "its method (adapters merged, INT8 and NF4 weights dequantized, W = BA).")
+    x.add_argument("trial", help="a trial folder, e.g. runs/quickstart/trials/t0")
+    x.add_argument("--out", required=True, help="folder to write the model into")
     d = command(sub, "dashboard", cmd_dashboard, "watch a search sweep's studies",
                 "optuna-dashboard on the sweep's own study storage, on 127.0.0.1.")
     d.add_argument("runs_dir", help=runs_dir)

@@ -34,6 +34,7 @@ from harness.methods.base import (
     live_grad_bytes,
     numel,
     register,
+    replace_linears,
     row_share,
     tensor_bytes,
 )
@@ -199,6 +200,10 @@ class APOLLO(GaLore):
             return None
         return {"apollo_projections": made,
                 "svd_failures": sum(s.svd_failures for s in scalings)}
+
+    def export(self, model: nn.Module) -> nn.Module:
+        """int8_weights: each INT8 linear dequantized into a float one."""
+        return replace_linears(model, Int8Linear, Int8Linear.dequantized)
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         return self.estimate_sharded(shapes, run, 1)

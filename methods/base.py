@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -115,6 +115,12 @@ class Method:
         states of another shape, or whole on every rank, overrides this."""
         return self.estimate(row_shards(shapes, world), run)
 
+    def export(self, model: nn.Module) -> nn.Module:
+        """The trained model (after `prepare`, its state loaded) as the plain model its base
+        was, which transformers saves and loads: adapters merged, quantized weights
+        dequantized, factors multiplied out. The default: the model as it is."""
+        return model
+
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
         """Bytes counted from the real tensors after a step: gradient bytes are those in `.grad`
         now (a trial counts its peak over the step: harness/cost/grad_peak.py)."""
@@ -208,6 +214,26 @@ def target_linears(model: nn.Module, targets: Collection[str],
     """The model's nn.Linear modules that `is_target`, with their names, in module order."""
     return [(name, m) for name, m in model.named_modules()
             if isinstance(m, nn.Linear) and is_target(name, targets, anywhere)]
+
+
+def replace_linears(model: nn.Module, kind: type[nn.Module],
+                    weight_of: Callable[[Any], torch.Tensor]) -> nn.Module:
+    """Each `kind` module of `model` replaced by an nn.Linear holding `weight_of(module)`
+    (out × in) and the module's bias: how an export turns a method's own linears back into the
+    base model's."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, kind):
+            model.set_submodule(name, plain_linear(weight_of(module), module.bias))
+    return model
+
+
+def plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear holding copies of `weight` (out × in) and `bias`."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.detach().clone())
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach().clone())
+    return linear
 
 
 def row_share(shape: torch.Size | tuple[int, ...], world: int) -> tuple[int, ...]:

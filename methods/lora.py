@@ -120,6 +120,11 @@ class Lora(Method):
     def fsdp_refusal(self, run: RunConfig) -> str | None:
         return None  # frozen and trained rows alike sharded; AdamW steps the adapters' shards
 
+    def export(self, model: nn.Module) -> nn.Module:
+        """The adapters merged into their linears, W + (alpha / r)·B·A, and peft's wrappers
+        removed: the base model."""
+        return model.merge_and_unload()
+
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         s = LoraShapes(shapes, self.config)
         return adam_bytes(s.float_numel, s.trainable, run, self.steps)

@@ -25,6 +25,7 @@ from harness.methods.base import (
     is_target,
     numel,
     register,
+    replace_linears,
     target_linears,
 )
 from harness.methods.full import AdamConfig, Full, adam_bytes
@@ -89,6 +90,10 @@ class LowRank(Full):
         for name, linear in targets:
             model.set_submodule(name, LowRankLinear(linear, self.config.rank, std))
         return model
+
+    def export(self, model: nn.Module) -> nn.Module:
+        """Each factored linear as the full-rank one it stands for: W = B·A."""
+        return replace_linears(model, LowRankLinear, lambda m: m.B @ m.A)
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         r, targets = self.config.rank, self.config.target_modules

@@ -41,6 +41,7 @@ from harness.methods.base import (
     live_grad_bytes,
     numel,
     register,
+    replace_linears,
     target_linears,
     tensor_bytes,
 )
@@ -199,6 +200,14 @@ class QGaLore(GaLore):
         if not attempts:
             return None
         return {"qgalore_svd": attempts, **optimizer.svd_stats()}  # type: ignore[attr-defined]
+
+    def export(self, model: nn.Module) -> nn.Module:
+        """INT8 weights dequantized into float linears (simulate: the parametrization's
+        snapped weight kept as the plain one)."""
+        for module in list(model.modules()):
+            if parametrize.is_parametrized(module, "weight"):
+                parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+        return replace_linears(model, Int8Linear, Int8Linear.dequantized)
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         c, w = self.config, widths(run)

@@ -15,9 +15,16 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from harness.methods.base import MemoryEstimate, Shapes, register, target_linears, tensor_bytes
+from harness.methods.base import (
+    MemoryEstimate,
+    Shapes,
+    plain_linear,
+    register,
+    target_linears,
+    tensor_bytes,
+)
 from harness.methods.full import adam_bytes
-from harness.methods.lora import Lora, LoraParams, LoraShapes, add_adapters
+from harness.methods.lora import ADAPTER, Lora, LoraParams, LoraShapes, add_adapters, lora_layers
 
 if TYPE_CHECKING:
     import bitsandbytes as bnb
@@ -95,6 +102,21 @@ class QLora(Lora):
             q.bias = linear.bias
         q.register_load_state_dict_pre_hook(_load_quant_state)
         return q
+
+    def export(self, model: nn.Module) -> nn.Module:
+        """Each NF4 base dequantized (the kernel the forward uses) with its adapter merged on
+        top, as a float linear; then peft's wrappers removed. peft's own merge would quantize
+        the merged weight to NF4 again."""
+        from bitsandbytes.functional import dequantize_4bit
+
+        for layer in lora_layers(model):
+            base = layer.get_base_layer()
+            weight = dequantize_4bit(base.weight.data, base.weight.quant_state).float()
+            merged = weight + layer.get_delta_weight(ADAPTER).float()
+            layer.base_layer = plain_linear(merged, base.bias)
+        plain = model.unload()
+        del plain.is_loaded_in_4bit  # set by `prepare` for peft: the model is float now
+        return plain
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         s = LoraShapes(shapes, self.config)

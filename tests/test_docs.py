@@ -30,7 +30,7 @@ PLACEHOLDERS = {  # a metavariable as the docs write it -> a value the parser an
     "RUNS_DIR": "runs/quickstart", "SWEEP.yaml": "sweeps/quickstart.yaml",
     "RUN.yaml": "sweeps/train_tiny.yaml", "DIR": "runs/docs_check", "N": "4", "STEPS": "3",
     "SECONDS": "5", "KEY=VALUE": "train.steps=4", "MODEL": "llama_7b", "NAME": "t5-base",
-    "RANK:MICRO": "64:1", "<command>": "train",
+    "RANK:MICRO": "64:1", "<command>": "train", "TRIAL_DIR": "runs/quickstart/trials/t0",
 }  # fmt: skip
 # Shown pairs that no test runs, each with the reason it cannot run here (none today).
 UNTESTED: dict[tuple[str, str], str] = {}

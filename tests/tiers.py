@@ -37,6 +37,8 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_two_processes_train_as_one", "test_two_processes_layerwise_train_as_one",  # torchrun
     "test_bench_launch_times_each_launcher", "test_bench_loop_json_pipes_into_a_json_reader",
     "test_user_error_from_the_real_command", "test_llama_7b_in_24gb",
+    "test_harness_export_copies_a_finished_trials_model",  # `harness export` in a child
+    "test_harness_export_of_a_folder_that_is_no_trial_is_one_line",
     "test_llama_7b_on_8_gpus_of_80gb",
     "test_one_command_pretrains_then_fine_tunes_and_reports",
     "test_resume_skips_a_torn_checkpoint_for_the_one_before",
@@ -61,6 +63,7 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_encoder_from_a_local_folder_fine_tunes",
     "test_the_dashboard_shows_the_study_its_trials_and_the_pareto_front",  # a server, Chromium
     "test_the_dashboard_reads_a_postgresql_storage",
+    "test_a_bad_model_stops_harness_train_with_one_line",  # `harness train` in a child
 }
 QUICK_TOOLS = {"git"}  # run by the code under test in every tier (the commit in config.yaml)
 

@@ -140,6 +140,10 @@ class TrainConfig(Strict):
         2, ge=1, description="checkpoints kept, newest first: one that does not load on "
         "resume is skipped for the one before"
     )
+    keep_final: Literal["weights", "full", "none"] = Field(
+        "weights", description="what a trial that ends ok keeps: its model in Hugging Face "
+        "format (weights), that and its training state (full), or neither (none)"
+    )
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainConfig:
@@ -332,7 +336,7 @@ class RunConfig(Common):
     def identity(self) -> str:
         """Stable hash of everything that changes results (not the name, logging or provenance)."""
         data = self.model_dump(exclude={"name", "label", "provenance", "wandb"})
-        for key in ("log_every", "keep_checkpoints"):  # bookkeeping: results are the same
+        for key in ("log_every", "keep_checkpoints", "keep_final"):  # bookkeeping: same results
             data["train"].pop(key)
         # Hash what earlier versions wrote, so that their finished trials stay finished.
         legacy = {new: old for old, new in PRECISION_ALIASES.items()}

@@ -1,10 +1,10 @@
-"""Models for fine-tuning: an encoder from the hub or a folder, or a LLaMA with a
-classification head whose body comes from a harness pretraining checkpoint."""
+"""Models for fine-tuning: an encoder or causal LM from the hub or a folder (an exported one
+too), or a LLaMA with a classification head whose body is a harness pretraining trial's."""
 
 from __future__ import annotations
 
 import math
-import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +14,11 @@ from harness import distributed
 from harness.config import ModelFrom, RunConfig, read_yaml
 from harness.data.c4 import load_tokenizer
 from harness.errors import UserError, brief
-from harness.methods import build_method
 from harness.methods.resolve import load_run
-from harness.models import PRESETS, build_model, llama_config
-from harness.trials import CheckpointError, RunsDir, Status, TrialDir, checkpoints
+from harness.models import PRESETS, llama_config
+from harness.train import pretrain
+from harness.train.plain import newest_state, plain_model
+from harness.trials import RunsDir, Status, TrialDir, final_model
 
 
 def build_classifier(run: RunConfig, num_labels: int) -> tuple[nn.Module, Any]:
@@ -28,7 +29,7 @@ def build_classifier(run: RunConfig, num_labels: int) -> tuple[nn.Module, Any]:
         raise UserError("task.classifier_dropout: a LLaMA classification head has no "
                         "dropout (leave it null), only encoders do")
     if isinstance(run.model, ModelFrom):
-        return from_checkpoint(resolve_trial(run.model.from_), num_labels)
+        return from_trial(resolve_trial(run.model.from_), num_labels)
     if run.model in PRESETS:
         tok = load_tokenizer(run.task.tokenizer)
         return llama_classifier(run.model, tok, num_labels, run.task.seq_len), tok
@@ -57,12 +58,8 @@ def pretrained(name: str, num_labels: int, dropout: float | None) -> tuple[nn.Mo
     return model, tok
 
 
-PLAIN = ("full", "adam8bit", "lora", "relora", "galore")  # checkpoints that become a plain LLaMA
-
-
 def resolve_trial(path: str) -> Path:
-    """A trial folder as given, or a sweep's best finished trial (lowest eval perplexity) among
-    those whose weights convert to a plain LLaMA."""
+    """A trial folder as given, or a sweep's best finished trial (lowest eval perplexity)."""
     folder = Path(path).expanduser()
     if TrialDir(folder).is_trial():
         return folder
@@ -71,41 +68,30 @@ def resolve_trial(path: str) -> Path:
         raise UserError(f"model.from: {folder} is neither a trial folder (config.yaml) nor a "
                         "runs directory (trials/); pretrain it first")
     summaries = [s for t in runs.trial_dirs() if (s := t.read_summary()) is not None]
-    done = [s for s in summaries if s.status == Status.OK and s.method_name in PLAIN
+    done = [s for s in summaries if s.status == Status.OK
             and not math.isnan(s.eval_ppl or math.nan)]
     if not done:
-        raise UserError(f"model.from: {folder} has no finished trial with an eval perplexity "
-                        f"whose method is one of {', '.join(PLAIN)}")
+        raise UserError(f"model.from: {folder} has no finished trial with an eval perplexity")
     best = min(done, key=lambda s: s.eval_ppl)
     distributed.say(f"model.from: {folder}'s best trial is {best.trial} "
                     f"({best.method}, eval ppl {best.eval_ppl:.2f})")
     return runs.trial(str(best.trial)).path
 
 
-def from_checkpoint(trial: Path, num_labels: int) -> tuple[nn.Module, Any]:
-    """The trial's model as it trained (its method's `prepare`, its checkpoint), merged back to
-    a plain LLaMA (LoRA/ReLoRA adapters folded in), then its body under a new head."""
-
+def from_trial(trial: Path, num_labels: int) -> tuple[nn.Module, Any]:
+    """The trial's final model under a new head; without one (an unfinished trial, or one
+    that keeps none), its newest checkpoint as its method exports it (LoRA merged, INT8
+    dequantized, ...), written to a temporary folder and loaded the same way."""
+    folder = TrialDir(trial).final_model
+    if final_model.verified(folder) is not None:
+        return pretrained(str(folder), num_labels, None)
     source = load_run(read_yaml(TrialDir(trial).config))
-    try:  # the newest that loads: one that does not is named and skipped
-        found = checkpoints.load_newest(TrialDir(trial).checkpoints)
-    except CheckpointError as e:
-        raise UserError(f"model.from: {e}") from e
-    if found is None:
-        raise UserError(f"model.from: {trial} has no checkpoint/state.pt (did it finish?)")
-    for path, why in found.skipped if distributed.is_main() else ():
-        print(f"warning: model.from: {path} does not load ({why}); using {found.path}",
-              file=sys.stderr, flush=True)
-    tok = load_tokenizer(source.task.tokenizer)
-    trained = build_model(source.model, len(tok), source.task.seq_len, tok.pad_token_id)
-    trained = build_method(source).prepare(trained, source)
-    trained.load_state_dict(found.state["model"])
-    if hasattr(trained, "merge_and_unload"):  # peft: W + s·B·A
-        trained = trained.merge_and_unload()
-    body = {k: v for k, v in trained.state_dict().items() if k.startswith("model.")}
-    model = llama_classifier(source.model, tok, num_labels, source.task.seq_len)
-    missing, unexpected = model.load_state_dict(body, strict=False)
-    if unexpected or set(missing) != {"score.weight"}:
-        raise UserError(f"model.from: {trial} was trained with method {source.method_name}, "
-                        f"whose weights are not a plain LLaMA's (those of {', '.join(PLAIN)} are)")
-    return model, tok
+    try:
+        state = newest_state(TrialDir(trial))
+    except UserError as e:
+        raise UserError(f"model.from: {e}") from None
+    plain, tok = plain_model(source, state, pretrain.build)
+    with tempfile.TemporaryDirectory() as tmp:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        return pretrained(tmp, num_labels, None)

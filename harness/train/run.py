@@ -3,6 +3,7 @@ summary saying how it ended."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -19,6 +20,7 @@ from harness.config import RunConfig
 from harness.cost.profile import profiled
 from harness.cost.tensor_peak import tracked
 from harness.errors import UserError, first_line
+from harness.train.export import finish, is_finished
 from harness.train.loop import NonFinite, Prune, Pruned, Trainer
 from harness.train.prune import pruner_for
 from harness.trials import CheckpointError, Records, Status, Summary
@@ -47,9 +49,10 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
     (by default, the study of an Optuna sweep's trial)."""
     rec = distributed.main_only(Records(out, run))
     previous = rec.summary()
-    if previous and previous.status == Status.OK and _final_checkpoint_loads(rec, previous):
-        print(f"{out}: already finished (status ok); nothing to do", flush=True)
-        return previous.to_dict()
+    if previous and previous.status == Status.OK:
+        done = _finished_before(run, rec, previous)
+        if done is not None:
+            return done
     out.mkdir(parents=True, exist_ok=True)
     rec.write_config()
     requeues = previous.get("requeues", 0) if previous else 0
@@ -103,7 +106,41 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
         rec.finish_wandb(summary)
         distributed.teardown(
             failed=summary["status"] in (Status.FAILED, Status.OOM, Status.RUNNING))
+    if summary["status"] == Status.OK and distributed.is_main():
+        del trainer  # its model and optimizer: the export builds the model again on the host
+        summary = _finish(run, rec, summary)
     return summary
+
+
+def _finish(run: RunConfig, rec: Records, summary: dict) -> dict:
+    """The final model written and the training state dropped (`train.keep_final`), after the
+    process group is gone: a sharded checkpoint is consolidated here alone. When the model
+    cannot be written (a full disk) the checkpoint stays and a later run finishes it."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        summary.update(finish(run, rec.dir, summary))
+    except CheckpointError as e:
+        print(f"error: {e}; the final checkpoint is kept (`harness export` writes the model "
+              "from it)", file=sys.stderr, flush=True)
+        return summary
+    rec.write_summary(summary)
+    return summary
+
+
+def _finished_before(run: RunConfig, rec: Records, previous: Summary) -> dict | None:
+    """A trial that ended ok is not trained again: it is finished (its final model verifies,
+    or it keeps none), or it is finished once its final model is written from its final
+    checkpoint. None: that checkpoint is gone or not this config's, so it trains again,
+    resuming from the newest checkpoint that loads."""
+    if not is_finished(run, rec.dir, previous):
+        if not _final_checkpoint_loads(rec, previous):
+            return None
+        if distributed.is_main():
+            return _finish(run, rec, previous.to_dict())
+    print(f"{rec.out}: already finished (status ok); nothing to do", flush=True)
+    return previous.to_dict()
 
 
 def _final_checkpoint_loads(rec: Records, previous: Summary) -> bool:

@@ -166,7 +166,7 @@ def save_sharded(folder: Path, tensors: dict[str, Any], rest: dict[str, Any], ke
     dist.barrier()
     try:
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-        mine = {p.name: _digest(p) for p in tmp.glob(f"__{rank}_*")}
+        mine = {p.name: digest(p) for p in tmp.glob(f"__{rank}_*")}
     except Exception as e:  # DCP raises its own CheckpointException, on every rank alike
         error, mine = f"checkpoint {folder / NEWEST} not saved: {brief(e)}", {}
     every: list[Any] = [None] * dist.get_world_size()
@@ -176,7 +176,7 @@ def save_sharded(folder: Path, tensors: dict[str, Any], rest: dict[str, Any], ke
         try:
             record = {k: v for _, digests in every for k, v in digests.items()}
             record[REST] = _write(tmp / REST, rest)
-            record[".metadata"] = _digest(tmp / ".metadata")
+            record[".metadata"] = digest(tmp / ".metadata")
             fsync_dir(tmp)
             _publish(folder, tmp, {"files": record}, keep)
         except OSError as e:
@@ -187,7 +187,7 @@ def save_sharded(folder: Path, tensors: dict[str, Any], rest: dict[str, Any], ke
         raise CheckpointError(box[0])
 
 
-def _digest(path: Path) -> dict[str, Any]:
+def digest(path: Path) -> dict[str, Any]:
     sha = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
@@ -268,7 +268,7 @@ def _differs(path: Path, want: dict[str, Any], name: str) -> str | None:
     size = path.stat().st_size
     if size != want.get("bytes"):
         return f"{where}{size} bytes where {want.get('bytes')} were written"
-    if _digest(path)["sha256"] != want.get("sha256"):
+    if digest(path)["sha256"] != want.get("sha256"):
         return f"{where}its sha256 is not the one written"
     return None
 

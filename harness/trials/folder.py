@@ -10,7 +10,10 @@
         summary.json        how it stands or ended (Summary)
         metrics.jsonl       one line per logged step, evaluation and event
         checkpoint/         what it resumes from: state.pt, the newest, and older ones
-                            (checkpoints.py)
+                            (checkpoints.py); removed once the final model is written, unless
+                            `train.keep_final: full`
+        model/              the finished trial's model in Hugging Face format, and
+        model.json          its record (final_model.py)
         launch.json         when and how it was launched (launcher, Slurm job id)
         optuna.json         the study and trial it reports to (Optuna sweeps)
         stderr.log          its stderr (local launcher)
@@ -74,6 +77,7 @@ class TrialDir(Folder):
     metrics = Entry("metrics.jsonl")
     checkpoints = Entry("checkpoint")
     checkpoint = Entry("checkpoint", NEWEST)
+    final_model = Entry("model")
     launch = Entry("launch.json")
     optuna_link = Entry("optuna.json")
     stderr = Entry("stderr.log")

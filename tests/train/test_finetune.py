@@ -4,6 +4,7 @@ and a stopped fine-tuning resumes to the same losses."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from conftest import micro_run, train_losses
 from harness.errors import UserError
 from harness.methods.resolve import load_run
 from harness.train import train
-from harness.train.classifier import from_checkpoint, resolve_trial
+from harness.train.classifier import from_trial, resolve_trial
 
 
 def glue_run(**train_keys) -> dict:
@@ -53,13 +54,17 @@ def test_stopped_fine_tuning_resumes_to_the_same_losses(tmp_path):
     assert train_losses(tmp_path / "part") == train_losses(tmp_path / "whole")
 
 
+@pytest.mark.parametrize("source", ["final model", "checkpoint"])
 @pytest.mark.parametrize("method", [{"name": "full"}, {"name": "lora", "rank": 4}])
-def test_checkpoint_body_loads_into_the_classifier(tmp_path, method):
-    """The classifier's body is the trained LLaMA's (LoRA: W + s·B·A), its head is new."""
-    run = load_run({**micro_run(steps=2), "method": method, "name": "pre"})
+def test_trained_body_loads_into_the_classifier(tmp_path, method, source):
+    """The classifier's body is the trained LLaMA's (LoRA: W + s·B·A), its head is new: from
+    the trial's final model, or, where it has none, from its checkpoint exported."""
+    run = load_run({**micro_run(steps=2, keep_final="full"), "method": method, "name": "pre"})
     assert train(run, tmp_path / "pre")["status"] == "ok"
     state = torch.load(tmp_path / "pre" / "checkpoint" / "state.pt", weights_only=False)["model"]
-    model, _ = from_checkpoint(tmp_path / "pre", num_labels=3)
+    if source == "checkpoint":
+        shutil.rmtree(tmp_path / "pre" / "model")
+    model, _ = from_trial(tmp_path / "pre", num_labels=3)
     body = model.state_dict()
     assert model.score.weight.shape == (3, 64)
     if method["name"] == "full":
@@ -75,7 +80,7 @@ def test_checkpoint_body_loads_into_the_classifier(tmp_path, method):
         assert torch.allclose(body["model.layers.0.self_attn.q_proj.weight"], expected, atol=1e-6)
 
 
-def test_sweep_dir_resolves_to_its_best_plain_trial(tmp_path):
+def test_sweep_dir_resolves_to_its_best_trial(tmp_path):
     for lr in (0.003, 0.0001):
         run = load_run({**micro_run(steps=2, lr=lr), "name": "pre"})
         train(run, tmp_path / "runs" / "trials" / f"full-{lr}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from pathlib import Path
 
@@ -98,8 +99,16 @@ def test_finished_run_is_not_run_again_and_other_configs_are_refused(tmp_path):
     before = (tmp_path / "t" / "metrics.jsonl").read_text()
     assert train(run, tmp_path / "t")["status"] == "ok"
     assert (tmp_path / "t" / "metrics.jsonl").read_text() == before
-    with pytest.raises(UserError, match="written by a different config"):
+    with pytest.raises(UserError, match="finished with a different config"):
         train(load_run(micro_run(steps=3)), tmp_path / "t")
+    # a trial finished before final models existed: its checkpoint says whose it is
+    train(run.model_copy(update={"train": run.train.model_copy(update={"keep_final": "full"})}),
+          tmp_path / "old")
+    summary = json.loads((tmp_path / "old" / "summary.json").read_text())
+    del summary["keep_final"], summary["identity"]
+    (tmp_path / "old" / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(UserError, match="written by a different config"):
+        train(load_run(micro_run(steps=3)), tmp_path / "old")
 
 
 def test_eval_perplexity_is_token_weighted_not_a_mean_of_batch_means(tmp_path):

@@ -1,0 +1,71 @@
+"""What a finished trial keeps (`train.keep_final`) and `harness export`: a trial's model in
+Hugging Face format, from its final model or its newest checkpoint (harness/train/plain.py).
+
+A finished trial writes its final model and then drops its training state; a trial is
+finished once that is done, and is never trained again for want of the state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.config import RunConfig, read_yaml
+from harness.errors import UserError
+from harness.methods.resolve import load_run
+from harness.train import finetune, pretrain
+from harness.train.plain import Build, newest_state, plain_model, save_plain
+from harness.trials import Summary, TrialDir, final_model
+
+
+def builder(run: RunConfig) -> Build:
+    """The task's model builder, as the trainer picks it."""
+    return finetune.build if run.task.kind == "glue" else pretrain.build
+
+
+def finish(run: RunConfig, trial: TrialDir, summary: dict[str, Any]) -> dict[str, Any]:
+    """A trial that ended ok: its final model written as `train.keep_final` says, then its
+    training state removed unless `full`; the summary's fields for it."""
+    keep = run.train.keep_final
+    kept: dict[str, Any] = {"keep_final": keep, "identity": run.identity()}
+    if keep != "none" and final_model.verified(trial.final_model) is None:
+        model, tok = plain_model(run, newest_state(trial), builder(run))
+        kept["final_model_bytes"] = save_plain(model, tok, trial.final_model, summary["step"])
+        del model
+    elif keep != "none":
+        kept["final_model_bytes"] = final_model.verified(trial.final_model)
+    if keep != "full":
+        final_model.remove_state(trial.checkpoints)
+    return kept
+
+
+def is_finished(run: RunConfig, trial: TrialDir, summary: Summary) -> bool:
+    """A trial that ended ok and whose `finish` completed: its final model verifies, or it
+    keeps none. Its training state is not needed (and is gone unless `keep_final: full`).
+    UserError when it finished another config (its identity, kept in the summary)."""
+    if summary.get("keep_final") is None:
+        return False
+    if summary.get("identity") != run.identity():
+        raise UserError(f"{trial}: finished with a different config ({summary.get('identity')}, "
+                        f"this run is {run.identity()}); use another --out or delete that folder")
+    return summary.get("keep_final") == "none" or final_model.verified(trial.final_model) is not None
+
+
+def export_trial(folder: Path, out: Path) -> int:
+    """`harness export`: the trial's final model copied to `out`, or, without one (an
+    interrupted trial, or one that keeps none), its newest checkpoint exported there."""
+    trial = TrialDir(folder)
+    if not trial.is_trial():
+        raise UserError(f"{folder}: not a trial folder (no config.yaml); give "
+                        "runs/<sweep>/trials/<id>")
+    have = final_model.verified(trial.final_model)
+    if have is not None:
+        final_model.copy(trial.final_model, out)
+        return have
+    state = newest_state(trial)
+    run = load_run(read_yaml(trial.config))
+    model, tok = plain_model(run, state, builder(run))
+    with torch.no_grad():
+        return save_plain(model, tok, out, state["step"], record=False)

@@ -1,0 +1,63 @@
+"""A trial's model as a plain Hugging Face model: built as the trial built it (by its task's
+`build`), its checkpoint loaded (a sharded one consolidated in this one process), then the
+method's `export` (adapters merged, INT8 and NF4 weights dequantized, W = B·A multiplied out);
+and such a model written in Hugging Face format, verified."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from harness.config import RunConfig
+from harness.distributed import fsdp
+from harness.errors import UserError
+from harness.methods import build_method
+from harness.modifiers.precision import pure_bf16
+from harness.trials import CheckpointError, TrialDir, checkpoints, final_model
+
+Build = Callable[[RunConfig], tuple[nn.Module, Any]]  # a task's (model, tokenizer) builder
+
+
+def plain_model(run: RunConfig, state: dict[str, Any], build: Build) -> tuple[nn.Module, Any]:
+    """(model, tokenizer) as the trainer built them, on the host, `state` (a checkpoint's)
+    loaded, then exported by the run's method."""
+    model, tok = build(run)
+    method = build_method(run)
+    model = pure_bf16(method.prepare(pure_bf16(model, run.train), run), run.train)
+    if "sharded" in state:  # written shard by shard: every tensor read whole here
+        tensors = fsdp.templates(state["tensors"], model)
+        state = {**state, **fsdp.join(state["tensors"],
+                                      checkpoints.load_sharded(state["sharded"], tensors))}
+    model.load_state_dict(state["model"])
+    return method.export(model).eval(), tok
+
+
+def newest_state(trial: TrialDir) -> dict[str, Any]:
+    """The trial's newest checkpoint that loads; UserError (one line) when it has none."""
+    try:
+        found = checkpoints.load_newest(trial.checkpoints)
+    except CheckpointError as e:
+        raise UserError(str(e)) from None
+    if found is None:
+        raise UserError(f"{trial}: no final model (model/) and no checkpoint to export from")
+    for path, why in found.skipped:
+        print(f"warning: {path} does not load ({why}); using {found.path}", file=sys.stderr)
+    return found.state
+
+
+def save_plain(model: nn.Module, tok: Any, folder: Path, step: int, record: bool = True) -> int:
+    """`model` and `tok` in Hugging Face format into `folder`, fsynced and verified, with its
+    record beside it unless not `record` (trials/final_model.py); returns its bytes."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # one line per shard in a trial's log is noise
+
+    def save(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+
+    return final_model.write(folder, save, model.state_dict(), step, record)

@@ -1,0 +1,106 @@
+"""A trial's final model in Hugging Face format, written whole or not at all.
+
+    model/          config.json, *.safetensors, the tokenizer: what `from_pretrained` loads
+    model.json      {"files": {name: {"sha256", "bytes"}}, "bytes", "step"}, written last
+
+The folder is written under a temporary name, every file fsynced, each saved tensor read back
+and compared with the one in memory, and only then renamed into place and its record written.
+A trial's training state is removed only after that (`keep_final: weights`), so a kill or a
+full disk at any instant leaves either the checkpoint or a verified model, never neither.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.trials.checkpoints import CheckpointError, digest
+from harness.trials.files import fsync_dir, read_json, write_json
+
+Save = Callable[[Path], None]  # writes the model and tokenizer into a folder
+
+
+def record_of(folder: Path) -> Path:
+    return folder.with_name(folder.name + ".json")
+
+
+def write(folder: Path, save: Save, tensors: dict[str, torch.Tensor], step: int,
+          record: bool = True) -> int:
+    """`save` into a temporary folder beside `folder`, fsynced and verified against `tensors`
+    (the state dict saved), then renamed into place with its record (unless not `record`: an
+    export elsewhere); returns its bytes.
+    CheckpointError (one line) when it cannot be written: nothing in place is touched then."""
+    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
+    try:
+        for stale in folder.parent.glob(f".{folder.name}.tmp*"):  # a writer killed mid-save
+            shutil.rmtree(stale, ignore_errors=True)
+        save(tmp)
+        files = {p.name: _fsynced(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        fsync_dir(tmp)
+        _verify_tensors(tmp, tensors)
+        record_of(folder).unlink(missing_ok=True)  # a record describes the folder beside it
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+        fsync_dir(folder.parent)
+        total = sum(f["bytes"] for f in files.values())
+        if record:
+            write_json(record_of(folder), {"files": files, "bytes": total, "step": step})
+        return total
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"final model {folder} not written: {e}") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsynced(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return digest(path)
+
+
+def _verify_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Every tensor in the folder's safetensors files equals the one saved, and every saved
+    one is there (tied weights are saved once: either name counts)."""
+    from safetensors.torch import load_file
+
+    found: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        found.update(load_file(path))
+    for name, tensor in found.items():
+        if name not in tensors or not torch.equal(tensor, tensors[name].cpu()):
+            raise ValueError(f"{name} does not read back as written")
+    saved = {tensors[n].data_ptr() for n in found}
+    missing = {n for n, t in tensors.items() if n not in found and t.data_ptr() not in saved}
+    if missing:
+        raise ValueError(f"{len(missing)} tensors not saved, e.g. {sorted(missing)[0]}")
+
+
+def verified(folder: Path) -> int | None:
+    """The final model's bytes when its record is there and every file has the size the
+    record gives (None: no whole model). Sizes, not hashes: `write` hashed and compared every
+    tensor, and this runs each time a finished trial is asked to run again."""
+    record = read_json(record_of(folder))
+    if not record or not folder.is_dir():
+        return None
+    for name, want in record.get("files", {}).items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != want.get("bytes"):
+            return None
+    return record.get("bytes")
+
+
+def remove_state(checkpoints: Path) -> None:
+    """The training state and older checkpoints of a finished trial, once its final model is
+    in place (or not kept): the folder goes."""
+    shutil.rmtree(checkpoints, ignore_errors=True)
+
+
+def copy(folder: Path, out: Path) -> None:
+    """A verified final model copied to `out` (`harness export` of a finished trial)."""
+    shutil.copytree(folder, out, dirs_exist_ok=True)

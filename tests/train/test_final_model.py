@@ -1,0 +1,154 @@
+"""What a finished trial leaves (issue 30): its model in Hugging Face format, which
+transformers loads and which gives the trial's own final eval loss; its training state gone
+unless `keep_final: full`; and it is never trained again for want of that state."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import harness, micro_run
+from method_matrix import METHODS
+
+from harness.config import TaskConfig
+from harness.data.c4 import eval_blocks
+from harness.methods.resolve import load_run
+from harness.train import train
+from harness.train.export import export_trial
+
+# Every method's settings for llama_micro, plus the forms whose model differs: INT8 weights
+# (APOLLO's 7B recipe), Q-GaLore's simulated INT8 (a parametrization), ReLoRA after a merge.
+EXPORTS = {**METHODS,
+           "apollo_int8": {"name": "apollo", "rank": 8, "update_proj_gap": 2,
+                           "int8_weights": True},
+           "qgalore_simulate": {"name": "qgalore", "rank": 8, "update_proj_gap": 2,
+                                "simulate": True}}
+
+
+def finished(tmp_path, method: dict, **train_keys) -> tuple[dict, object]:
+    data = micro_run(steps=3, **train_keys)
+    data["method"] = method
+    return train(load_run(data), tmp_path / "trial"), tmp_path / "trial"
+
+
+def loss_of(folder, task: dict, tokens: int) -> float:
+    """Mean next-token loss of the model transformers loads from `folder`, on the validation
+    tokens every trial evaluates (the first `tokens` targets of the sample's split), summed
+    in float64 as the trial sums them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    blocks = eval_blocks(TaskConfig(**task), tok, tokens)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, n in blocks:
+            x = torch.from_numpy(ids.astype(np.int64))[None, :n]
+            logits = model(input_ids=x).logits[0, :-1]
+            total += float(F.cross_entropy(logits, x[0, 1:], reduction="sum").double())
+            count += n - 1
+    return total / count
+
+
+@pytest.mark.parametrize("label", list(EXPORTS))
+def test_each_methods_final_model_loads_in_transformers_with_the_trials_eval_loss(tmp_path,
+                                                                                  label):
+    summary, trial = finished(tmp_path, EXPORTS[label])
+    assert summary["status"] == "ok" and summary["keep_final"] == "weights"
+    data = micro_run()
+    # 1e-5 relative, the issue's bound: merged, dequantized or multiplied-out weights differ
+    # from the trained form's products by float32 rounding (measured: at most 8.6e-8 relative
+    # over these 15 forms, 0 for several)
+    assert loss_of(trial / "model", data["task"], data["eval"]["tokens"]) == pytest.approx(
+        summary["eval_loss"], rel=1e-5)
+    assert not (trial / "checkpoint").exists()
+    assert summary["final_model_bytes"] == sum(
+        p.stat().st_size for p in (trial / "model").iterdir())
+
+
+def test_the_quickstarts_trial_keeps_a_model_a_fraction_of_its_training_state(tmp_path):
+    full, trial = finished(tmp_path / "full", {"name": "full"}, keep_final="full")
+    state = sum(p.stat().st_size for p in (trial / "checkpoint").glob("state*.pt"))
+    model = full["final_model_bytes"]
+    # AdamW's state is weights + two moments + the rest: a model alone is about a third
+    assert model < 0.4 * state and (trial / "model").is_dir()
+
+
+def test_keep_final_none_keeps_neither_and_the_trial_stays_finished(tmp_path):
+    summary, trial = finished(tmp_path, {"name": "full"}, keep_final="none")
+    assert summary["keep_final"] == "none" and "final_model_bytes" not in summary
+    assert not (trial / "model").exists() and not (trial / "checkpoint").exists()
+    on_disk = json.loads((trial / "summary.json").read_text())
+    again = train(load_run({**micro_run(steps=3, keep_final="none")}), trial)
+    assert again == on_disk  # not trained again: nothing to resume from, and nothing to do
+
+
+def test_a_finished_trial_is_not_retrained_once_its_state_is_gone(tmp_path, capsys):
+    _, trial = finished(tmp_path, {"name": "full"})
+    metrics, on_disk = (trial / "metrics.jsonl").read_text(), (trial / "summary.json").read_text()
+    again = train(load_run(micro_run(steps=3)), trial)
+    assert again == json.loads(on_disk) and (trial / "metrics.jsonl").read_text() == metrics
+    assert (trial / "summary.json").read_text() == on_disk
+    assert "already finished" in capsys.readouterr().out
+
+
+def test_a_kill_before_the_model_was_written_finishes_from_the_final_checkpoint(tmp_path):
+    """A trial whose summary says ok but whose finish never ran (killed between the two, or
+    written before final models existed) is exported from its final checkpoint, not retrained."""
+    summary, trial = finished(tmp_path, {"name": "full"}, keep_final="full")
+    import shutil
+
+    shutil.rmtree(trial / "model")
+    (trial / "model.json").unlink()
+    on_disk = json.loads((trial / "summary.json").read_text())
+    del on_disk["keep_final"], on_disk["final_model_bytes"]
+    (trial / "summary.json").write_text(json.dumps(on_disk))
+    metrics = (trial / "metrics.jsonl").read_text()
+    again = train(load_run(micro_run(steps=3)), trial)
+    assert (trial / "metrics.jsonl").read_text() == metrics  # no step ran again
+    assert again["final_model_bytes"] == summary["final_model_bytes"]
+    assert not (trial / "checkpoint").exists()
+
+
+def test_a_damaged_final_model_with_no_state_left_trains_again(tmp_path):
+    summary, trial = finished(tmp_path, {"name": "full"})
+    weights = trial / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])  # torn
+    again = train(load_run(micro_run(steps=3)), trial)
+    assert again["status"] == "ok" and again["eval_loss"] == summary["eval_loss"]
+    assert math.isfinite(again["final_model_bytes"])
+
+
+@pytest.mark.parametrize("label", ["lora", "lowrank"])
+def test_harness_export_writes_an_interrupted_trials_newest_checkpoint(tmp_path, label):
+    """`harness export` of a trial stopped at step 2 of 6: the model it held at step 2,
+    whose loss transformers reproduces against a straight run's step-2 evaluation."""
+    data = micro_run(steps=6, checkpoint_every=2)
+    data["method"] = EXPORTS[label]
+    data["eval"]["every"] = 2
+    run = load_run(data)
+    train(run, tmp_path / "trial", should_stop=lambda step: step == 2)
+    straight = train(load_run({**data, "train": {**data["train"], "steps": 2}}),
+                     tmp_path / "two")
+    export_trial(tmp_path / "trial", tmp_path / "out")
+    assert loss_of(tmp_path / "out", data["task"], data["eval"]["tokens"]) == pytest.approx(
+        straight["eval_loss"], rel=1e-5)
+
+
+def test_harness_export_copies_a_finished_trials_model(tmp_path):
+    _, trial = finished(tmp_path, {"name": "full"})
+    done = harness("export", str(trial), "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (
+        trial / "model" / "model.safetensors").read_bytes()
+
+
+def test_harness_export_of_a_folder_that_is_no_trial_is_one_line(tmp_path):
+    done = harness("export", str(tmp_path), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and "not a trial folder" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
