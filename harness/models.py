@@ -1,17 +1,22 @@
-"""LLaMA presets: GaLore's pretraining configs plus tiny ones that train on a laptop CPU."""
+"""Decoders to pretrain: LLaMA presets (GaLore's configs plus tiny ones that train on a laptop
+CPU), or a Hugging Face config or model folder of a LLaMA-layout decoder (LLaMA, Mistral,
+Qwen2, …). `Arch` describes either alike, for the cost model and the methods."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from harness.config import Common, ModelFrom
-from harness.errors import UserError, suggest
+from harness.errors import UserError, brief, suggest
 
 if TYPE_CHECKING:
-    from transformers import LlamaForCausalLM
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -32,12 +37,166 @@ PRESETS: dict[str, Preset] = {
     "llama_1b": Preset(2048, 5461, 24, 32),
     "llama_7b": Preset(4096, 11008, 32, 32, max_seq_len=2048),
 }
+ALLOWED = (f"allowed: a preset ({', '.join(PRESETS)}), a folder holding config.json (with "
+           "weights: continued pretraining), or a config.json file")
+# What the methods (their target linears), the modifiers and the cost model read of a decoder.
+LAYOUT = ("model.embed_tokens.weight", "model.norm.weight",
+          *(f"model.layers.0.{m}.weight" for m in (
+              "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+              "input_layernorm", "post_attention_layernorm")))  # fmt: skip
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A decoder's dimensions as the cost model and the methods read them, from a preset or
+    an HF config: under grouped-query attention k and v are kv_heads · head_dim wide."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int | None  # None: a preset's, sized to the tokenizer
+    tied: bool  # the head is the input embedding: no lm_head.weight
+    max_seq_len: int
+    window: int | None = None  # sliding-window attention's span; None: plain causal
+
+    def windowed(self, seq_len: int) -> bool:
+        """A window shorter than the sequence: sdpa's mask is needed to honour it."""
+        return self.window is not None and self.window < seq_len
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """A Hugging Face decoder: its config, its parameters' shapes, and where its weights are
+    (None: pretraining from scratch)."""
+
+    config: Any
+    arch: Arch
+    shapes: dict[str, torch.Size]
+    weights: str | None
 
 
 def check_preset(name: str, path: str) -> Preset:
     if name not in PRESETS:
         raise suggest(name, list(PRESETS), "model preset", path)
     return PRESETS[name]
+
+
+def architecture(model: str) -> Arch:
+    """The description every reader of a model's shape uses, preset or HF config alike."""
+    if model in PRESETS:
+        p = PRESETS[model]
+        return Arch(p.hidden, p.intermediate, p.layers, p.heads, p.heads, p.hidden // p.heads,
+                    None, False, p.max_seq_len)  # fmt: skip
+    return hf_model(model).arch
+
+
+def fit_vocab(model: str, tokens: int) -> int:
+    """The embedding's rows for a tokenizer of `tokens`: a preset's are sized to it, an HF
+    config's must hold it (a larger id would index past the embedding)."""
+    vocab = architecture(model).vocab
+    if vocab is None:
+        return tokens
+    if tokens > vocab:
+        raise UserError(f"model: '{model}' has vocab_size {vocab}, fewer than the tokenizer's "
+                        f"{tokens} tokens; use a tokenizer (task.tokenizer) of at most {vocab} "
+                        "tokens, or a config whose vocab_size holds it")
+    return vocab
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(".json")
+
+
+@lru_cache
+def hf_model(name: str) -> HFModel:
+    """`name` (a folder, a config.json, or a hub name) as a checked LLaMA-layout causal LM."""
+    path = Path(name).expanduser()
+    if path.exists() or _looks_like_path(name):
+        config, weights = _local_config(name, path), _local_weights(path)
+    else:
+        config, weights = _hub_config(name), name
+    shapes = _meta_shapes(name, config)
+    missing = [n for n in LAYOUT if n not in shapes]
+    if missing:
+        raise UserError(f"model: '{name}' is a {config.model_type} without LLaMA's layout (no "
+                        f"{missing[0]}), which the methods and the cost model read; allowed: "
+                        "LLaMA-layout decoders (llama, mistral, qwen2, …)")
+    return HFModel(config, _arch(config, shapes), shapes, weights)
+
+
+def _local_config(name: str, path: Path) -> Any:
+    from transformers import AutoConfig
+
+    if not path.exists():
+        raise UserError(f"model: no such file or folder '{name}'; {ALLOWED}")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise UserError(f"model: the folder '{name}' holds no config.json; {ALLOWED}")
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # a malformed file, an unknown model_type: not a config here
+        raise UserError(f"model: transformers cannot read '{name}' as a model config "
+                        f"({brief(e)}); {ALLOWED}") from None
+
+
+def _local_weights(path: Path) -> str | None:
+    """The folder, when it holds weights to continue from."""
+    if path.is_dir() and any(next(path.glob(p), None) for p in WEIGHTS):
+        return str(path)
+    return None
+
+
+def _hub_config(name: str) -> Any:
+    """A hub model's config (its weights are loaded at build); offline, one line saying so."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name)
+    except Exception as e:  # hub, network and file errors all mean "not loadable here"
+        preset = suggest(name, list(PRESETS), "model preset", "model")
+        raise UserError(f"{preset}, nor a model transformers can load from the hub "
+                        f"({brief(e)}); a local model is a folder holding config.json or a "
+                        "config.json file") from None
+
+
+def _meta_shapes(name: str, config: Any) -> dict[str, torch.Size]:
+    """Every parameter's shape from the model built on the meta device (tied ones once)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError as e:  # no causal-LM class for this config
+        raise UserError(f"model: '{name}' ({config.model_type}) is not a causal LM "
+                        f"transformers builds ({brief(e)}); {ALLOWED}") from None
+    return {n: p.shape for n, p in model.named_parameters()}
+
+
+def _arch(config: Any, shapes: dict[str, torch.Size]) -> Arch:
+    heads = config.num_attention_heads
+    return Arch(
+        hidden=config.hidden_size, intermediate=config.intermediate_size,
+        layers=config.num_hidden_layers, heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        vocab=config.vocab_size, tied="lm_head.weight" not in shapes,
+        max_seq_len=config.max_position_embeddings, window=_window(config),
+    )  # fmt: skip
+
+
+def _window(config: Any) -> int | None:
+    """Mistral's `sliding_window`; Qwen2's only with `use_sliding_window` (and, where the
+    config lists layer types, some layer of type sliding_attention)."""
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return getattr(config, "sliding_window", None)
 
 
 CAUSAL_SDPA = "causal_sdpa"
@@ -81,31 +240,64 @@ def llama_config(name: str, vocab_size: int, seq_len: int, pad_id: int | None,
     )
 
 
-def build_model(name: str, vocab_size: int, seq_len: int, pad_id: int | None) -> LlamaForCausalLM:
-    """Random-init LLaMA for pretraining."""
-    from transformers import LlamaForCausalLM
+def build_model(name: str, vocab_size: int, seq_len: int, pad_id: int | None) -> PreTrainedModel:
+    """The model to pretrain, random-init from the caller's seed or, from a folder (or hub
+    model) with weights, those weights in float32. `vocab_size` is the tokenizer's length:
+    a preset's embedding is sized to it, an HF config's must hold it."""
+    if name in PRESETS:
+        from transformers import LlamaForCausalLM
 
-    config = llama_config(name, vocab_size, seq_len, pad_id, attention=register_causal_sdpa())
-    return LlamaForCausalLM(config)
+        config = llama_config(name, vocab_size, seq_len, pad_id, attention=register_causal_sdpa())
+        return LlamaForCausalLM(config)
+    return _build_hf(hf_model(name), name, vocab_size, seq_len, pad_id)
 
 
-def describe(model: LlamaForCausalLM) -> str:
+def _build_hf(hf: HFModel, name: str, vocab_size: int, seq_len: int,
+              pad_id: int | None) -> PreTrainedModel:
+    """causal_sdpa as the presets use, unless a sliding window shorter than the sequence needs
+    sdpa's mask; the tokenizer's pad id as the embedding's padding row, as the presets do."""
+    from transformers import AutoModelForCausalLM
+
+    fit_vocab(name, vocab_size)
+    config = copy.deepcopy(hf.config)
+    config.use_cache = False
+    if pad_id is not None:
+        config.pad_token_id = pad_id
+    attention = "sdpa" if hf.arch.windowed(seq_len) else register_causal_sdpa()
+    if hf.weights is None:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                attn_implementation=attention)
+    return AutoModelForCausalLM.from_pretrained(hf.weights, config=config, dtype=torch.float32,
+                                                attn_implementation=attention)
+
+
+def describe(model: PreTrainedModel) -> str:
     total = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings().weight.numel()
     return f"{total / 1e6:.2f}M parameters ({(total - embed) / 1e6:.2f}M without input embeddings)"
 
 
 def param_shapes(name: str, vocab_size: int, seq_len: int) -> dict[str, torch.Size]:
-    """Every parameter's shape, from a model built on the meta device: no memory, no data."""
+    """Every parameter's shape, from a model built on the meta device: no memory, no data.
+    `vocab_size`, the tokenizer's length, as `build_model` takes it."""
+    if name not in PRESETS:
+        fit_vocab(name, vocab_size)
+        return dict(hf_model(name).shapes)
     with torch.device("meta"):
         model = build_model(name, vocab_size, seq_len, None)
     return {n: p.shape for n, p in model.named_parameters()}
 
 
+def head_shape(shapes: dict[str, Any]) -> Any:
+    """The output head's weight: lm_head's, or the input embedding's when they are tied."""
+    return shapes.get("lm_head.weight", shapes["model.embed_tokens.weight"])
+
+
 def check_model(run: Common) -> None:
-    """Pretraining starts from a preset; fine-tuning also from a hub model, a local one or a
-    harness checkpoint (resolved when the trial starts: the pretraining may still be running)."""
+    """Pretraining starts from a preset or an HF config or model (checked here: it must load
+    and have LLaMA's layout); fine-tuning also from a hub model, a local one or a harness
+    checkpoint (resolved when the trial starts: the pretraining may still be running)."""
     if run.task.kind == "pretrain":
         if isinstance(run.model, ModelFrom):
             raise UserError("model: {from: ...} fine-tunes a checkpoint; it needs task.kind glue")
-        check_preset(run.model, "model")
+        architecture(run.model)
