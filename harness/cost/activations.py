@@ -3,7 +3,9 @@
 Counted on llama_* (torch 2.13, transformers' LLaMA, saved-tensor hooks), per token and decoder
 layer, d hidden, i intermediate, h heads, a the activation's bytes (4 fp32, 2 under autocast):
 - each RMSNorm keeps its fp32 input, the normalised fp32 input and the 4-byte inverse root;
-- attention keeps q, k, v and the output (a·d each) and flash attention's fp32 log-sum-exp
+- attention keeps q, k, v and the output (a·d each; in general q and the output heads·head_dim
+  wide, k and v kv_heads·head_dim under grouped-query attention unless a sliding window's mask
+  makes transformers repeat them to every head) and flash attention's fp32 log-sum-exp
   (4 per head); its linears keep their input: one shared fp32 norm output, but under autocast
   a 2-byte copy per linear that reads it (q, k and v: three);
 - the MLP keeps gate, silu(gate), up and their product (a·i each), and its input as above
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from harness.config import RunConfig
 from harness.methods.base import TARGETS, MemoryEstimate, Method, Shapes, is_target, numel
 from harness.methods.widths import Widths, widths
-from harness.models import PRESETS
+from harness.models import architecture, head_shape
 
 # cuBLAS workspaces torch allocates on a CUDA device and keeps for the process: one per thread
 # that runs matmuls (the forward's and autograd's backward thread), 32 MiB each on Hopper as
@@ -56,6 +58,13 @@ class Dims:
     vocab: int
     seq_len: int
     batch: int  # sequences per forward (the micro-batch)
+    head_dim: int
+    kv_width: int  # k's and v's, as attention saves them
+
+    @property
+    def q_width(self) -> int:
+        """The queries' width, and the attention output's."""
+        return self.heads * self.head_dim
 
     @property
     def tokens(self) -> int:
@@ -68,10 +77,12 @@ class Dims:
 
 
 def dims(run: RunConfig, shapes: Shapes) -> Dims:
-    p = PRESETS[run.model]
-    vocab = shapes["lm_head.weight"][0]
-    return Dims(p.hidden, p.intermediate, p.layers, p.heads, vocab, run.task.seq_len,
-                run.train.batch_size)  # fmt: skip
+    """Under grouped-query attention sdpa keeps k and v kv_heads wide when it gets no mask
+    (enable_gqa); with a sliding window's mask transformers repeats them to every head first."""
+    a = architecture(run.model)
+    kv_heads = a.heads if a.windowed(run.task.seq_len) else a.kv_heads
+    return Dims(a.hidden, a.intermediate, a.layers, a.heads, head_shape(shapes)[0],
+                run.task.seq_len, run.train.batch_size, a.head_dim, kv_heads * a.head_dim)
 
 
 def norm_bytes(d: Dims, w: Widths, method: Method) -> int:
@@ -92,10 +103,10 @@ def kind_bytes(d: Dims, kind: str, w: Widths, method: Method) -> int:
     shared = w.weight * d.hidden  # the norm's output, in the model's dtype
     inputs = readers * 2 * d.hidden if autocast and method.linears != "quantized" else shared
     if autocast and method.linears == "adapter" and "o_proj" in linears:
-        inputs += 2 * d.hidden  # the adapter's copy of o_proj's input (attention's output)
+        inputs += 2 * d.q_width  # the adapter's copy of o_proj's input (attention's output)
     saved = inputs + rank * a * len(linears)
-    if kind == "attention":
-        return saved + 4 * a * d.hidden + 4 * d.heads
+    if kind == "attention":  # q, k, v and the output
+        return saved + 2 * a * (d.q_width + d.kv_width) + 4 * d.heads
     return saved + 4 * a * d.intermediate
 
 
@@ -111,7 +122,7 @@ def weight_copies(shapes: Shapes, method: Method, kind: str | None) -> int:
     """Autocast's 2-byte copies of one layer's float linear weights of `kind` (None: lm_head's):
     quantized and factored linears have none (a factor's own copy is rank-sized: ignored)."""
     if kind is None:
-        return 2 * numel(shapes["lm_head.weight"])
+        return 2 * numel(head_shape(shapes))
     if method.linears in ("quantized", "factored"):
         return 0
     names = KIND_LINEARS[kind]
@@ -149,7 +160,7 @@ def activations(run: RunConfig, shapes: Shapes, method: Method, device: str) -> 
     layer = sum(kept.values())
     full = sum(saves.values()) + sum(copies.values())  # a layer while its backward runs
     offloaded = sum(kept[k] for k in m.offloaded) if device != "cpu" else 0
-    rope = 2 * d.seq_len * d.hidden // d.heads * r  # cos and sin, in the model's dtype
+    rope = 2 * d.seq_len * d.head_dim * r  # cos and sin, in the model's dtype
     layers = d.layers * layer - (d.layers - 1) * offloaded + rope
     head = (norm_bytes(d, w, method) + a * d.hidden) * t
     head += 4 * d.vocab * d.predicted + (weight_copies(shapes, method, None) if autocast else 0)
@@ -165,6 +176,10 @@ def activations(run: RunConfig, shapes: Shapes, method: Method, device: str) -> 
     )
 
 
+def tied(shapes: Shapes) -> bool:
+    return "lm_head.weight" not in shapes
+
+
 def peak_bytes(estimate: MemoryEstimate, acts: Activations, run: RunConfig,
                shapes: Shapes) -> int:
     """The step's peak: static bytes plus the largest of the moments, each with the gradients
@@ -176,7 +191,8 @@ def peak_bytes(estimate: MemoryEstimate, acts: Activations, run: RunConfig,
     if run.memory.layerwise:  # one gradient at a time (`grad_bytes`): never beside the rest
         return static + max(acts.start, acts.top, acts.bottom, grads)
     total = sum(map(numel, shapes.values()))
-    embedding = sum(numel(s) for n, s in shapes.items() if "embed" in n)
+    # a tied embedding is the head, whose gradient comes first
+    embedding = sum(numel(s) for n, s in shapes.items() if "embed" in n and not tied(shapes))
     above = grads * (total - embedding) // total  # the first layer's own come as it runs
     earlier = grads if acts.micro_batches > 1 else 0
     return static + max(earlier + max(acts.start, acts.top), earlier + acts.bottom + above, grads)

@@ -47,12 +47,15 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """PaLM's count, split by what backward computes: 6 per trained non-embedding weight
     (forward 2, input gradient 2, weight gradient 2), 4 per frozen one (no weight gradient:
-    LoRA's and QLoRA's base), plus attention's 12 * layers * hidden * seq."""
+    LoRA's and QLoRA's base), plus attention's 12 * layers * hidden * seq. A tied embedding
+    counts: it is the head's matmul too."""
     cfg = model.config
     trained, total = weight_counts(model)
     embedding = model.get_input_embeddings().weight  # a lookup: no FLOPs
-    total -= logical_numel(embedding)
-    trained -= logical_numel(embedding) if embedding.requires_grad else 0
+    head = model.get_output_embeddings()
+    if head is None or head.weight is not embedding:  # tied, it is the head's matmul too
+        total -= logical_numel(embedding)
+        trained -= logical_numel(embedding) if embedding.requires_grad else 0
     attention = 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
     return 6 * trained + 4 * (total - trained) + attention
 

@@ -9,10 +9,10 @@ the estimate's minus them (the estimate counts every byte the process holds).
 The cost model (docs/estimate.md, `harness plan`), in seconds a step on an assumed GPU
 (`DEVICE`), divided by the same for full-rank AdamW, bf16-mixed, no modifier, one micro-batch:
 - compute: per token, forward FLOPs (2 per weight a linear multiplies, 2·seq·d for causal
-  attention) and backward twice that for trained weights, once for frozen ones (LoRA's and
-  QLoRA's base, QLoRA's head); factored linears multiply two rank-r factors. Recompute adds
-  the recomputed modules' forward again. fp32 matmuls run at `fp32_flops` (the harness does
-  not turn TF32 on), bf16 ones at `bf16_flops`;
+  attention, d the queries' width) and backward twice that for trained weights, once for
+  frozen ones (LoRA's and QLoRA's base, QLoRA's head); factored linears multiply two rank-r
+  factors. Recompute adds the recomputed modules' forward again. fp32 matmuls run at
+  `fp32_flops` (the harness does not turn TF32 on), bf16 ones at `bf16_flops`;
 - transfers over the host link: activation offload sends the offloaded activations to the host
   and back; optimizer offload sends the gradients down and the weights back up, every step;
 - accumulation: each micro-batch adds a fixed launch overhead (`launch_s` per layer).
@@ -35,7 +35,7 @@ from harness.methods import method_names
 from harness.methods.base import Method, build_method, get_method, is_target, numel
 from harness.methods.resolve import load_run
 from harness.methods.widths import widths
-from harness.models import PRESETS, check_preset
+from harness.models import architecture, head_shape
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def method_entries(model: str) -> dict[str, tuple[str, dict[str, Any]]]:
     """Every registered method at its defaults (the paper's rank for the preset), plus
     VARIANTS."""
     entries = {name: (name, {}) for name in method_names()} | VARIANTS
-    hidden = PRESETS[model].hidden
+    hidden = architecture(model).hidden
     out = {}
     for label, (name, settings) in entries.items():
         fields = get_method(name).Config.model_fields
@@ -175,9 +175,9 @@ def plan(model: str, budget: int, seq_len: int = 256, token_batch: int = 256,
          tokenizer: str = "t5-base", closest: int = 5, gpus: int = 1) -> Plan:
     """`token_batch`: tokens a GPU takes each step; `gpus` > 1: each GPU holds its fsdp share
     (harness/cost/sharded.py), `budget` is one GPU's."""
-    preset = check_preset(model, "model")
-    if seq_len > preset.max_seq_len:
-        raise UserError(f"--seq-len {seq_len}: {model} takes at most {preset.max_seq_len}")
+    longest = architecture(model).max_seq_len
+    if seq_len > longest:
+        raise UserError(f"--seq-len {seq_len}: {model} takes at most {longest}")
     apart = {label: get_method(name).tasks_note for label, (name, _) in
              method_entries(model).items() if "pretrain" not in get_method(name).tasks}
     base, loaded = None, False
@@ -231,7 +231,7 @@ def on_host(run: Any, record: dict[str, Any]) -> int:
 def step_work(run: Any, gpus: int = 1) -> tuple[float, int, float]:
     """A step's extra forward passes (a fraction of one), bytes over the host link, and its
     seconds on DEVICE under the cost model (the module's docstring): one GPU's share."""
-    seq_len, layers = run.task.seq_len, PRESETS[run.model].layers
+    seq_len, layers = run.task.seq_len, architecture(run.model).layers
     shapes = _shapes(run.model, vocab_size(run.task.tokenizer), seq_len)
     steps = Steps.of(run.train, seq_len, gpus)
     method = build_method(run, steps)
@@ -292,8 +292,9 @@ def forward_flops(shapes: dict[str, Any], method: Method, seq_len: int) -> dict[
                 flops += 2 * m * n + (2 * rank * (m + n) if own and method.linears == "adapter"
                                       else 0)
         out[kind] = flops
-    out["attention"] += 2 * seq_len * shapes["model.embed_tokens.weight"][1]
-    out["head"] = 2 * numel(shapes["lm_head.weight"])
+    # QKᵀ and AV, halved by causality, over the queries' width (heads · head_dim)
+    out["attention"] += 2 * seq_len * shapes["model.layers.0.self_attn.q_proj.weight"][0]
+    out["head"] = 2 * numel(head_shape(shapes))
     return out
 
 

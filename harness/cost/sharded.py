@@ -23,6 +23,7 @@ from harness.config import RunConfig
 from harness.cost.activations import Activations, targets, trains_norms
 from harness.methods.base import MemoryEstimate, Method, Shapes, is_target, numel, row_share
 from harness.methods.widths import widths
+from harness.models import head_shape
 
 REDUCE_WIDTH = 4  # gradients are reduced in float32 under bf16-mixed (harness/distributed/fsdp.py)
 
@@ -66,7 +67,7 @@ def fsdp_peak(shard: MemoryEstimate, whole: MemoryEstimate, acts: Activations, r
     # bf16, where the one-process estimate counts float32)
     accumulated = whole.grad_bytes * grad // widths(run).grad if acts.micro_batches > 1 else 0
     loss = acts.start + accumulated
-    head = grad * numel(shapes["lm_head.weight"]) if trained_root else 0
+    head = grad * numel(head_shape(shapes)) if trained_root else 0
     first_layer = acts.bottom + head + 2 * gather * layer + (grad + reduce) * layer
     padded = sum(world * numel(row_share(s, world)) for s in trained_root)
     root_reduce = shard.grad_bytes + reduce * padded + grad * max(map(numel, trained_root),
