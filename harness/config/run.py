@@ -284,8 +284,11 @@ class Common(Strict):
 
     model: str | ModelFrom = Field(
         "llama_tiny",
-        description="a preset (llama_tiny…llama_7b); glue also: a hub name or local path of an "
-        "encoder, or {from: runs/<sweep>[/trials/<id>]} for a harness LLaMA checkpoint",
+        description="a preset (llama_tiny…llama_7b), or a LLaMA-layout decoder's (llama, "
+        "mistral, qwen2…) Hugging Face config: a folder holding config.json (with weights: "
+        "continued pretraining from them), a config.json file or a hub name; glue also: a hub "
+        "name or local path of an encoder, or {from: runs/<sweep>[/trials/<id>]} for a harness "
+        "LLaMA checkpoint",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     task: TaskConfig = TaskConfig()

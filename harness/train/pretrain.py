@@ -1,5 +1,6 @@
-"""Pretraining as the loop sees it: a LLaMA preset, packed blocks of text, next-token loss,
-and validation perplexity over a fixed set of held-out tokens."""
+"""Pretraining as the loop sees it: a LLaMA preset or a Hugging Face decoder (harness/models.py),
+packed blocks of text, next-token loss, and validation perplexity over a fixed set of held-out
+tokens."""
 
 from __future__ import annotations
 
