@@ -302,3 +302,27 @@ def assert_resumes_exactly(run: Any, tmp_path: Path, stop: int = 3) -> None:
     assert (first["status"], first["step"]) == ("interrupted", stop)
     assert train(run, tmp_path / "resumed")["status"] == "ok"
     assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "straight")
+
+
+def hf_eval_loss(folder, task: dict, tokens: int) -> float:
+    """Mean next-token loss of the model transformers loads from `folder`, on the validation
+    tokens every trial evaluates (the first `tokens` targets of the sample's split), summed
+    in float64 as the trial sums them."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from harness.config import TaskConfig
+    from harness.data.c4 import eval_blocks
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    blocks = eval_blocks(TaskConfig(**task), tok, tokens)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, n in blocks:
+            x = torch.from_numpy(ids.astype("int64"))[None, :n]
+            logits = model(input_ids=x).logits[0, :-1]
+            total += float(F.cross_entropy(logits, x[0, 1:], reduction="sum").double())
+            count += n - 1
+    return total / count

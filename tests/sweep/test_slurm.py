@@ -128,7 +128,7 @@ def test_a_preempted_fsdp_trial_of_two_tasks_resumes_from_its_shards(tmp_path):
     1e-5, as in tests/train/test_fsdp.py)."""
     out = tmp_path / "runs"
     proc = start_sweep(sweep_file(tmp_path, 24, [3e-3]), out, "launcher.tasks_per_node=2",
-                       "train.parallel=fsdp")
+                       "train.parallel=fsdp", "train.keep_final=full")  # its shards read below
     trial_dir = only_trial(out)
     wait_for_step(trial_dir, 4)
     preempt(job_of(trial_dir))

@@ -30,7 +30,7 @@ GALORE = {"name": "galore", "rank": 8, "update_proj_gap": 3}
 def ddp_run(steps: int = 6, method: dict[str, Any] | None = None,
             layerwise: bool = False) -> dict[str, Any]:
     """4 micro-batches of 2 per step: 2 per process, so accumulation runs under DDP too."""
-    data = micro_run(steps=steps, total_batch_size=8)
+    data = micro_run(steps=steps, total_batch_size=8, keep_final="full")  # checkpoints read
     return {**data, "method": method or {"name": "full"}, "memory": {"layerwise": layerwise}}
 
 
@@ -72,7 +72,8 @@ def test_two_processes_train_as_one(tmp_path, method, layerwise):
     print(f"{method['name']}: max |loss 1 proc - loss 2 proc| = {diff:.2e}")
     # rank 0 alone wrote the folder, and its checkpoint is a 1-process one
     names = {p.name for p in (tmp_path / "two").iterdir()}
-    assert names == {"config.yaml", "metrics.jsonl", "summary.json", "checkpoint"}
+    assert names == {"config.yaml", "metrics.jsonl", "summary.json", "checkpoint", "model",
+                     "model.json"}
     model = torch.load(tmp_path / "two" / "checkpoint" / "state.pt", weights_only=False)["model"]
     reference = torch.load(tmp_path / "one" / "checkpoint" / "state.pt", weights_only=False)
     assert model.keys() == reference["model"].keys()

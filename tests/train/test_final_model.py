@@ -7,15 +7,10 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
-from conftest import harness, micro_run
+from conftest import harness, hf_eval_loss, micro_run
 from method_matrix import METHODS
 
-from harness.config import TaskConfig
-from harness.data.c4 import eval_blocks
 from harness.methods.resolve import load_run
 from harness.train import train
 from harness.train.export import export_trial
@@ -35,25 +30,6 @@ def finished(tmp_path, method: dict, **train_keys) -> tuple[dict, object]:
     return train(load_run(data), tmp_path / "trial"), tmp_path / "trial"
 
 
-def loss_of(folder, task: dict, tokens: int) -> float:
-    """Mean next-token loss of the model transformers loads from `folder`, on the validation
-    tokens every trial evaluates (the first `tokens` targets of the sample's split), summed
-    in float64 as the trial sums them."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(folder)
-    blocks = eval_blocks(TaskConfig(**task), tok, tokens)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for ids, n in blocks:
-            x = torch.from_numpy(ids.astype(np.int64))[None, :n]
-            logits = model(input_ids=x).logits[0, :-1]
-            total += float(F.cross_entropy(logits, x[0, 1:], reduction="sum").double())
-            count += n - 1
-    return total / count
-
-
 @pytest.mark.parametrize("label", list(EXPORTS))
 def test_each_methods_final_model_loads_in_transformers_with_the_trials_eval_loss(tmp_path,
                                                                                   label):
@@ -63,7 +39,7 @@ def test_each_methods_final_model_loads_in_transformers_with_the_trials_eval_los
     # 1e-5 relative, the issue's bound: merged, dequantized or multiplied-out weights differ
     # from the trained form's products by float32 rounding (measured: at most 8.6e-8 relative
     # over these 15 forms, 0 for several)
-    assert loss_of(trial / "model", data["task"], data["eval"]["tokens"]) == pytest.approx(
+    assert hf_eval_loss(trial / "model", data["task"], data["eval"]["tokens"]) == pytest.approx(
         summary["eval_loss"], rel=1e-5)
     assert not (trial / "checkpoint").exists()
     assert summary["final_model_bytes"] == sum(
@@ -135,7 +111,7 @@ def test_harness_export_writes_an_interrupted_trials_newest_checkpoint(tmp_path,
     straight = train(load_run({**data, "train": {**data["train"], "steps": 2}}),
                      tmp_path / "two")
     export_trial(tmp_path / "trial", tmp_path / "out")
-    assert loss_of(tmp_path / "out", data["task"], data["eval"]["tokens"]) == pytest.approx(
+    assert hf_eval_loss(tmp_path / "out", data["task"], data["eval"]["tokens"]) == pytest.approx(
         straight["eval_loss"], rel=1e-5)
 
 

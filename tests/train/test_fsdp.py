@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from conftest import micro_run, torchrun, write_yaml
+from conftest import hf_eval_loss, micro_run, torchrun, write_yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from harness.distributed import fsdp
@@ -29,7 +29,9 @@ from harness.trials import read_json, read_jsonl
 
 
 def fsdp_run(steps: int = 6, **train_keys: Any) -> dict[str, Any]:
-    """8 sequences a step in micro-batches of 2: 4 processes take one each, 2 accumulate two."""
+    """8 sequences a step in micro-batches of 2: 4 processes take one each, 2 accumulate two;
+    the final checkpoint kept (`state` reads it) unless `keep_final` says otherwise."""
+    train_keys.setdefault("keep_final", "full")
     data = micro_run(steps=steps, total_batch_size=8, parallel="fsdp", **train_keys)
     return {**data, "eval": {"every": 3, "tokens": 256}}
 
@@ -159,6 +161,20 @@ def test_fsdp_trains_in_bfloat16(tmp_path, precision):
     two = read_json(tmp_path / "two" / "summary.json")
     assert two["status"] == "ok"
     assert two["eval_loss"] == pytest.approx(reference["eval_loss"], abs=0.01)
+
+
+@pytest.mark.parametrize("method", [{"name": "full"}, {"name": "lora", "rank": 4}],
+                         ids=["full", "lora"])
+def test_a_sharded_trials_final_model_is_whole_and_gives_its_eval_loss(tmp_path, method):
+    """Under fsdp rank 0 consolidates the shards after the group is gone: the model
+    transformers loads holds every weight whole and gives the trial's eval loss (1e-5, the
+    export's bound: tests/train/test_final_model.py measured 9e-8 at most)."""
+    data = {**fsdp_run(steps=3, keep_final="weights"), "method": method}
+    run_procs(data, tmp_path / "two", 2)
+    summary = read_json(tmp_path / "two" / "summary.json")
+    assert summary["status"] == "ok" and not (tmp_path / "two" / "checkpoint").exists()
+    assert hf_eval_loss(tmp_path / "two" / "model", data["task"], data["eval"]["tokens"]) == \
+        pytest.approx(summary["eval_loss"], rel=1e-5)
 
 
 def stop_after(data: dict[str, Any], out: Path, procs: int, step: int) -> int:

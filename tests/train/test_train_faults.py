@@ -10,6 +10,7 @@ import itertools
 import math
 import os
 import resource
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -45,6 +46,11 @@ def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def drop_final_model(trial: Path) -> None:
+    shutil.rmtree(trial / "model")
+    (trial / "model.json").unlink()
+
+
 def test_resume_skips_a_torn_checkpoint_for_the_one_before(tmp_path):
     config = micro_run(steps=6, checkpoint_every=2)
     out, ckpt = tmp_path / "t", tmp_path / "t" / "checkpoint"
@@ -67,16 +73,19 @@ def test_resume_skips_a_torn_checkpoint_for_the_one_before(tmp_path):
 
 
 def test_a_finished_trial_with_torn_checkpoints_trains_again_or_ends_failed(tmp_path):
-    """Its last checkpoint torn: it trains again from the one before and ends `ok`; none left
-    that loads: `failed` with a one-line reason, where it used to keep its stale `ok`."""
-    config = micro_run(steps=2, checkpoint_every=1)
+    """Its final model gone (deleted, or never written) and its last checkpoint torn: it
+    trains again from the one before and ends `ok`; none left that loads: `failed` with a
+    one-line reason, where it used to keep its stale `ok`."""
+    config = micro_run(steps=2, checkpoint_every=1, keep_final="full")
     out, ckpt = tmp_path / "t", tmp_path / "t" / "checkpoint"
     assert train(load_run(config), out)["status"] == "ok"
+    drop_final_model(out)
     truncate(ckpt / "state.pt")
     again = cli_train(config, out)
     assert again.returncode == 0 and f"resumed from {ckpt / 'state-1.pt'} at step 1" in again.stdout
     assert len(lines(again.stderr, "warning: checkpoint")) == 1
     assert read_json(out / "summary.json")["status"] == "ok"
+    drop_final_model(out)
     for path in ckpt.glob("state*.pt"):
         truncate(path)
     failed = cli_train(config, out)
