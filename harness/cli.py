@@ -315,7 +315,8 @@ def build_parser() -> Parser:
                  "memory modifier x precision x micro-batch whose estimated peak (as `harness "
                  "estimate` predicts it) fits the budget, fastest first by a relative compute "
                  "cost; if nothing fits, the closest.")
-    pl.add_argument("model", help="model preset, e.g. llama_7b")
+    pl.add_argument("model", help="model preset, e.g. llama_7b, or a Hugging Face config "
+                    "folder (docs/data.md)")
     pl.add_argument("--memory", required=True, help="the device's memory: 24GB, 24 GB, 24GiB, "
                     "16000MB (GB = 1e9 bytes, GiB = 2^30)")
     pl.add_argument("--seq-len", type=positive_int, default=256, help="tokens a sequence")

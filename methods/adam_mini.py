@@ -38,7 +38,7 @@ from harness.methods.base import (
 )
 from harness.methods.full import AdamConfig
 from harness.methods.widths import widths
-from harness.models import check_preset
+from harness.models import architecture
 from harness.modifiers.compensation import ParamwiseOptimizer, add_update, own_optimizer_kwargs
 
 if TYPE_CHECKING:
@@ -208,8 +208,7 @@ class AdamMiniMethod(Method):
     def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
         """Under fsdp the moments and row blocks by this rank's rows; head and tensor blocks
         whole on every rank (WHOLE)."""
-        preset, w = check_preset(str(run.model), "model"), widths(run)
-        head_dim = preset.hidden // preset.heads
+        head_dim, w = architecture(str(run.model)).head_dim, widths(run)
         sizes = [numel(row_share(s, world)) for s in shapes.values()]
         blocks = 0
         for name, shape in shapes.items():

@@ -50,7 +50,8 @@ def is_finished(run: RunConfig, trial: TrialDir, summary: Summary) -> bool:
     if summary.get("identity") != run.identity():
         raise UserError(f"{trial}: finished with a different config ({summary.get('identity')}, "
                         f"this run is {run.identity()}); use another --out or delete that folder")
-    return summary.get("keep_final") == "none" or final_model.verified(trial.final_model) is not None
+    return (summary.get("keep_final") == "none"
+            or final_model.verified(trial.final_model) is not None)
 
 
 def export_trial(folder: Path, out: Path) -> int:
