@@ -79,6 +79,7 @@ def status_table(trials: pd.DataFrame) -> str:
             "peak memory": trials["peak_memory_bytes"].map(human_bytes),
             "peak RSS": trials["peak_rss_bytes"].map(human_bytes),
             "requeues": trials["requeues"].map(lambda v: whole(v, "0")),
+            "final model": trials["final_model_bytes"].map(human_bytes),
         }
     )
     return text_table(table)

@@ -73,7 +73,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
         records = forecast(sweep, trials, out)
         print(f"{plan_table(trials, forecast_columns(records))}\n"
-              f"{forecast_totals(records, tokens)}")
+              f"{forecast_totals(records, tokens, sweep.launcher.at_once)}")
         return EXIT_OK
     try:
         if args.jobs:

@@ -326,3 +326,18 @@ def hf_eval_loss(folder, task: dict, tokens: int) -> float:
             total += float(F.cross_entropy(logits, x[0, 1:], reduction="sum").double())
             count += n - 1
     return total / count
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A real 64 MiB tmpfs. Mounting one needs root: skipped on a developer's machine without
+    it, never in CI (.ci/run runs as root)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True,
+        text=True) if os.geteuid() == 0 else None
+    if mounted is None or mounted.returncode:
+        missing("a tmpfs mount", mounted.stderr.strip() if mounted else "run as root")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)

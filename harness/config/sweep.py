@@ -125,6 +125,11 @@ class LauncherConfig(Strict):
     def ranks(self) -> int:
         return self.nodes * self.tasks_per_node
 
+    @property
+    def at_once(self) -> int:
+        """Trials that run together: a Slurm array's parallelism (default jobs), else jobs."""
+        return (self.array_parallelism or self.jobs) if self.kind != "local" else self.jobs
+
 
 class SweepConfig(Common):
     name: str

@@ -23,6 +23,7 @@ from tabulate import tabulate
 from harness.config import RunConfig, SweepConfig
 from harness.config.steps import Steps
 from harness.cost.activations import activations, peak_bytes
+from harness.cost.disk import disk_bytes
 from harness.cost.paper_7b import comparison_7b
 from harness.cost.sharded import fsdp_peak
 from harness.methods.base import build_method, changed_params
@@ -76,14 +77,15 @@ def estimate_run(run: RunConfig, world: int = 1) -> dict[str, Any]:
     steps = Steps.of(run.train, run.task.seq_len, world, "launcher: nodes x tasks_per_node")
     shapes = _shapes(run.model, vocab_size(run.task.tokenizer), run.task.seq_len)
     method = build_method(run, steps)
-    estimate = method.estimate(shapes, run)
+    estimate = whole = method.estimate(shapes, run)
     acts = activations(run, shapes, method, "cpu" if run.device == "cpu" else "cuda")
     peak = peak_bytes(estimate, acts, run, shapes)
     if run.train.parallel == "fsdp" and world > 1:
-        whole, estimate = estimate, method.estimate_sharded(shapes, run, world)
+        estimate = method.estimate_sharded(shapes, run, world)
         peak = fsdp_peak(estimate, whole, acts, run, shapes, method, world)
     return {"method_name": run.method_name, "params": run.method_params, **estimate.as_dict(),
-            "activation_bytes": acts.start, "workspace_bytes": acts.workspace, "peak_bytes": peak}
+            "activation_bytes": acts.start, "workspace_bytes": acts.workspace, "peak_bytes": peak,
+            **disk_bytes(run, whole, shapes)}
 
 
 def _changed(record: dict[str, Any]) -> str:
@@ -95,11 +97,11 @@ def format_table(records: list[dict[str, Any]]) -> str:
     rows = [
         [r["trial"], r["method"], _changed(r),
          *(human_bytes(r[k]) for k in (*BYTE_FIELDS, "total_bytes", "activation_bytes",
-                                       "peak_bytes"))]
+                                       "peak_bytes", "checkpoints_bytes", "final_model_bytes"))]
         for r in records
     ]  # fmt: skip
     headers = ["trial", "method", "set hyperparameters", "weights", "grads", "optimizer", "extra",
-               "total", "activations", "peak"]  # fmt: skip
+               "total", "activations", "peak", "checkpoints", "final model"]  # fmt: skip
     return tabulate(rows, headers=headers, disable_numparse=True)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from harness.config import ModelFrom, SweepConfig
 from harness.errors import UserError
 from harness.sweep.expand import expand, load_sweep, preflight
+from harness.sweep.forecast import check_disk
 from harness.sweep.launchers import launch
 from harness.sweep.source import GridSource
 from harness.sweep.study_source import (
@@ -35,6 +36,7 @@ def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False,
     pretrain_first(sweep, show)
     if sweep.task.kind == "pretrain":
         preflight(sweep)
+        check_disk(sweep, out, retry_failed)
     out.mkdir(parents=True, exist_ok=True)
     RunsDir(out).write_sweep(sweep.model_dump())
     if sweep.search.sampler == "grid":

@@ -5,9 +5,8 @@ its checkpoints take; then the sweep's totals. Device-hours are the tokens over 
 median that finished trials of the same method measured in the runs folder, where it has them
 (the same machine, the same model), else the plan's compute model on its stated device
 (harness/cost/plan.py `DEVICE`: an H100 at 400 TFLOP/s bf16), times the processes a trial
-uses. A checkpoint holds the weights, the optimizer states and the method's extras (GaLore's
-bases, quantization constants), each at the run's widths; of the checkpoints a trial writes
-(every `train.checkpoint_every` steps and at the end), `train.keep_checkpoints` stay.
+uses. Disk (harness/cost/disk.py): what a trial keeps once it ends (its final model, and its
+checkpoints under `train.keep_final: full`), and the most the sweep needs at once.
 Pretraining only: a GLUE sweep's model is measured by running it.
 """
 
@@ -17,11 +16,16 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from harness.config import SweepConfig, TrainConfig
+from harness.config import SweepConfig
+from harness.cost.disk import disk_needed, free_bytes
 from harness.cost.estimate import estimate_run, human_bytes
 from harness.cost.plan import DEVICE, step_work
-from harness.sweep.expand import Trial
-from harness.trials import RunsDir, Status
+from harness.errors import UserError
+from harness.sweep.expand import Trial, expand
+from harness.sweep.trial_state import trial_statuses
+from harness.trials import FAILED, FINISHED, RunsDir, Status
+
+DISK_FIELDS = ("checkpoints_bytes", "final_model_bytes", "disk_peak_bytes", "disk_kept_bytes")
 
 
 def measured_rates(out: Path) -> dict[str, float]:
@@ -49,19 +53,10 @@ def forecast(sweep: SweepConfig, trials: list[Trial], out: Path) -> list[dict[st
         else:
             per_step = step_work(t.run, ranks)[2]  # one GPU's seconds a step
             hours, source = per_step * t.run.train.steps / 3600 * ranks, "model"
-        state = (estimate["weight_bytes"] + estimate["optimizer_state_bytes"]
-                 + estimate["extra_bytes"]) * (ranks if t.run.train.parallel == "fsdp" else 1)
+        disk = {k: estimate[k] for k in DISK_FIELDS}
         records.append({"trial": t.id, "method": t.label, "peak_bytes": estimate["peak_bytes"],
-                        "device_hours": hours, "speed": source,
-                        "disk_bytes": state * kept_checkpoints(t.run.train)})
+                        "device_hours": hours, "speed": source, **disk})
     return records
-
-
-def kept_checkpoints(train: TrainConfig) -> int:
-    """Checkpoints a finished trial keeps: one every `checkpoint_every` steps and one at the
-    end (the last of them when the steps are a multiple), the newest `keep_checkpoints`."""
-    written = -(-train.steps // train.checkpoint_every) if train.checkpoint_every else 1
-    return min(written, train.keep_checkpoints)
 
 
 def device_time(hours: float) -> str:
@@ -77,18 +72,57 @@ def forecast_columns(records: list[dict[str, Any]]) -> dict[str, list[str]]:
         "peak a process": [human_bytes(r["peak_bytes"]) for r in records],
         "device time": [device_time(r["device_hours"])
                         + (" (measured)" if r["speed"] == "measured" else "") for r in records],
-        "checkpoints": [human_bytes(r["disk_bytes"]) for r in records],
+        "kept on disk": [human_bytes(r["disk_kept_bytes"]) for r in records],
     }
 
 
-def forecast_totals(records: list[dict[str, Any]], tokens: int) -> str:
+def forecast_totals(records: list[dict[str, Any]], tokens: int, at_once: int) -> str:
+    """The sweep's totals; `at_once`: the trials its launcher runs together."""
     hours = sum(r["device_hours"] for r in records)
-    disk = sum(r["disk_bytes"] for r in records)
+    kept, needed = sum(r["disk_kept_bytes"] for r in records), disk_needed(records, at_once)
     modelled = sum(r["speed"] == "model" for r in records)
     device = (f"{modelled} of them on the plan's compute model: an H100 at "
               f"{DEVICE.bf16_flops / 1e12:.0f} TFLOP/s bf16, {DEVICE.fp32_flops / 1e12:.0f} fp32"
               if modelled else "all from tokens/s measured in the runs folder")
-    return (f"{len(records)} trials, {tokens:,} tokens in all; predicted: "
-            f"{device_time(hours)} of device time ({device}); {human_bytes(disk)} of "
-            f"checkpoints; the largest peak {human_bytes(max(r['peak_bytes'] for r in records))} "
-            "a process")
+    largest = human_bytes(max(r["peak_bytes"] for r in records))
+    trials = f"{len(records)} trial{'s' if len(records) != 1 else ''}"
+    return (f"{trials}, {tokens:,} tokens in all; predicted: {device_time(hours)} of device "
+            f"time ({device}); {human_bytes(kept)} kept on disk ({human_bytes(needed)} at most "
+            f"while {at_once} run at once); the largest peak {largest} a process")
+
+
+def trials_left(sweep: SweepConfig, out: Path, retry_failed: bool) -> list[Trial]:
+    """The trials a run of the sweep will start: a grid's not finished (with `retry_failed`,
+    the failed ones too); a search's base point of each method once for each trial left of
+    its `n_trials` (its searched keys' sizes taken at their defaults)."""
+    trials = expand(sweep)
+    skip = set(FINISHED) - (set(FAILED) if retry_failed else set())
+    if sweep.search.sampler == "grid":
+        dirs = [RunsDir(out).trial(t.id) for t in trials]
+        return [t for t, s in zip(trials, trial_statuses(dirs), strict=True) if s not in skip]
+    done: dict[str, int] = {}
+    for summary in filter(None, (d.read_summary() for d in RunsDir(out).trial_dirs())):
+        if summary.get("status") in skip:
+            done[str(summary.get("method"))] = done.get(str(summary.get("method")), 0) + 1
+    n = sweep.search.n_trials or 0
+    return [t for t in trials for _ in range(max(0, n - done.get(t.label, 0)))]
+
+
+def check_disk(sweep: SweepConfig, out: Path, retry_failed: bool) -> None:
+    """Refuse, before the first trial starts, a sweep whose trials left cannot fit the runs
+    folder's file system: what each keeps once ended, plus what the trials running at once
+    hold beyond that (harness/cost/disk.py)."""
+    left = trials_left(sweep, out, retry_failed)
+    if not left:
+        return
+    ranks, at_once = sweep.launcher.ranks, sweep.launcher.at_once
+    records = [estimate_run(t.run, ranks) for t in left]
+    needed, free = disk_needed(records, at_once), free_bytes(out)
+    if needed > free:
+        raise UserError(
+            f"disk: the {len(left)} trials left to run need {human_bytes(needed)} in {out} "
+            f"(their final models and kept checkpoints, and {at_once} at once while they run) "
+            f"but its file system has {human_bytes(free)} free; free some, set "
+            "train.keep_final: weights or none, lower train.keep_checkpoints, or give --out on "
+            "another disk")
+

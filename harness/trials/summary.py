@@ -58,6 +58,7 @@ class Summary(BaseModel):
     device: str | None = None
     error: str | None = None
     requeues: Number = _num()
+    final_model_bytes: Number = _num()  # the final model's files (train.keep_final), once written
     host: str | None = Field(None, json_schema_extra=_KEPT)
     started_at: float | None = Field(None, json_schema_extra=_KEPT)
     pid: int | None = Field(None, json_schema_extra=_KEPT)  # while running, for trial_status

@@ -197,13 +197,24 @@ def test_status_table_shows_progress(runs: Path) -> None:
     lines = status_table(load_runs(runs)).splitlines()
     assert [cell.strip() for cell in lines[0].split("|")[1:-1]] == [
         "id", "method", "memory", "status", "step", "loss", "eval ppl", "tok/s", "peak memory",
-        "peak RSS", "requeues",
+        "peak RSS", "requeues", "final model",
     ]  # fmt: skip
     t4 = next(line for line in lines if "| t4 " in line)
     assert "failed" in t4 and "20/40" in t4 and "| 3.0000 |" in t4
     t10 = next(line for line in lines if "| t10 " in line)
     assert "pending" in t10 and "0/40" in t10
     assert len(lines) == 2 + 6
+
+
+def test_a_trials_final_model_size_is_in_the_status_table_and_trials_csv(runs: Path) -> None:
+    folder = runs / "trials" / "t1"
+    summary = json.loads((folder / "summary.json").read_text())
+    (folder / "summary.json").write_text(json.dumps({**summary, "final_model_bytes": 29_437_952}))
+    row = next(line for line in status_table(load_runs(runs)).splitlines() if "| t1 " in line)
+    assert row.split("|")[-2].strip() == "29.4 MB"
+    write_report(runs)
+    csv = pd.read_csv(runs / "report" / "trials.csv").set_index("trial")
+    assert csv.loc["t1", "final_model_bytes"] == 29_437_952
 
 
 def test_status_of_a_running_trial_comes_from_its_metrics(runs: Path) -> None:
@@ -219,7 +230,7 @@ def test_status_of_a_running_trial_comes_from_its_metrics(runs: Path) -> None:
     row = next(line for line in status_table(load_runs(runs)).splitlines() if "| t4 " in line)
     cells = [cell.strip() for cell in row.split("|")[1:-1]]
     assert cells[3:8] == ["running", "45/40", "2.5000", "12.34", "777"]
-    assert cells[-1] == "2"
+    assert cells[-2] == "2"
 
 
 def test_trial_labels_add_seed_only_when_seeds_vary(runs: Path) -> None:

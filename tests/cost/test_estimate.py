@@ -18,7 +18,8 @@ from harness.sweep.expand import estimate_sweep, expand, load_sweep
 
 KEYS = {"trial", "method", "method_name", "params", "weight_bytes", "grad_bytes",
         "optimizer_state_bytes", "extra_bytes", "total_bytes", "activation_bytes",
-        "workspace_bytes", "peak_bytes"}  # fmt: skip
+        "workspace_bytes", "peak_bytes", "checkpoint_bytes", "checkpoints_bytes",
+        "final_model_bytes", "disk_peak_bytes", "disk_kept_bytes"}  # fmt: skip
 # Other methods are being written beside these; these three are finished and exact.
 FINISHED = ("full", "adam8bit", "lowrank")
 PAPER_RANK = {"llama_60m": 128, "llama_130m": 256, "llama_350m": 256, "llama_1b": 512}

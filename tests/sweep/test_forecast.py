@@ -43,7 +43,7 @@ def test_checkpoints_are_weights_and_adam_states_counted_from_real_tensors(tmp_p
     opt.step()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     states = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
-    assert record["disk_bytes"] == kept * (weights + states)
+    assert record["checkpoints_bytes"] == kept * (weights + states)
 
 
 def test_device_time_is_linear_in_steps_and_processes(tmp_path):
@@ -76,6 +76,6 @@ def test_dry_run_prints_the_totals(tmp_path, capsys):
     assert main(["sweep", str(tmp_path / "s.yaml"), "--dry-run", "--out",
                  str(tmp_path / "runs")]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("1 trials, 640 tokens in all; predicted: ")
+    assert last.startswith("1 trial, 640 tokens in all; predicted: ")
     assert "of device time (1 of them on the plan's compute model: an H100" in last
-    assert "of checkpoints; the largest peak" in last
+    assert "kept on disk (" in last and "at most while 1 run at once); the largest peak" in last

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import micro_run, missing, write_yaml
+from conftest import micro_run, write_yaml
 
 from harness.methods.resolve import load_run
 from harness.train import NonFinite, Trainer, train
@@ -94,21 +94,6 @@ def test_a_finished_trial_with_torn_checkpoints_trains_again_or_ends_failed(tmp_
     assert error.startswith(f"error: no checkpoint in {ckpt} loads (state.pt: ")
     summary = read_json(out / "summary.json")
     assert summary["status"] == "failed" and summary["error"] == error.removeprefix("error: ")
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    """A real 64 MiB tmpfs. Mounting one needs root: skipped on a developer's machine without
-    it, never in CI (.ci/run runs as root)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True,
-        text=True) if os.geteuid() == 0 else None
-    if mounted is None or mounted.returncode:
-        missing("a tmpfs mount", mounted.stderr.strip() if mounted else "run as root")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def fill(disk: Path, leave: int) -> Path:
