@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 from conftest import harness, hf_eval_loss, micro_run
 from method_matrix import METHODS
 
@@ -128,3 +129,28 @@ def test_harness_export_of_a_folder_that_is_no_trial_is_one_line(tmp_path):
     assert done.returncode == 2 and "not a trial folder" in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
+
+
+def test_a_final_model_continues_pretraining_and_fine_tunes_as_any_hf_folder(tmp_path):
+    """`model:` names the folder: a pretraining run builds the saved weights and trains on from
+    them, and a GLUE run puts a new head on that body."""
+    from safetensors.torch import load_file
+
+    from harness.train import pretrain
+    from harness.train.classifier import build_classifier
+
+    _, trial = finished(tmp_path, {"name": "lora", "rank": 4})
+    folder = str(trial / "model")
+    again = load_run({**micro_run(steps=2), "model": folder})
+    model, _ = pretrain.build(again)
+    saved = load_file(trial / "model" / "model.safetensors")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert train(again, tmp_path / "continued")["status"] == "ok"
+    glue = load_run({**micro_run(), "model": folder,
+                     "task": {"kind": "glue", "glue_task": "sample", "tokenizer": "sample",
+                              "seq_len": 48},
+                     "train": {"epochs": 1, "batch_size": 32, "total_batch_size": 32}})
+    classifier, _ = build_classifier(glue, 2)
+    body = classifier.state_dict()
+    assert classifier.score.weight.shape == (2, 64)
+    assert all(torch.equal(body[k], v) for k, v in saved.items() if k.startswith("model."))
