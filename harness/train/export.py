@@ -30,12 +30,12 @@ def finish(run: RunConfig, trial: TrialDir, summary: dict[str, Any]) -> dict[str
     training state removed unless `full`; the summary's fields for it."""
     keep = run.train.keep_final
     kept: dict[str, Any] = {"keep_final": keep, "identity": run.identity()}
-    if keep != "none" and final_model.verified(trial.final_model) is None:
-        model, tok = plain_model(run, newest_state(trial), builder(run))
-        kept["final_model_bytes"] = save_plain(model, tok, trial.final_model, summary["step"])
-        del model
-    elif keep != "none":
-        kept["final_model_bytes"] = final_model.verified(trial.final_model)
+    if keep != "none":
+        size = final_model.verified(trial.final_model)  # written before a kill: kept
+        if size is None:
+            model, tok = plain_model(run, newest_state(trial), builder(run))
+            size = save_plain(model, tok, trial.final_model, summary["step"])
+        kept["final_model_bytes"] = size
     if keep != "full":
         final_model.remove_state(trial.checkpoints)
     return kept
@@ -61,6 +61,9 @@ def export_trial(folder: Path, out: Path) -> int:
     if not trial.is_trial():
         raise UserError(f"{folder}: not a trial folder (no config.yaml); give "
                         "runs/<sweep>/trials/<id>")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out}: exists and is not an empty folder; give a new one (an "
+                        "export never writes over files)")
     have = final_model.verified(trial.final_model)
     if have is not None:
         final_model.copy(trial.final_model, out)

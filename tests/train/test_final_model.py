@@ -12,6 +12,7 @@ import torch
 from conftest import harness, hf_eval_loss, micro_run
 from method_matrix import METHODS
 
+from harness.errors import UserError
 from harness.methods.resolve import load_run
 from harness.train import train
 from harness.train.export import export_trial
@@ -128,6 +129,15 @@ def test_harness_export_of_a_folder_that_is_no_trial_is_one_line(tmp_path):
     done = harness("export", str(tmp_path), "--out", str(tmp_path / "out"))
     assert done.returncode == 2 and "not a trial folder" in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_an_export_never_writes_over_a_folder_with_files(tmp_path):
+    _, trial = finished(tmp_path, {"name": "full"})
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(UserError, match="exists and is not an empty folder"):
+        export_trial(trial, tmp_path / "mine")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
 
 
 
