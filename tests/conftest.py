@@ -341,3 +341,32 @@ def small_disk(tmp_path: Path):
         missing("a tmpfs mount", mounted.stderr.strip() if mounted else "run as root")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def estimated_peak(run: Any, device: str = "cpu") -> int:
+    """`run`'s predicted step peak (the activation model) on the sample tokenizer's vocab."""
+    from harness.cost.activations import activations, peak_bytes
+    from harness.methods import build_method
+    from harness.models import param_shapes
+
+    shapes = param_shapes(run.model, SAMPLE_VOCAB, run.task.seq_len)
+    method = build_method(run)
+    return peak_bytes(method.estimate(shapes, run), activations(run, shapes, method, device),
+                      run, shapes)
+
+
+def measured_peak(run: Any) -> tuple[int, dict[str, int]]:
+    """A steady step's peak of live tensors, as `harness bench memory` measures it, with the
+    profiler's categories (CPU)."""
+    import tempfile
+
+    from harness.cost.tensor_peak import step_peak
+    from harness.train import Trainer
+    from harness.trials import Records
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(run, Records(Path(out), run), lambda step: False)
+        try:
+            return step_peak(trainer)
+        finally:
+            trainer.close()

@@ -8,25 +8,29 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import SAMPLE_VOCAB, harness, micro_run, train_losses, write_yaml
+from conftest import (
+    SAMPLE_VOCAB,
+    estimated_peak,
+    harness,
+    measured_peak,
+    micro_run,
+    train_losses,
+    write_yaml,
+)
 from method_matrix import METHODS
 
 from harness.bench.memory import method_run
 from harness.cli import main
 from harness.config import RunConfig
 from harness.config.steps import Steps
-from harness.cost.activations import activations, peak_bytes
 from harness.cost.estimate import estimate_run
-from harness.cost.tensor_peak import step_peak
 from harness.data.c4 import load_tokenizer
 from harness.errors import UserError
-from harness.methods import build_method
 from harness.methods.base import get_method, method_names
 from harness.methods.resolve import load_run
 from harness.models import (
@@ -37,9 +41,8 @@ from harness.models import (
     check_model,
     param_shapes,
 )
-from harness.train import Trainer, train
+from harness.train import train
 from harness.train.pretrain import LMData, loss_sum
-from harness.trials import Records
 
 HIDDEN, INTERMEDIATE, HEAD_DIM = 64, 160, 16  # 4 heads of 16
 TINY = {"hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": 2,
@@ -212,17 +215,8 @@ def test_the_estimated_peak_counts_k_and_v_at_kv_heads(tmp_path):
                 num_attention_heads=8, num_key_value_heads=2, vocab_size=SAMPLE_VOCAB,
                 rms_norm_eps=1e-6).save_pretrained(tmp_path / "gqa")
     run = method_run("full", str(tmp_path / "gqa"), 3, 128, 4, {"device": "cpu"})
-    with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(run, Records(Path(out), run), lambda step: False)
-        try:
-            measured, _ = step_peak(trainer)
-        finally:
-            trainer.close()
-    shapes = param_shapes(run.model, SAMPLE_VOCAB, 128)
-    method = build_method(run)
-    predicted = peak_bytes(method.estimate(shapes, run), activations(run, shapes, method, "cpu"),
-                           run, shapes)
-    assert abs(measured / predicted - 1) <= 0.005
+    measured, _ = measured_peak(run)
+    assert abs(measured / estimated_peak(run) - 1) <= 0.005
 
 
 def test_a_bad_model_is_one_line_naming_it_and_what_is_allowed(tmp_path):

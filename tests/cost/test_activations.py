@@ -3,18 +3,13 @@ one (the profiler's memory timeline on CPU), across methods, precisions and modi
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
+from conftest import estimated_peak, measured_peak
 
 from harness.bench.memory import PEAK_TOLERANCE, method_run
-from harness.cost.activations import activations, peak_bytes
-from harness.cost.tensor_peak import step_peak
+from harness.cost.activations import activations
 from harness.methods import build_method
 from harness.models import param_shapes
-from harness.train import Trainer
-from harness.trials import Records
 
 # bf16-true: the whole model bfloat16, as the GaLore reference scripts cast it
 BF16_TRUE = {"train.precision": "bf16-true", "train.state_dtype": "bfloat16"}
@@ -35,25 +30,13 @@ CASES = {  # label -> (METHODS entry, --set overrides)
 }
 
 
-def predicted(run, device: str) -> int:
-    shapes = param_shapes(run.model, 8192, run.task.seq_len)
-    method = build_method(run)
-    return peak_bytes(method.estimate(shapes, run), activations(run, shapes, method, device),
-                      run, shapes)
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_estimated_peak_is_within_5_percent_of_a_measured_step(case):
     label, overrides = CASES[case]
     run = method_run(label, "llama_tiny", 3, 128, 4, {"device": "cpu", **overrides})
-    with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(run, Records(Path(out), run), lambda step: False)
-        try:
-            measured, categories = step_peak(trainer)
-        finally:
-            trainer.close()
+    measured, categories = measured_peak(run)
     assert categories["parameter"] > 0 and categories.get("activation", 0) > 0
-    assert abs(measured / predicted(run, "cpu") - 1) <= PEAK_TOLERANCE
+    assert abs(measured / estimated_peak(run) - 1) <= PEAK_TOLERANCE
 
 
 def test_bf16_true_keeps_about_half_of_fp32s_activation_bytes_and_no_autocast_copies():
@@ -67,7 +50,7 @@ def test_bf16_true_keeps_about_half_of_fp32s_activation_bytes_and_no_autocast_co
 
 def test_recompute_and_offload_lower_the_estimated_peak_and_offload_only_on_a_gpu():
     def peak(overrides, device="cuda"):
-        return predicted(method_run("full", "llama_60m", 3, 256, 8, overrides), device)
+        return estimated_peak(method_run("full", "llama_60m", 3, 256, 8, overrides), device)
 
     plain = peak({})
     assert peak({"memory.recompute": "full"}) < peak({"memory.recompute": ["mlp"]}) < plain

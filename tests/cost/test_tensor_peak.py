@@ -8,21 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import micro_run
+from conftest import estimated_peak, micro_run
 
 from harness.bench.memory import PEAK_TOLERANCE, method_run
-from harness.cost.activations import activations, peak_bytes
-from harness.methods import build_method
 from harness.methods.resolve import load_run
-from harness.models import param_shapes
 from harness.train import train
-
-
-def predicted(run) -> int:
-    shapes = param_shapes(run.model, 8192, run.task.seq_len)  # the sample tokenizer's vocab
-    method = build_method(run)
-    return peak_bytes(method.estimate(shapes, run), activations(run, shapes, method, "cpu"),
-                      run, shapes)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +27,7 @@ def summaries(tmp_path_factory):
 def test_a_cpu_trials_peak_is_its_live_tensors_within_5_percent_of_the_estimate(summaries):
     run, summary = summaries["full"]
     assert summary["status"] == "ok"
-    assert abs(summary["peak_memory_bytes"] / predicted(run) - 1) <= PEAK_TOLERANCE
+    assert abs(summary["peak_memory_bytes"] / estimated_peak(run) - 1) <= PEAK_TOLERANCE
 
 
 def test_lora_peaks_below_full_and_rss_is_kept_apart(summaries):
