@@ -257,6 +257,20 @@ def test_a_bad_model_stops_harness_train_with_one_line(tmp_path):
         assert "Traceback" not in done.stdout + done.stderr
 
 
+def test_a_sweep_whose_tokenizer_overflows_the_config_is_refused_before_any_trial(tmp_path,
+                                                                                  capsys):
+    small = write_config(tmp_path / "small", "llama_gqa", vocab_size=1000)
+    sweep = {"name": "v", "model": small, "methods": {"full": {}},
+             **{k: v for k, v in micro_run(steps=1).items() if k in ("task", "train")}}
+    path = write_yaml(tmp_path / "sweep.yaml", sweep)
+    assert main(["sweep", str(path), "--out", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: model: '{small}' has vocab_size 1000, fewer than the tokenizer's "
+                   f"{SAMPLE_VOCAB} tokens; use a tokenizer (task.tokenizer) of at most 1000 "
+                   "tokens, or a config whose vocab_size holds it")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_harness_estimate_takes_a_config_folder(tmp_path, capsys):
     """Full AdamW's bytes of the hand-counted Qwen2: float32 weights and gradients, two
     moments and a float32 step for each of its 26 tensors."""

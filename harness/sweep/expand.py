@@ -27,7 +27,7 @@ from harness.cost.estimate import estimate_run
 from harness.errors import UserError, suggest
 from harness.methods.base import changed_params
 from harness.methods.resolve import load_run, resolve_method
-from harness.models import check_model
+from harness.models import check_model, fit_vocab
 
 
 @dataclass
@@ -152,10 +152,11 @@ def plan_table(trials: list[Trial], more: dict[str, list[str]] | None = None) ->
 
 
 def preflight(sweep: SweepConfig) -> None:
-    """Fail once, before any trial starts, when the tokenizer or data cannot be reached."""
+    """Fail once, before any trial starts, when the tokenizer or data cannot be reached, or
+    the tokenizer does not fit a Hugging Face config's vocabulary."""
     from harness.data.c4 import load_tokenizer, open_documents
 
-    load_tokenizer(sweep.task.tokenizer)
+    fit_vocab(str(sweep.model), len(load_tokenizer(sweep.task.tokenizer)))
     for split in ("train", "validation"):
         open_documents(sweep.task, split)
 
