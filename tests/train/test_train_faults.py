@@ -52,7 +52,7 @@ def drop_final_model(trial: Path) -> None:
 
 
 def test_resume_skips_a_torn_checkpoint_for_the_one_before(tmp_path):
-    config = micro_run(steps=6, checkpoint_every=2)
+    config = micro_run(steps=6, checkpoint_every=2, keep_final="full")  # the folder read below
     out, ckpt = tmp_path / "t", tmp_path / "t" / "checkpoint"
     assert train(load_run(config), out, should_stop=lambda s: s == 4)["status"] == "interrupted"
     before = losses(out)
