@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from harness.errors import brief
 from harness.trials.checkpoints import CheckpointError, digest
 from harness.trials.files import fsync_dir, read_json, write_json
 
@@ -52,8 +53,8 @@ def write(folder: Path, save: Save, tensors: dict[str, torch.Tensor], step: int,
         if record:
             write_json(record_of(folder), {"files": files, "bytes": total, "step": step})
         return total
-    except (OSError, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"final model {folder} not written: {e}") from e
+    except Exception as e:  # OSError, and what torch and safetensors wrap it in (a full disk)
+        raise CheckpointError(f"final model {folder} not written: {brief(e)}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

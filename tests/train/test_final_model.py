@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -78,8 +80,6 @@ def test_a_kill_before_the_model_was_written_finishes_from_the_final_checkpoint(
     """A trial whose summary says ok but whose finish never ran (killed between the two, or
     written before final models existed) is exported from its final checkpoint, not retrained."""
     summary, trial = finished(tmp_path, {"name": "full"}, keep_final="full")
-    import shutil
-
     shutil.rmtree(trial / "model")
     (trial / "model.json").unlink()
     on_disk = json.loads((trial / "summary.json").read_text())
@@ -164,3 +164,32 @@ def test_a_final_model_continues_pretraining_and_fine_tunes_as_any_hf_folder(tmp
     body = classifier.state_dict()
     assert classifier.score.weight.shape == (2, 64)
     assert all(torch.equal(body[k], v) for k, v in saved.items() if k.startswith("model."))
+
+
+def test_a_full_disk_while_the_model_is_written_keeps_the_checkpoint(small_disk, capsys):
+    """A real tmpfs with 1 MB left when the final model (4.6 MB) is written: one line on
+    stderr, the trial `ok` with its final checkpoint whole; with room again, the next run
+    writes the model from it without training a step."""
+    summary, trial = finished(small_disk, {"name": "full"}, keep_final="full")
+    shutil.rmtree(trial / "model")
+    (trial / "model.json").unlink()
+    on_disk = json.loads((trial / "summary.json").read_text())
+    del on_disk["keep_final"], on_disk["final_model_bytes"]
+    (trial / "summary.json").write_text(json.dumps(on_disk))
+    state = (trial / "checkpoint" / "state.pt").read_bytes()
+    stat = os.statvfs(small_disk)
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, stat.f_bavail * stat.f_frsize - (1 << 20))
+    capsys.readouterr()
+    again = train(load_run(micro_run(steps=3)), trial)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: final model {trial / 'model'} not written: ")
+    assert "No space left on device" in line and line.endswith("writes the model from it)")
+    assert again["status"] == "ok" and "keep_final" not in again
+    assert (trial / "checkpoint" / "state.pt").read_bytes() == state
+    assert not (trial / "model").exists() and not list(trial.glob(".model.tmp*"))
+    filler.unlink()
+    done = train(load_run(micro_run(steps=3)), trial)
+    assert done["final_model_bytes"] == summary["final_model_bytes"]
+    assert not (trial / "checkpoint").exists()
