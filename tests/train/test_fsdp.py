@@ -168,7 +168,7 @@ def test_fsdp_trains_in_bfloat16(tmp_path, precision):
 def test_a_sharded_trials_final_model_is_whole_and_gives_its_eval_loss(tmp_path, method):
     """Under fsdp rank 0 consolidates the shards after the group is gone: the model
     transformers loads holds every weight whole and gives the trial's eval loss (1e-5, the
-    export's bound: tests/train/test_final_model.py measured 9e-8 at most)."""
+    export's bound: tests/train/test_export.py measured 9e-8 at most)."""
     data = {**fsdp_run(steps=3, keep_final="weights"), "method": method}
     run_procs(data, tmp_path / "two", 2)
     summary = read_json(tmp_path / "two" / "summary.json")

@@ -1,0 +1,55 @@
+"""harness/trials/final_model.py: a final model is in place only once every file is written
+and every tensor reads back as the one saved; otherwise what was there stays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from harness.trials import CheckpointError, final_model
+
+
+def saver(tensors: dict[str, torch.Tensor]):
+    def save(folder):
+        folder.mkdir()
+        save_file(tensors, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text("{}")
+    return save
+
+
+def test_a_model_that_reads_back_equal_is_put_in_place_with_its_record(tmp_path):
+    tensors = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
+    size = final_model.write(tmp_path / "model", saver(tensors), tensors, step=7)
+    files = {p.name: p.stat().st_size for p in (tmp_path / "model").iterdir()}
+    assert size == sum(files.values()) == final_model.verified(tmp_path / "model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.json"]
+
+
+@pytest.mark.parametrize("fault", ["another value", "a tensor left out"])
+def test_a_model_that_does_not_read_back_leaves_the_one_in_place(tmp_path, fault):
+    kept = {"w": torch.zeros(2, 3), "b": torch.zeros(3)}
+    final_model.write(tmp_path / "model", saver(kept), kept, step=1)
+    before = (tmp_path / "model" / "model.safetensors").read_bytes()
+    meant = {"w": torch.ones(2, 3), "b": torch.ones(3)}
+    written = ({**meant, "w": torch.full((2, 3), 2.0)} if fault == "another value"
+               else {"w": meant["w"]})
+    with pytest.raises(CheckpointError, match=r"final model .* not written: "):
+        final_model.write(tmp_path / "model", saver(written), meant, step=2)
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.json"]  # no temp
+
+
+def test_a_tied_weight_saved_once_counts_for_both_names(tmp_path):
+    embed = torch.randn(4, 2)
+    tensors = {"embed.weight": embed, "head.weight": embed}  # one storage, two names
+    final_model.write(tmp_path / "model", saver({"embed.weight": embed}), tensors, step=1)
+    assert final_model.verified(tmp_path / "model") is not None
+
+
+def test_a_file_whose_size_changed_is_not_a_verified_model(tmp_path):
+    tensors = {"w": torch.ones(8)}
+    final_model.write(tmp_path / "model", saver(tensors), tensors, step=1)
+    with open(tmp_path / "model" / "config.json", "a") as f:
+        f.write(" ")
+    assert final_model.verified(tmp_path / "model") is None
