@@ -26,6 +26,11 @@ EXPORTS = {**METHODS,
                            "int8_weights": True},
            "qgalore_simulate": {"name": "qgalore", "rank": 8, "update_proj_gap": 2,
                                 "simulate": True}}
+# Each kind of export stays in the quick tier; the methods whose model is the base model's as
+# it is (their optimizers differ) run in the integration tier (tests/tiers.py).
+QUICK = {"test_each_methods_final_model_loads_in_transformers_with_the_trials_eval_loss": {
+    (label,) for label in ("full", "lora", "qlora", "lowrank", "qgalore", "qgalore_simulate",
+                           "apollo_int8")}}
 
 
 def finished(tmp_path, method: dict, **train_keys) -> tuple[dict, object]:
