@@ -39,6 +39,16 @@ def finished(tmp_path, method: dict, **train_keys) -> tuple[dict, object]:
     return train(load_run(data), tmp_path / "trial"), tmp_path / "trial"
 
 
+def model_never_written(trial) -> None:
+    """The trial as a kill between its `ok` summary and its final model leaves it (and as
+    earlier versions wrote every trial): its final checkpoint, no model, no `keep_final`."""
+    shutil.rmtree(trial / "model")
+    (trial / "model.json").unlink()
+    on_disk = json.loads((trial / "summary.json").read_text())
+    del on_disk["keep_final"], on_disk["final_model_bytes"]
+    (trial / "summary.json").write_text(json.dumps(on_disk))
+
+
 @pytest.mark.parametrize("label", list(EXPORTS))
 def test_each_methods_final_model_loads_in_transformers_with_the_trials_eval_loss(tmp_path,
                                                                                   label):
@@ -85,11 +95,7 @@ def test_a_kill_before_the_model_was_written_finishes_from_the_final_checkpoint(
     """A trial whose summary says ok but whose finish never ran (killed between the two, or
     written before final models existed) is exported from its final checkpoint, not retrained."""
     summary, trial = finished(tmp_path, {"name": "full"}, keep_final="full")
-    shutil.rmtree(trial / "model")
-    (trial / "model.json").unlink()
-    on_disk = json.loads((trial / "summary.json").read_text())
-    del on_disk["keep_final"], on_disk["final_model_bytes"]
-    (trial / "summary.json").write_text(json.dumps(on_disk))
+    model_never_written(trial)
     metrics = (trial / "metrics.jsonl").read_text()
     again = train(load_run(micro_run(steps=3)), trial)
     assert (trial / "metrics.jsonl").read_text() == metrics  # no step ran again
@@ -176,11 +182,7 @@ def test_a_full_disk_while_the_model_is_written_keeps_the_checkpoint(small_disk,
     stderr, the trial `ok` with its final checkpoint whole; with room again, the next run
     writes the model from it without training a step."""
     summary, trial = finished(small_disk, {"name": "full"}, keep_final="full")
-    shutil.rmtree(trial / "model")
-    (trial / "model.json").unlink()
-    on_disk = json.loads((trial / "summary.json").read_text())
-    del on_disk["keep_final"], on_disk["final_model_bytes"]
-    (trial / "summary.json").write_text(json.dumps(on_disk))
+    model_never_written(trial)
     state = (trial / "checkpoint" / "state.pt").read_bytes()
     stat = os.statvfs(small_disk)
     filler = small_disk / "filler"
