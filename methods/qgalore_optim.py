@@ -236,4 +236,3 @@ class QGaLoreSimOptimizer(LazySVDCounts, GaLoreOptimizer):
         super().load_state_dict(state_dict)
         if self.generator is not None:
             self.generator.set_state(state_dict["snap_generator"])
-

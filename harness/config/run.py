@@ -373,4 +373,3 @@ def _without_later_defaults(method: dict[str, Any]) -> dict[str, Any]:
     idle = WARM_START_KEYS if method.get("warm_start_steps") == 0 else ()
     return {k: v for k, v in method.items()
             if k not in idle and not (k in later and v == later[k])}
-

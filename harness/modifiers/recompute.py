@@ -91,11 +91,3 @@ def apply(
             for module in modules_of(layer, kind):
                 offload(module, offloader, index)
     return offloader
-
-
-
-
-
-
-
-

@@ -125,4 +125,3 @@ def check_disk(sweep: SweepConfig, out: Path, retry_failed: bool) -> None:
             f"but its file system has {human_bytes(free)} free; free some, set "
             "train.keep_final: weights or none, lower train.keep_checkpoints, or give --out on "
             "another disk")
-

@@ -141,4 +141,3 @@ class TrialJob:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["source"])
-

@@ -166,4 +166,3 @@ class Records:
             self.wandb.summary.update({k: v for k, v in summary.items() if v is not None})
             self.wandb.finish()
             self.wandb = None
-

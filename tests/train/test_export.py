@@ -151,7 +151,6 @@ def test_an_export_never_writes_over_a_folder_with_files(tmp_path):
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
 
 
-
 def test_a_final_model_continues_pretraining_and_fine_tunes_as_any_hf_folder(tmp_path):
     """`model:` names the folder: a pretraining run builds the saved weights and trains on from
     them, and a GLUE run puts a new head on that body."""
