@@ -8,6 +8,7 @@ The packed weights count as weights; the quantization constants as extras.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -104,15 +105,12 @@ class QLora(Lora):
         return q
 
     def export(self, model: nn.Module) -> nn.Module:
-        """Each NF4 base dequantized (the kernel the forward uses) with its adapter merged on
-        top, as a float linear; then peft's wrappers removed. peft's own merge would quantize
-        the merged weight to NF4 again."""
-        from bitsandbytes.functional import dequantize_4bit
-
+        """Each NF4 base dequantized with its adapter merged on top, as a float linear; then
+        peft's wrappers removed. peft's own merge would quantize the merged weight to NF4
+        again."""
         for layer in lora_layers(model):
             base = layer.get_base_layer()
-            weight = dequantize_4bit(base.weight.data, base.weight.quant_state).float()
-            merged = weight + layer.get_delta_weight(ADAPTER).float()
+            merged = dequantized(base.weight) + layer.get_delta_weight(ADAPTER).float()
             layer.base_layer = plain_linear(merged, base.bias)
         plain = model.unload()
         del plain.is_loaded_in_4bit  # set by `prepare` for peft: the model is float now
@@ -144,6 +142,19 @@ class QLora(Lora):
         }
         counted.extra_bytes = tensor_bytes(list(constants.values()))
         return counted
+
+
+def dequantized(weight: Any) -> torch.Tensor:
+    """An NF4 weight in float32 on the host, dequantized by bitsandbytes on a CUDA device where
+    there is one, as a CUDA trial's forward did: its CPU kernel (0.50, AVX-512) is wrong for
+    rows that are not whole blocks (tests/methods/test_qlora.py). Without one, the host's
+    kernel, which a CPU trial's forward used too."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    device = torch.device("cuda") if torch.cuda.is_available() else weight.device
+    state = copy.deepcopy(weight.quant_state)
+    state.to(device)
+    return dequantize_4bit(weight.data.to(device), state).float().cpu()
 
 
 def quant_tensors(state: Any) -> list[torch.Tensor]:
