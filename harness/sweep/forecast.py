@@ -22,8 +22,9 @@ from harness.cost.estimate import estimate_run, human_bytes
 from harness.cost.plan import DEVICE, step_work
 from harness.errors import UserError
 from harness.sweep.expand import Trial, expand
+from harness.sweep.source import runs_again
 from harness.sweep.trial_state import trial_statuses
-from harness.trials import FAILED, FINISHED, RunsDir, Status
+from harness.trials import RunsDir, Status
 
 DISK_FIELDS = ("checkpoints_bytes", "final_model_bytes", "disk_peak_bytes", "disk_kept_bytes")
 
@@ -92,17 +93,17 @@ def forecast_totals(records: list[dict[str, Any]], tokens: int, at_once: int) ->
 
 
 def trials_left(sweep: SweepConfig, out: Path, retry_failed: bool) -> list[Trial]:
-    """The trials a run of the sweep will start: a grid's not finished (with `retry_failed`,
-    the failed ones too); a search's base point of each method once for each trial left of
-    its `n_trials` (its searched keys' sizes taken at their defaults)."""
+    """The trials a run of the sweep will start (`runs_again`, as the grid's source picks
+    them); a search's base point of each method once for each trial left of its `n_trials`
+    (its searched keys' sizes taken at their defaults)."""
     trials = expand(sweep)
-    skip = set(FINISHED) - (set(FAILED) if retry_failed else set())
     if sweep.search.sampler == "grid":
         dirs = [RunsDir(out).trial(t.id) for t in trials]
-        return [t for t, s in zip(trials, trial_statuses(dirs), strict=True) if s not in skip]
+        return [t for t, s in zip(trials, trial_statuses(dirs), strict=True)
+                if runs_again(s, retry_failed)]
     done: dict[str, int] = {}
     for summary in filter(None, (d.read_summary() for d in RunsDir(out).trial_dirs())):
-        if summary.get("status") in skip:
+        if not runs_again(str(summary.get("status")), retry_failed):
             done[str(summary.get("method"))] = done.get(str(summary.get("method")), 0) + 1
     n = sweep.search.n_trials or 0
     return [t for t in trials for _ in range(max(0, n - done.get(t.label, 0)))]
@@ -116,7 +117,8 @@ def check_disk(sweep: SweepConfig, out: Path, retry_failed: bool) -> None:
     if not left:
         return
     ranks, at_once = sweep.launcher.ranks, sweep.launcher.at_once
-    records = [estimate_run(t.run, ranks) for t in left]
+    estimates = {t.id: estimate_run(t.run, ranks) for t in left}  # a search repeats its trials
+    records = [estimates[t.id] for t in left]
     needed, free = disk_needed(records, at_once), free_bytes(out)
     if needed > free:
         raise UserError(

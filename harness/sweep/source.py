@@ -68,6 +68,16 @@ class Source(Protocol):
         ...
 
 
+HELD = (Status.QUEUED, Status.RUNNING)  # by a live job or process
+
+
+def runs_again(status: str, retry_failed: bool) -> bool:
+    """Whether a run of the sweep starts a trial in `status`: not finished (with
+    `retry_failed`, failed ones too) and not held by a live job or process."""
+    settled = set(FINISHED) - (set(FAILED) if retry_failed else set())
+    return status not in settled and status not in HELD
+
+
 class GridSource:
     """A fixed list of trials whose configs are written, handed out one at a time to any
     number of worker loops; each trial records its own end (or its launcher records a crash)."""
@@ -84,13 +94,11 @@ class GridSource:
         held by a live job or process), their configs written; every trial's folder, for the
         retries; how many are held."""
         trials = expand(sweep)
-        skip = set(FINISHED) - (set(FAILED) if retry_failed else set())
         todo, live = [], 0
         dirs = [RunsDir(out).trial(t.id) for t in trials]
         for t, trial, status in zip(trials, dirs, trial_statuses(dirs), strict=True):
-            held = status in (Status.QUEUED, Status.RUNNING)  # by a live job or process
-            live += held
-            if status in skip or held:
+            live += status in HELD
+            if not runs_again(status, retry_failed):
                 continue
             trial.write_config(t.run)
             todo.append((t.id, trial.path))

@@ -10,8 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from harness.config import RunConfig, read_yaml
 from harness.errors import UserError
 from harness.methods.resolve import load_run
@@ -25,15 +23,17 @@ def builder(run: RunConfig) -> Build:
     return finetune.build if run.task.kind == "glue" else pretrain.build
 
 
-def finish(run: RunConfig, trial: TrialDir, summary: dict[str, Any]) -> dict[str, Any]:
-    """A trial that ended ok: its final model written as `train.keep_final` says, then its
-    training state removed unless `full`; the summary's fields for it."""
+def finish(run: RunConfig, trial: TrialDir, summary: dict[str, Any],
+           state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A trial that ended ok: its final model written as `train.keep_final` says (from `state`,
+    its final checkpoint, or the newest read from disk), then its training state removed
+    unless `full`; the summary's fields for it."""
     keep = run.train.keep_final
     kept: dict[str, Any] = {"keep_final": keep, "identity": run.identity()}
     if keep != "none":
         size = final_model.verified(trial.final_model)  # written before a kill: kept
         if size is None:
-            model, tok = plain_model(run, newest_state(trial), builder(run))
+            model, tok = plain_model(run, state or newest_state(trial), builder(run))
             size = save_plain(model, tok, trial.final_model, summary["step"])
         kept["final_model_bytes"] = size
     if keep != "full":
@@ -71,5 +71,4 @@ def export_trial(folder: Path, out: Path) -> int:
     state = newest_state(trial)
     run = load_run(read_yaml(trial.config))
     model, tok = plain_model(run, state, builder(run))
-    with torch.no_grad():
-        return save_plain(model, tok, out, state["step"], record=False)
+    return save_plain(model, tok, out, state["step"], record=False)

@@ -112,15 +112,16 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
     return summary
 
 
-def _finish(run: RunConfig, rec: Records, summary: dict) -> dict:
-    """The final model written and the training state dropped (`train.keep_final`), after the
-    process group is gone: a sharded checkpoint is consolidated here alone. When the model
-    cannot be written (a full disk) the checkpoint stays and a later run finishes it."""
+def _finish(run: RunConfig, rec: Records, summary: dict, state: dict | None = None) -> dict:
+    """The final model written (from `state`, the final checkpoint, when it is loaded already)
+    and the training state dropped (`train.keep_final`), after the process group is gone: a
+    sharded checkpoint is consolidated here alone. When the model cannot be written (a full
+    disk) the checkpoint stays and a later run finishes it."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     try:
-        summary.update(finish(run, rec.dir, summary))
+        summary.update(finish(run, rec.dir, summary, state))
     except CheckpointError as e:
         print(f"error: {e}; the final checkpoint is kept (`harness export` writes the model "
               "from it)", file=sys.stderr, flush=True)
@@ -135,20 +136,21 @@ def _finished_before(run: RunConfig, rec: Records, previous: Summary) -> dict | 
     checkpoint. None: that checkpoint is gone or not this config's, so it trains again,
     resuming from the newest checkpoint that loads."""
     if not is_finished(run, rec.dir, previous):
-        if not _final_checkpoint_loads(rec, previous):
+        state = _final_state(rec, previous)
+        if state is None:
             return None
         if distributed.is_main():
-            return _finish(run, rec, previous.to_dict())
+            return _finish(run, rec, previous.to_dict(), state)
     print(f"{rec.out}: already finished (status ok); nothing to do", flush=True)
     return previous.to_dict()
 
 
-def _final_checkpoint_loads(rec: Records, previous: Summary) -> bool:
-    """A finished trial stays finished while its last checkpoint loads (a folder holding
-    another config's run is refused here); otherwise it resumes from the newest that does, or
-    ends `failed` saying why none does."""
+def _final_state(rec: Records, previous: Summary) -> dict | None:
+    """A finished trial's final checkpoint, if it loads (a folder holding another config's run
+    is refused here); None: it resumes from the newest that does, or ends `failed` saying why
+    none does."""
     try:
         state = rec.load_checkpoint()
     except CheckpointError:
-        return False
-    return state is not None and state["step"] == previous.get("step")
+        return None
+    return state if state is not None and state["step"] == previous.get("step") else None
