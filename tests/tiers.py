@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 INTEGRATION_FILES = {  # every test in these files
     "sweep/test_faults.py", "sweep/test_launchers.py", "sweep/test_postgres.py",
     "sweep/test_run.py", "sweep/test_slurm.py", "sweep/test_study.py", "sweep/test_sweep.py",
+    "sweep/test_starter.py",
     "train/test_ddp.py", "train/test_fsdp.py", "test_distributed.py", "analysis/test_html.py",
     "trials/test_wandb.py",
     "bench/test_bench.py",  # `harness bench`: many trainings (every method, every config)

@@ -21,8 +21,9 @@ from tqdm import tqdm
 from harness.config import LauncherConfig
 from harness.distributed.allocation import allocated_cpus
 from harness.errors import last_line
-from harness.sweep.process import record_end, trial_command, trial_env
+from harness.sweep.process import record_end, trial_env
 from harness.sweep.source import Source
+from harness.sweep.starter import ForkedTrial, start_trial
 from harness.sweep.worker import TrialJob, Worker
 from harness.trials import RunsDir, Status, TrialDir
 
@@ -45,7 +46,7 @@ class LocalLauncher:
 
     def __init__(self, jobs: int) -> None:
         self.jobs = jobs
-        self.procs: set[subprocess.Popen] = set()
+        self.procs: set[ForkedTrial] = set()
         self.lock = threading.Lock()
         self.stopping = False
         self.bar: tqdm | None = None
@@ -59,10 +60,7 @@ class LocalLauncher:
                 return 130
             trial.record_launch("local")
             stderr = trial.open_stderr()
-            proc = subprocess.Popen(
-                trial_command(trial_dir), stdout=subprocess.PIPE, stderr=stderr, text=True,
-                env=trial_env(threads),
-            )
+            proc = start_trial(trial_dir, trial_env(threads), stderr)
             self.procs.add(proc)
         with stderr:
             for line in proc.stdout:

@@ -22,17 +22,13 @@ from harness.trials import Status, TrialDir
 RESEND_S = 2.0  # a stop request is repeated this often until the trial process has ended
 
 
-def trial_command(trial_dir: Path) -> list[str]:
+def trial_args(trial_dir: Path) -> list[str]:
     """A trial is exactly `harness train` on its resolved config, in its own folder."""
-    return [
-        sys.executable,
-        "-m",
-        "harness.cli",
-        "train",
-        str(TrialDir(trial_dir).config),
-        "--out",
-        str(trial_dir),
-    ]
+    return ["train", str(TrialDir(trial_dir).config), "--out", str(trial_dir)]
+
+
+def trial_command(trial_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "harness.cli", *trial_args(trial_dir)]
 
 
 def trial_env(threads: int | None) -> dict[str, str]:

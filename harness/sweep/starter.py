@@ -1,0 +1,125 @@
+"""Trial processes forked from a warm process instead of started cold.
+
+A trial process spends about 5 CPU-seconds importing torch, transformers and datasets before
+its first step, which a sweep of short trials pays once per trial (the quickstart's are 30
+steps). `start_trial` has multiprocessing's fork server, started once per sweep process with
+those imports done, fork each trial instead. The child is the same
+`harness train` as `trial_command`, with its own pid, the caller's environment, working
+directory, stdout and stderr, its threads set from OMP_NUM_THREADS, and an exit status as a
+fresh interpreter's: the launcher cannot tell the two apart, but the second trial on starts in
+a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import io
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from multiprocessing import reduction
+from pathlib import Path
+from typing import IO
+
+import torch
+
+from harness.sweep.process import trial_args
+
+# What `harness train` imports before its first step (`python -X importtime`), by name: the
+# fork server imports them once. Nothing it imports may run a parallel torch op: a child forked
+# after OpenMP's thread pool has started hangs in its own first one (seen with a matmul).
+PRELOAD = ["harness.cli", "harness.train.run", "harness.methods.resolve", "harness.data.c4",
+           "transformers.models.llama.modeling_llama", "datasets"]
+
+
+class _Fd:
+    """A file descriptor handed to the forked trial: multiprocessing sends a duplicate over the
+    fork server's socket while it pickles the process, and the child gets its own number."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        return _rebuild_fd, (reduction.DupFd(self.fd),)
+
+
+def _rebuild_fd(dup: reduction.DupFd) -> _Fd:
+    return _Fd(dup.detach())
+
+
+def _text_stream(fd: int) -> IO[str]:
+    """An unbuffered text stream on `fd`, as PYTHONUNBUFFERED gives a fresh interpreter."""
+    return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), line_buffering=True,
+                            write_through=True)
+
+
+def _run_trial(argv: list[str], env: dict[str, str], out: _Fd, err: _Fd) -> None:
+    """The forked child: stdio and environment as a fresh `harness ...` would have them."""
+    os.dup2(out.fd, 1)
+    os.dup2(err.fd, 2)
+    os.close(out.fd)
+    os.close(err.fd)
+    sys.stdout, sys.stderr = _text_stream(1), _text_stream(2)
+    os.environ.clear()
+    os.environ.update(env)
+    # torch sized its pool when the fork server imported it; a fresh process reads this then
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = ["harness", *argv]
+    cli = importlib.import_module("harness.cli")  # by name, as `trial_command` runs it
+    try:
+        code = cli.main(argv)
+    finally:
+        atexit._run_exitfuncs()  # multiprocessing leaves by os._exit; an interpreter runs them
+    sys.exit(code)
+
+
+class ForkedTrial:
+    """A forked `harness` process with the part of `subprocess.Popen` a launcher uses: `poll`,
+    `wait`, `send_signal`, `kill` and, started by `start_trial`, its stdout as lines."""
+
+    stdout: IO[str] | None = None
+
+    def __init__(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> None:
+        """`stdout`, `stderr`: the file descriptors the child writes to (it gets copies)."""
+        self.process = _context().Process(
+            target=_run_trial, args=(argv, env, _Fd(stdout), _Fd(stderr)), name="harness")
+        self.process.start()
+        self.pid = self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(["harness", "train"], timeout or 0)
+        if self.stdout is not None:
+            self.stdout.close()
+        return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _context() -> multiprocessing.context.ForkServerContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+def start_trial(trial_dir: Path, env: dict[str, str], stderr: IO[str]) -> ForkedTrial:
+    """`harness train` on the trial's config, forked warm; `env` must set OMP_NUM_THREADS."""
+    read, write = os.pipe()
+    try:
+        trial = ForkedTrial(trial_args(trial_dir), env, write, stderr.fileno())
+    finally:
+        os.close(write)  # the child holds its own copy: EOF comes when it ends
+    trial.stdout = open(read, encoding="utf-8", errors="replace")  # noqa: SIM115
+    return trial
