@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
+from ranks import Ranks
 from tiers import (  # noqa: F401  the tiers' hooks and fixture, found by pytest here
     pytest_collection_modifyitems,
     pytest_xdist_make_scheduler,
@@ -265,6 +266,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ranks(config: Path, out: Path, procs: int = 2) -> Ranks:
+    """`harness train` data-parallel, its ranks forked warm (tests/ranks.py): what `torchrun`
+    below starts, at a fraction of the CPU."""
+    return Ranks(config, out, procs, free_port())
+
+
 def torchrun(config: Path, out: Path, procs: int = 2) -> subprocess.Popen:
     """`harness train` as a user starts it data-parallel: 2 processes (gloo on CPU), each on one
     thread so that kernels sum in the same order as the 1-process reference."""
@@ -276,13 +283,13 @@ def torchrun(config: Path, out: Path, procs: int = 2) -> subprocess.Popen:
 
 
 def assert_two_processes_train_as_one(data: dict[str, Any], tmp_path: Path) -> None:
-    """`data` under torchrun (2 processes) and here in one: both ok, the same logged steps,
+    """`data` on 2 ranks and here in one: both ok, the same logged steps,
     every loss within 1e-5 relative."""
     from harness.methods.resolve import load_run
     from harness.train import train
     from harness.trials import read_json
 
-    proc = torchrun(write_yaml(tmp_path / "run.yaml", data), tmp_path / "two")
+    proc = ranks(write_yaml(tmp_path / "run.yaml", data), tmp_path / "two")
     one = train(load_run(data), tmp_path / "one")
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output

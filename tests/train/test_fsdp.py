@@ -9,16 +9,14 @@ one process's sums), which moves losses by ~1e-7 relative: the tolerance is DDP'
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
-from conftest import hf_eval_loss, micro_run, torchrun, write_yaml
+from conftest import hf_eval_loss, micro_run, ranks, write_yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from harness.distributed import fsdp
@@ -48,7 +46,7 @@ def assert_same_losses(one: Path, other: Path) -> None:
 
 
 def run_procs(data: dict[str, Any], out: Path, procs: int) -> str:
-    proc = torchrun(write_yaml(out.with_suffix(".yaml"), data), out, procs)
+    proc = ranks(write_yaml(out.with_suffix(".yaml"), data), out, procs)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output
     return output
@@ -179,13 +177,11 @@ def test_a_sharded_trials_final_model_is_whole_and_gives_its_eval_loss(tmp_path,
 
 def stop_after(data: dict[str, Any], out: Path, procs: int, step: int) -> int:
     """Start `procs` ranks, SIGINT rank 1 once rank 0 logs `step`; the step they stopped at."""
-    proc = torchrun(write_yaml(out.with_suffix(".yaml"), data), out, procs)
+    proc = ranks(write_yaml(out.with_suffix(".yaml"), data), out, procs)
     for line in proc.stdout:  # type: ignore[union-attr]
         if line.startswith(f"step {step}/"):
             break
-    rank1 = next(w for w in psutil.Process(proc.pid).children()
-                 if w.environ().get("RANK") == "1")
-    os.kill(rank1.pid, signal.SIGINT)
+    proc.ranks[1].send_signal(signal.SIGINT)
     proc.communicate(timeout=300)
     stopped = read_json(out / "summary.json")
     assert stopped["status"] == "interrupted", stopped

@@ -1,0 +1,56 @@
+"""Data-parallel `harness train` for the many FSDP and DDP cases: its ranks forked from the
+harness's warm fork server (harness/sweep/starter.py) with the environment torchrun gives its
+workers, instead of torchrun's agent starting each cold (about 5 CPU-seconds a rank and 2.5
+the agent, most of the suite's FSDP time). What torchrun itself adds, the user's command, is
+tested with torchrun: tests/train/test_ddp.py's `torchrun` cases."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from multiprocessing.connection import wait
+from pathlib import Path
+
+from harness.sweep.starter import ForkedTrial
+
+
+class Ranks:
+    """`procs` ranks on one thread each (kernels sum in the 1-process reference's order), their
+    stdout and stderr one stream as torchrun's; one rank failing ends the others, as torchrun
+    does. The part of `subprocess.Popen` the tests use: `stdout`, `communicate`, `returncode`."""
+
+    def __init__(self, config: Path, out: Path, procs: int, port: int) -> None:
+        read, write = os.pipe()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(procs),
+               "LOCAL_WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        argv = ["train", str(config), "--out", str(out)]
+        try:
+            self.ranks = [ForkedTrial(argv, {**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                      write, write) for r in range(procs)]
+        finally:
+            os.close(write)
+        self.stdout = open(read, encoding="utf-8", errors="replace")  # noqa: SIM115
+        self.returncode: int | None = None
+
+    def communicate(self, timeout: float) -> tuple[str, None]:
+        """The rest of the output once every rank has ended; all are killed at `timeout`."""
+        deadline = time.monotonic() + timeout
+        chunks: list[str] = []
+        reader = threading.Thread(target=lambda: chunks.append(self.stdout.read()), daemon=True)
+        reader.start()
+        left = list(self.ranks)
+        while left:
+            ended = wait([r.process.sentinel for r in left], max(0, deadline - time.monotonic()))
+            if not ended:
+                break
+            left = [r for r in left if r.poll() is None]
+            if any(r.poll() for r in self.ranks):  # torchrun stops the others when one fails
+                break
+        for rank in self.ranks:
+            rank.kill()
+        codes = [rank.wait(30) for rank in self.ranks]
+        reader.join(30)
+        self.returncode = next((c for c in codes if c), 0)
+        return "".join(chunks), None
