@@ -7,6 +7,7 @@ tested with torchrun: tests/train/test_ddp.py's `torchrun` cases."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from multiprocessing.connection import wait
@@ -46,7 +47,10 @@ class Ranks:
             if not ended:
                 break
             left = [r for r in left if r.poll() is None]
-            if any(r.poll() for r in self.ranks):  # torchrun stops the others when one fails
+            if any(r.poll() for r in self.ranks):  # torchrun stops the others when one fails:
+                for rank in left:  # SIGTERM (a trial saves and ends), SIGKILL after 30 s
+                    rank.send_signal(signal.SIGTERM)
+                wait([r.process.sentinel for r in left], 30)
                 break
         for rank in self.ranks:
             rank.kill()

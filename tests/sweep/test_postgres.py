@@ -150,6 +150,19 @@ def test_workers_of_many_processes_never_ask_past_the_budget(tmp_path, url):
 WORKERS, TRIALS, STEPS = 8, 48, 10
 
 
+def ancestors(pid: int) -> list[int]:
+    """The process's parent, its parent's parent, ... (/proc/PID/stat: "pid (comm) state
+    ppid ..."); none where it has ended."""
+    chain = []
+    while pid > 1:
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[1])
+        except FileNotFoundError:
+            return []
+        chain.append(pid)
+    return chain
+
+
 def kill_a_worker_mid_trial(workers: list[subprocess.Popen], out: Path) -> str:
     """SIGKILL the first worker (and its trial process: its process group, as a node lost
     takes both) whose trial is past its checkpoint at step 2 and far from its end; the
@@ -162,14 +175,10 @@ def kill_a_worker_mid_trial(workers: list[subprocess.Popen], out: Path) -> str:
             step = max(train_losses(trial), default=0)
             if summary.get("status") != "running" or not 3 <= step <= STEPS - 4:
                 continue
-            try:  # /proc/PID/stat: "pid (comm) state ppid ..."
-                ppid = int(Path(f"/proc/{summary['pid']}/stat").read_text().split(") ")[1]
-                           .split()[1])
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if ppid in by_pid:
-                os.killpg(ppid, signal.SIGKILL)
-                by_pid[ppid].wait()
+            worker = next((pid for pid in ancestors(summary["pid"]) if pid in by_pid), None)
+            if worker is not None:  # its trials are forked by its fork server, in its group
+                os.killpg(worker, signal.SIGKILL)
+                by_pid[worker].wait()
                 return trial.name
         time.sleep(0.05)
     raise AssertionError("no trial reached step 3 of a live worker")
