@@ -4,6 +4,7 @@ that a quick test starts no process. conftest.py imports the hooks and the fixtu
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
 import subprocess
 from pathlib import Path
@@ -130,7 +131,13 @@ def unmarked_processes(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
             started.append(" ".join(map(str, argv))[:120])
         start(self, args, *rest, **kw)
 
+    def forked(self: multiprocessing.process.BaseProcess) -> None:  # the fork server's starts
+        started.append(f"{self.name}: a multiprocessing process")
+        begin(self)
+
+    begin = multiprocessing.process.BaseProcess.start
     monkeypatch.setattr(subprocess.Popen, "__init__", watched)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", forked)
     yield
     if started:
         pytest.fail(f"started a process ({started[0]}) without the integration marker: "
