@@ -131,11 +131,12 @@ def unmarked_processes(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
             started.append(" ".join(map(str, argv))[:120])
         start(self, args, *rest, **kw)
 
+    begin = multiprocessing.process.BaseProcess.start
+
     def forked(self: multiprocessing.process.BaseProcess) -> None:  # the fork server's starts
         started.append(f"{self.name}: a multiprocessing process")
         begin(self)
 
-    begin = multiprocessing.process.BaseProcess.start
     monkeypatch.setattr(subprocess.Popen, "__init__", watched)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", forked)
     yield
