@@ -32,13 +32,26 @@ CPU_OOM = "DefaultCPUAllocator: can't allocate memory"
 
 class _StopFlag:
     """SIGINT, SIGTERM and USR2 (Slurm: preemption or time limit) ask for a clean stop: the
-    current step ends and a checkpoint is saved."""
+    current step ends and a checkpoint is saved. They stay caught until the summary is written:
+    torchrun SIGTERMs the other ranks as soon as one ends (an interrupted rank ends non-zero),
+    and Slurm may signal twice, so one arriving while the trial wraps up must not end it."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 
     def __init__(self) -> None:
         self.set = False
+        self.handlers: dict[int, Any] = {}
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.set = True
+
+    def __enter__(self) -> _StopFlag:
+        self.handlers = {s: signal.signal(s, self) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.handlers.items():
+            signal.signal(sig, handler)
 
 
 def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None = None,
@@ -58,54 +71,50 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
     requeues = previous.get("requeues", 0) if previous else 0
     summary = Summary.start(run, out.name, requeues).to_dict()
     rec.write_summary({**summary, "pid": os.getpid()})
-    flag = _StopFlag()
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
-    handlers = {s: signal.signal(s, flag) for s in stops}
-    start, trainer = time.time(), None
-    try:
-        trainer = Trainer(
-            run, rec, lambda step: flag.set or bool(should_stop and should_stop(step)),
-            prune or pruner_for(out),  # an Optuna sweep's trial finds its study in `out`
-        )
-        summary["device"] = str(trainer.device)
-        # torch's intra-op pool, sized by its launcher from the allocation (OMP_NUM_THREADS)
-        summary["threads"] = torch.get_num_threads()
-        print(f"threads: {summary['threads']}", flush=True)
-        rec.start_wandb()
-        # CPU: live tensors' peak in a steady step (one profiler at a time: not with --profile)
-        with profiled(trainer, profile_steps, out), tracked(trainer, not profile_steps):
-            summary["status"] = trainer.fit()
-    except NonFinite as e:
-        summary.update(status=Status.NAN, error=str(e), nan_step=e.step)
-    except CheckpointError as e:  # none loads, or a save failed (a full disk): one line
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        summary.update(status=Status.FAILED, error=str(e))
-    except Pruned as e:
-        print(e, flush=True)
-        summary["status"] = Status.PRUNED
-    except (torch.OutOfMemoryError, MemoryError) as e:
-        summary.update(status=Status.OOM, error=first_line(e))
-    except UserError as e:
-        summary.update(status=Status.FAILED, error=str(e))
-        raise
-    except Exception as e:
-        if isinstance(e, RuntimeError) and CPU_OOM in str(e):
+    with _StopFlag() as flag:
+        start, trainer = time.time(), None
+        try:
+            trainer = Trainer(
+                run, rec, lambda step: flag.set or bool(should_stop and should_stop(step)),
+                prune or pruner_for(out),  # an Optuna sweep's trial finds its study in `out`
+            )
+            summary["device"] = str(trainer.device)
+            # torch's intra-op pool, sized by its launcher from the allocation (OMP_NUM_THREADS)
+            summary["threads"] = torch.get_num_threads()
+            print(f"threads: {summary['threads']}", flush=True)
+            rec.start_wandb()
+            # CPU: live tensors' peak in a steady step (one profiler at a time: not with --profile)
+            with profiled(trainer, profile_steps, out), tracked(trainer, not profile_steps):
+                summary["status"] = trainer.fit()
+        except NonFinite as e:
+            summary.update(status=Status.NAN, error=str(e), nan_step=e.step)
+        except CheckpointError as e:  # none loads, or a save failed (a full disk): one line
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            summary.update(status=Status.FAILED, error=str(e))
+        except Pruned as e:
+            print(e, flush=True)
+            summary["status"] = Status.PRUNED
+        except (torch.OutOfMemoryError, MemoryError) as e:
             summary.update(status=Status.OOM, error=first_line(e))
-        else:
-            traceback.print_exc(file=sys.stderr)
-            summary.update(status=Status.FAILED, error=f"{type(e).__name__}: {e}")
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        if trainer is not None:
-            summary.update(trainer.results())
-            trainer.close()
-        resumed = previous and previous.status in (Status.INTERRUPTED, Status.RUNNING)
-        summary["wall_s"] = time.time() - start + ((resumed and previous.get("wall_s")) or 0)
-        rec.write_summary(summary)
-        rec.finish_wandb(summary)
-        distributed.teardown(
-            failed=summary["status"] in (Status.FAILED, Status.OOM, Status.RUNNING))
+        except UserError as e:
+            summary.update(status=Status.FAILED, error=str(e))
+            raise
+        except Exception as e:
+            if isinstance(e, RuntimeError) and CPU_OOM in str(e):
+                summary.update(status=Status.OOM, error=first_line(e))
+            else:
+                traceback.print_exc(file=sys.stderr)
+                summary.update(status=Status.FAILED, error=f"{type(e).__name__}: {e}")
+        finally:
+            if trainer is not None:
+                summary.update(trainer.results())
+                trainer.close()
+            resumed = previous and previous.status in (Status.INTERRUPTED, Status.RUNNING)
+            summary["wall_s"] = time.time() - start + ((resumed and previous.get("wall_s")) or 0)
+            rec.write_summary(summary)
+            rec.finish_wandb(summary)
+            distributed.teardown(
+                failed=summary["status"] in (Status.FAILED, Status.OOM, Status.RUNNING))
     if summary["status"] == Status.OK and distributed.is_main():
         del trainer  # its model and optimizer: the export builds the model again on the host
         summary = _finish(run, rec, summary)

@@ -167,3 +167,34 @@ def test_an_inf_loss_ends_the_loop_at_its_step(tmp_path):
         trainer.fit()
     trainer.close()
     assert caught.value.step == 3 and trainer.step == 5  # found at step 5's log line
+
+
+def test_a_stop_signal_while_the_trial_wraps_up_does_not_lose_its_summary(tmp_path,
+                                                                          monkeypatch):
+    """torchrun SIGTERMs the other ranks as soon as one ends, and an interrupted rank ends
+    first (non-zero) while rank 0 may still be closing: that SIGTERM, here sent from inside
+    `Trainer.close`, is caught by the trial's own handler (the caller's sees nothing) and the
+    summary on disk says `interrupted`; afterwards the caller's handler is back."""
+    import signal
+
+    reached: list[int] = []
+    close = Trainer.close
+
+    def close_then_signal(self: Trainer) -> None:
+        close(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def record(signum: int, frame: object) -> None:
+        reached.append(signum)
+
+    monkeypatch.setattr(Trainer, "close", close_then_signal)
+    before = signal.signal(signal.SIGTERM, record)
+    try:
+        summary = train(load_run(micro_run(steps=4)), tmp_path / "t",
+                        should_stop=lambda s: s == 2)
+        after = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert reached == [] and after is record
+    assert summary["status"] == "interrupted"
+    assert read_json(tmp_path / "t" / "summary.json")["status"] == "interrupted"
