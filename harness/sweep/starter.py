@@ -13,6 +13,7 @@ a fraction of a second.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import io
 import multiprocessing
@@ -101,8 +102,11 @@ class ForkedTrial:
         return self.process.exitcode
 
     def send_signal(self, sig: int) -> None:
+        """As `subprocess.Popen.send_signal`: nothing to do for a process already gone, even
+        when the fork server has reaped it and its exit status is not read yet."""
         if self.process.exitcode is None:
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)

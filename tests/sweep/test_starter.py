@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -75,3 +76,18 @@ def test_the_fork_server_never_touches_cuda(tmp_path):
                           timeout=300, env={**os.environ})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_signal_to_a_trial_that_ended_unread_is_nothing(tmp_path):
+    """The fork server reaps a child before its exit status reaches us: in that window the
+    trial reads as running but its pid is gone, and a signal to it (the launcher stopping
+    trials, a rank's peers stopped) does nothing, as `subprocess.Popen.send_signal` does."""
+    trial_dir = write_yaml(tmp_path / "t" / "config.yaml", micro_run(steps=1)).parent
+    with TrialDir(trial_dir).open_stderr() as stderr:
+        trial = start_trial(trial_dir, trial_env(1), stderr)
+        trial.stdout.read()
+        assert trial.wait() == 0
+    trial.process._popen.returncode = None  # the status not read yet; the pid already reaped
+    trial.process._popen.poll = lambda flag=os.WNOHANG: None
+    trial.send_signal(signal.SIGTERM)
+    trial.kill()
