@@ -1,7 +1,9 @@
 """Data parallelism: 2 processes (gloo, CPU) train exactly as 1 process with the same global batch.
 
-Each 2-process trial is the real command under torchrun, as a user starts it; the 1-process
-reference runs in this process. Both use one thread, so kernels sum in the same order.
+The 2 ranks are forked warm with torchrun's environment (tests/ranks.py); the interrupted
+pair is the real command under torchrun, as a user starts it, whose agent stops the other rank
+once one ends. The 1-process reference runs in this process. All use one thread, so kernels
+sum in the same order.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from conftest import free_port, micro_run, torchrun, write_yaml
+from conftest import free_port, micro_run, ranks, torchrun, write_yaml
+from ranks import Ranks
 
 from harness.cli import main
 from harness.cost.estimate import estimate_run
@@ -34,7 +37,7 @@ def ddp_run(steps: int = 6, method: dict[str, Any] | None = None,
     return {**data, "method": method or {"name": "full"}, "memory": {"layerwise": layerwise}}
 
 
-def finish(proc: subprocess.Popen) -> str:
+def finish(proc: subprocess.Popen | Ranks) -> str:
     output, _ = proc.communicate(timeout=300)
     return output
 
@@ -62,7 +65,7 @@ def assert_same_losses(one: Path, two: Path) -> float:
                          ids=["full", "galore_layerwise", "lora", "qgalore"])
 def test_two_processes_train_as_one(tmp_path, method, layerwise):
     data = ddp_run(method=method, layerwise=layerwise)
-    proc = torchrun(write_yaml(tmp_path / "run.yaml", data), tmp_path / "two")
+    proc = ranks(write_yaml(tmp_path / "run.yaml", data), tmp_path / "two")
     one = train(load_run(data), tmp_path / "one")  # runs while the children start up
     output = finish(proc)
     assert proc.returncode == 0, output
@@ -91,7 +94,7 @@ def test_the_estimate_for_two_processes_is_what_each_of_two_processes_holds(
     processes counts that (the largest gradient); one process would accumulate two (all)."""
     data = {**micro_run(steps=1, total_batch_size=4), "method": method,
             "memory": {"layerwise": layerwise}}
-    proc = torchrun(write_yaml(tmp_path / "run.yaml", data), tmp_path / "two")
+    proc = ranks(write_yaml(tmp_path / "run.yaml", data), tmp_path / "two")
     output = finish(proc)
     assert proc.returncode == 0, output
     two = read_json(tmp_path / "two" / "summary.json")
