@@ -11,6 +11,7 @@ import math
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -175,8 +176,6 @@ def test_a_stop_signal_while_the_trial_wraps_up_does_not_lose_its_summary(tmp_pa
     first (non-zero) while rank 0 may still be closing: that SIGTERM, here sent from inside
     `Trainer.close`, is caught by the trial's own handler (the caller's sees nothing) and the
     summary on disk says `interrupted`; afterwards the caller's handler is back."""
-    import signal
-
     reached: list[int] = []
     close = Trainer.close
 
