@@ -56,10 +56,18 @@ def compute_basis(grad: Tensor, side: str, rank: int, randomized: bool, seed: in
         return None
     out = {}
     if side in ("left", "full"):
-        out["left"] = u.to(grad.dtype).contiguous()
+        out["left"] = _own(u, grad.dtype)
     if side in ("right", "full"):
-        out["right"] = vh.to(grad.dtype).contiguous()
+        out["right"] = _own(vh, grad.dtype)
     return out
+
+
+def _own(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """A basis with storage of its own size. `U[:, :rank]` and `Vh[:rank]` are views of the
+    whole SVD: LAPACK (CPU) returns Vh column-major, so a contiguous copy was made anyway, but
+    cuSOLVER returns it row-major, where `Vh[:rank]` is already contiguous and `.contiguous()`
+    kept all k × n of it alive (measured on an H200: 1,523,712 floats a layer at llama_60m)."""
+    return t.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 def safe_basis(grad: Tensor, side: str, rank: int, randomized: bool = False,

@@ -13,6 +13,7 @@ from conftest import SAMPLE_VOCAB, micro_model, micro_run
 
 from harness.methods import build_method
 from harness.methods.galore_optim import GaLoreOptimizer
+from harness.methods.projection import compute_basis
 from harness.methods.resolve import load_run
 from harness.models import param_shapes
 from harness.train import train
@@ -281,3 +282,22 @@ def test_bench_optim_records_are_sane():
     for ours in (by_name["galore"], by_name["galore_rsvd"]):
         assert ours["ratio_to_galore_torch"] == pytest.approx(ours["ms_per_step"]
                                                               / ref["ms_per_step"])
+
+
+@pytest.mark.parametrize("randomized", [False, True])
+def test_a_basis_owns_only_its_rank_rows_whatever_the_svd_layout(monkeypatch, randomized):
+    """cuSOLVER returns Vh row-major (LAPACK column-major): its first `rank` rows are then a
+    contiguous view of all k × n, which must not stay alive as the basis (found on an H200:
+    the estimate's GaLore peak 4% low at llama_60m, 11% at llama_350m)."""
+    real_svd = torch.linalg.svd
+
+    def row_major(a, *args, **kwargs):  # as cuSOLVER lays them out
+        return tuple(t.contiguous() for t in real_svd(a, *args, **kwargs))
+
+    monkeypatch.setattr(torch.linalg, "svd", row_major)
+    grad = torch.randn(48, 32)  # tall: GaLore projects on the right, with Vh
+    basis = compute_basis(grad, "full", 4, randomized, 0, torch.float32)
+    assert basis is not None
+    for t in basis.values():
+        assert t.is_contiguous()
+        assert t.untyped_storage().nbytes() == t.numel() * 4  # 4 x 32 or 48 x 4 floats
