@@ -31,8 +31,8 @@ every micro-batch: the method must accumulate (G, or the projected G when no SVD
 step) and update on the last one only (Q-GaLore#13). The hook fires even when neither the input
 nor a bias needs a gradient (a zero-size anchor input requires grad). Forward and backward
 dequantize into a transient matrix of the input's dtype (computed in float32, CHUNK groups at a
-time); `apply_update` rebinds new buffers, never writes in
-place, so a forward's saved codes stay valid.
+time); `apply_update` rebinds new buffers, never writes in place, so a forward's saved codes
+stay valid.
 
 LazyGap has two schedules (`lazy_schedule`). `ours` (the default) differs from the reference's
 projector in three ways: an SVD is due `gap` steps after the last one (the reference tests
