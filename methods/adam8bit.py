@@ -42,6 +42,14 @@ class Adam8bitConfig(AdamConfig):
     min_8bit_size: int = Field(4096, ge=1, description="smaller tensors keep 32-bit states")
 
 
+def own_kernel(run: RunConfig) -> bool:
+    """Whether GaLore's optimizer runs the 8-bit kernel instead of bitsandbytes' AdamW8bit:
+    under fsdp (on 1 process too: one checkpoint format) and bf16-true settings it lacks."""
+    t = run.train
+    return t.parallel == "fsdp" or (t.precision == "bf16-true" and (
+        t.state_dtype, t.update_compensation) != ("float32", "none"))
+
+
 @register("adam8bit")
 class Adam8bit(Method):
     summary = "AdamW with 8-bit blockwise moments (bitsandbytes AdamW8bit; CPU and CUDA)"
@@ -54,9 +62,7 @@ class Adam8bit(Method):
         its checkpoints resume at any), runs the same 8-bit blockwise kernel in GaLore's
         optimizer (no projection), which honours both keys."""
         c, t = self.config, run.train
-        own_kernel = t.precision == "bf16-true" and (t.state_dtype, t.update_compensation) != (
-            "float32", "none")
-        if t.parallel == "fsdp" or own_kernel:  # fsdp on 1 process too: one checkpoint format
+        if own_kernel(run):
             return GaLoreOptimizer(groups, lr=t.lr, betas=c.betas, eps=c.eps, inner="adam8bit",
                                    min_8bit_size=c.min_8bit_size, **own_optimizer_kwargs(t))
         import bitsandbytes as bnb
@@ -65,6 +71,12 @@ class Adam8bit(Method):
         if run.memory.optimizer_offload == "paged":
             return repaged_on_load(bnb.optim.PagedAdamW8bit(groups, **kwargs))
         return bnb.optim.AdamW8bit(groups, **kwargs)
+
+    def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
+        """bitsandbytes' AdamW8bit updates in place (its CPU fallback's own temporaries, five or
+        six float32 copies of a tensor at bitsandbytes 0.50, are not counted: CUDA's kernel
+        makes none); GaLore's optimizer in its stead as `Method.update_bytes`."""
+        return super().update_bytes(shapes, run) if own_kernel(run) else 0
 
     def fsdp_refusal(self, run: RunConfig) -> str | None:
         """8-bit Adam shards: bitsandbytes' blockwise kernel (the one GaLore's optimizer runs

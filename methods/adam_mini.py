@@ -121,17 +121,16 @@ class AdamMini(ParamwiseOptimizer):
             square, of_row = _spanning_mean_square(p, g, blocks)
             m_blocks = m.reshape(len(of_row), -1)
         else:  # one row of the view per block: its mean square is the block's
-            g_blocks, m_blocks = g.reshape(here, -1), m.reshape(here, -1)
-            square = g_blocks.square().mean(1, keepdim=True)
+            m_blocks = m.reshape(here, -1)
+            square = g.reshape(here, -1).square().mean(1, keepdim=True)
         v = st["exp_avg_sq"].float().mul_(b2).add_(square, alpha=1 - b2)
+        del g, square  # each float32 temporary goes as soon as it is used: see add_update
         st["exp_avg_sq"].copy_(v)
         denom = v.sqrt().div_(math.sqrt(1 - b2 ** st["step"])).add_(group["eps"])
         if spans:
             denom = denom[of_row]  # each of this rank's rows by its block's
         update = m_blocks.div(denom).mul_(-lr / (1 - b1 ** st["step"])).reshape(w.shape)
-        if wd:
-            update.add_(w, alpha=-lr * wd)
-        add_update(w, update, self.compensation, st)
+        add_update(w, update, self.compensation, st, lr * wd)
 
     def state_dict(self) -> dict[str, Any]:
         """Under fsdp, row states placed as row shards, which a checkpoint writes shard by shard."""
@@ -200,6 +199,14 @@ class AdamMiniMethod(Method):
             return ("its per-block second moments are its own tensors, not a bitsandbytes "
                     "optimizer's, so they cannot be paged; use memory.optimizer_offload: host")
         return None
+
+    def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
+        """Its own optimizer computes every bf16-true update in float32, bfloat16 moments too:
+        then the first moment's float32 copy lives beside the two of `Method.update_bytes`."""
+        if run.train.precision != "bf16-true":
+            return 0
+        copies = 2 if run.train.state_dtype == "float32" else 3
+        return 4 * copies * max(numel(s) for s in shapes.values())
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         """mn + blocks state values per m×n weight at the state width, plus Kahan buffers."""

@@ -206,22 +206,23 @@ class APOLLOOptimizer(torch.optim.Optimizer):
     def _plain_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         lr, wd = group["lr"], group["weight_decay"]
         states = [self.state[p] for p in params]
-        grads = self.scaling.inner_grads([fsdp.local(p.grad) for p in params])
-        params = [fsdp.local(p) for p in params]
-        if not self.exact:
-            self.scaling.adam(group, params, grads, states, lr, wd)
+        if self.exact:  # one weight at a time: one weight's float32 temporaries, not all
+            for p, st in zip(params, states, strict=True):
+                self._plain_exact(group, p, st)
             return
-        updates = [torch.zeros_like(g) for g in grads]  # Adam leaves -N there (lr 1, no decay)
-        self.scaling.adam(group, updates, grads, states, 1.0, 0.0)
-        for p, u, st in zip(params, updates, states, strict=True):
-            self._add(group, p, u.float().mul_(lr), st)
+        grads = self.scaling.inner_grads([fsdp.local(p.grad) for p in params])
+        self.scaling.adam(group, [fsdp.local(p) for p in params], grads, states, lr, wd)
+
+    def _plain_exact(self, group: dict[str, Any], p: Tensor, st: dict[str, Any]) -> None:
+        grads = self.scaling.inner_grads([fsdp.local(p.grad)])
+        update = torch.zeros_like(grads[0])  # Adam leaves -N there (lr 1, no decay)
+        self.scaling.adam(group, [update], grads, [st], 1.0, 0.0)
+        del grads
+        self._add(group, fsdp.local(p), update.float().mul_(group["lr"]), st)
 
     def _add(self, group: dict[str, Any], p: Tensor, update: Tensor, st: dict[str, Any]) -> None:
         """W ← W - lr·wd·W + update, the float32 sum rounded by the run's compensation."""
-        lr, wd = group["lr"], group["weight_decay"]
-        if wd:
-            update.add_(p, alpha=-lr * wd)
-        add_update(p, update, self.compensation, st)
+        add_update(p, update, self.compensation, st, group["lr"] * group["weight_decay"])
 
     def _apollo_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         states = [self.state[p] for p in params]
@@ -232,7 +233,7 @@ class APOLLOOptimizer(torch.optim.Optimizer):
                 continue
             p, grad = fsdp.local(p), fsdp.local(p.grad)
             if self.exact:
-                self._add(group, p, (grad.float() * factor).mul_(-lr), st)
+                self._add(group, p, grad.float().mul_(factor).mul_(-lr), st)
                 continue
             if wd:
                 p.mul_(1 - lr * wd)

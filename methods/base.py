@@ -109,6 +109,13 @@ class Method:
         """Bytes predicted from the base model's shapes and the hyperparameters alone."""
         raise NotImplementedError
 
+    def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
+        """Bytes one weight's update holds beside the gradients at the step: where a bf16-true
+        update is computed in float32 (`float32_update`), the update and the weight's float32
+        copy (modifiers/compensation.add_update), of the largest weight (this default: every
+        tensor trained so); 0 where kernels update the weights in place."""
+        return update_bytes([numel(s) for s in shapes.values()], run)
+
     def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
         """Rank 0's bytes under fsdp over `world` ranks (the largest share: ceil(m / world)
         rows of each tensor). Per-element states follow their tensor's rows; a method keeping
@@ -134,6 +141,20 @@ class Method:
 
 def live_grad_bytes(params: list[nn.Parameter]) -> int:
     return tensor_bytes([p.grad for p in params])
+
+
+def float32_update(run: RunConfig) -> bool:
+    """Whether a bf16-true run's optimizers compute each update in float32 and round it into the
+    weight (modifiers/compensation.py): with float32 moments or an update compensation. With
+    bfloat16 moments and round to nearest they update the weights in place, as in 32-true."""
+    t = run.train
+    return t.precision == "bf16-true" and (t.state_dtype == "float32"
+                                           or t.update_compensation != "none")
+
+
+def update_bytes(sizes: list[int], run: RunConfig) -> int:
+    """`Method.update_bytes` for trained tensors of `sizes`: two float32 copies of the largest."""
+    return 8 * max(sizes) if float32_update(run) else 0
 
 
 def grad_bytes_of(sizes: list[int], layerwise: bool, accumulation: int, width: int = 4,

@@ -123,9 +123,8 @@ class FiraOptimizer(GaLoreOptimizer):
             full = back_projected(u, b, side).mul_(alpha)
             if s is not None:
                 full.add_(s, alpha=-lr)
-            if wd:
-                full.add_(p, alpha=-lr * wd)
-            add_update(p, full, self.compensation, st)
+            add_update(p, full, self.compensation, st, lr * wd)
+            del full, s  # not alive beside the next weight's: one weight's temporaries at once
 
     def _residual(self, group: dict[str, Any], g: Tensor, u: Tensor, st: dict[str, Any],
                   basis: dict[str, Any], side: str) -> Tensor:

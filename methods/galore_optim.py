@@ -140,18 +140,27 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
     def _plain_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         lr, wd = group["lr"], group["weight_decay"]
         states = [self.state[p] for p in params]
-        grads = self._inner_grads([fsdp.local(p.grad) for p in params])
         sizes = [p.numel() for p in params]  # whole: they choose 8-bit states (fsdp: rows)
+        if self.exact and self.inner != "adafactor":  # one weight at a time: its temporaries
+            for p, st, n in zip(params, states, sizes, strict=True):
+                self._plain_exact(group, p, st, n)
+            return
+        grads = self._inner_grads([fsdp.local(p.grad) for p in params])
         params, sides = [fsdp.local(p) for p in params], ["none"] * len(params)
         if self.inner == "adafactor":
             updates = adafactor(group["lr"], self.beta1, states, grads)
             self._apply(group, params, updates, states, sides, -1.0)
-        elif self.exact:  # Adam leaves -N in a zeroed scratch tensor: lr 1, no decay there
-            updates = [torch.zeros_like(g) for g in grads]
-            self.adam(group, updates, grads, states, 1.0, 0.0, sizes)
-            self._apply(group, params, updates, states, sides, lr)
         else:
             self.adam(group, params, grads, states, lr, wd, sizes)
+
+    def _plain_exact(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], n: int) -> None:
+        """Adam leaves -N in a zeroed scratch tensor (lr 1, no decay there), which `_apply`
+        hands to add_update: two float32 copies of one weight at most."""
+        grads = self._inner_grads([fsdp.local(p.grad)])
+        update = torch.zeros_like(grads[0])
+        self.adam(group, [update], grads, [st], 1.0, 0.0, [n])
+        del grads
+        self._apply(group, [fsdp.local(p)], [update], [st], ["none"], group["lr"])
 
     def _inner_grads(self, grads: list[Tensor]) -> list[Tensor]:
         """What the inner optimizer sees, in the moments' dtype."""
@@ -173,10 +182,7 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
                 project_back_(p, u, b, side, alpha)
             return
         for p, u, st, b, side in zip(params, updates, states, bases, sides, strict=True):
-            full = back_projected(u, b, side).mul_(alpha)
-            if wd:
-                full.add_(p, alpha=-lr * wd)
-            add_update(p, full, self.compensation, st)
+            add_update(p, back_projected(u, b, side).mul_(alpha), self.compensation, st, lr * wd)
 
     # -- projected parameters -------------------------------------------------------------
     def _galore_step(self, group: dict[str, Any], params: list[Tensor]) -> None:

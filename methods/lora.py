@@ -21,6 +21,7 @@ from harness.methods.base import (
     is_target,
     numel,
     register,
+    update_bytes,
 )
 from harness.methods.full import AdamConfig, adam_bytes, adamw
 
@@ -128,3 +129,6 @@ class Lora(Method):
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         s = LoraShapes(shapes, self.config)
         return adam_bytes(s.float_numel, s.trainable, run, self.steps)
+
+    def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
+        return update_bytes(LoraShapes(shapes, self.config).trainable, run)

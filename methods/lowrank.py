@@ -27,6 +27,7 @@ from harness.methods.base import (
     register,
     replace_linears,
     target_linears,
+    update_bytes,
 )
 from harness.methods.full import AdamConfig, Full, adam_bytes
 
@@ -96,8 +97,16 @@ class LowRank(Full):
         return replace_linears(model, LowRankLinear, lambda m: m.B @ m.A)
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
+        sizes = self._trained(shapes)
+        return adam_bytes(sum(sizes), sizes, run, self.steps)  # as in full
+
+    def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
+        return update_bytes(self._trained(shapes), run)
+
+    def _trained(self, shapes: Shapes) -> list[int]:
+        """One entry per trained tensor after `prepare`: two factors for each targeted linear."""
         r, targets = self.config.rank, self.config.target_modules
-        sizes: list[int] = []  # one entry per trained tensor after `prepare`
+        sizes: list[int] = []
         found = set()
         for name, shape in shapes.items():
             module, _, leaf = name.rpartition(".")
@@ -108,4 +117,4 @@ class LowRank(Full):
             else:
                 sizes.append(numel(shape))
         self._check_found(found)
-        return adam_bytes(sum(sizes), sizes, run, self.steps)  # as in full
+        return sizes

@@ -102,8 +102,7 @@ class MuonOptimizer(ParamwiseOptimizer):
             w.mul_(1 - lr * wd)  # torch's order: decay, then the orthogonal update
             w.add_(ortho, alpha=-adjusted)
             return
-        step = ortho.float().mul_(-adjusted).add_(w, alpha=-lr * wd)
-        add_update(w, step, self.compensation, st)
+        add_update(w, ortho.float().mul_(-adjusted), self.compensation, st, lr * wd)
 
 
 class Chain(torch.optim.Optimizer):

@@ -128,8 +128,9 @@ def project_back_(param: Tensor, update: Tensor, st: dict[str, Any], side: str,
 
 
 def back_projected(update: Tensor, st: dict[str, Any], side: str) -> Tensor:
-    """The update brought back to full size in float32, a new tensor: what `add_update` adds
-    when a bf16 weight's sum must be rounded with care."""
+    """The update brought back to full size in float32: what `add_update` adds (and consumes)
+    when a bf16 weight's sum must be rounded with care. Unprojected, a float32 `update` is
+    returned itself, not copied: a caller hands over its scratch tensor."""
     u = update.float()
     left, right = (st[k].float() if k in st else None for k in ("left", "right"))
     if side == "left":
@@ -138,7 +139,7 @@ def back_projected(update: Tensor, st: dict[str, Any], side: str) -> Tensor:
         return u @ right
     if side == "full":
         return left @ u @ right
-    return u.clone()
+    return u
 
 
 def rotate(x: Tensor, left: Tensor | None, right: Tensor | None) -> Tensor:

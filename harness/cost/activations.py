@@ -25,8 +25,9 @@ recomputed module's input and adds one layer's activations back while that layer
 runs; offload moves the offloaded modules' saved tensors of all but the last layer off a GPU
 and brings one layer back ahead of backward. A step's peak is then the method's weights,
 states and extras plus the largest of: the start of backward, the last layer's and the first
-layer's backward (with every gradient above it), and all gradients (the update); gradients of
-earlier micro-batches live through later ones. Checked against whole steps: tests/
+layer's backward (with every gradient above it), and all gradients with one weight's update's
+temporaries (`Method.update_bytes`: bf16-true's float32 updates); gradients of earlier
+micro-batches live through later ones. Checked against whole steps: tests/
 test_activations.py and `harness bench memory` (docs/benchmarks.md).
 """
 
@@ -140,6 +141,7 @@ class Activations:
     bottom: int  # the first layer's backward; gradients of the layers above come on top
     micro_batches: int  # per step on one process: past one, earlier ones' gradients stay
     workspace: int = 0  # the device's matmul library's own buffers, there from the first step
+    update: int = 0  # one weight's update's own temporaries, beside the gradients (the step)
 
 
 def activations(run: RunConfig, shapes: Shapes, method: Method, device: str) -> Activations:
@@ -173,6 +175,7 @@ def activations(run: RunConfig, shapes: Shapes, method: Method, device: str) -> 
         bottom=full + rope + grads,
         micro_batches=method.steps.accumulation,
         workspace=CUBLAS_WORKSPACES if device != "cpu" else 0,
+        update=method.update_bytes(shapes, run),
     )
 
 
@@ -189,10 +192,11 @@ def peak_bytes(estimate: MemoryEstimate, acts: Activations, run: RunConfig,
               + acts.workspace)
     grads = estimate.grad_bytes
     if run.memory.layerwise:  # one gradient at a time (`grad_bytes`): never beside the rest
-        return static + max(acts.start, acts.top, acts.bottom, grads)
+        return static + max(acts.start, acts.top, acts.bottom, grads + acts.update)
     total = sum(map(numel, shapes.values()))
     # a tied embedding is the head, whose gradient comes first
     embedding = sum(numel(s) for n, s in shapes.items() if "embed" in n and not tied(shapes))
     above = grads * (total - embedding) // total  # the first layer's own come as it runs
     earlier = grads if acts.micro_batches > 1 else 0
-    return static + max(earlier + max(acts.start, acts.top), earlier + acts.bottom + above, grads)
+    return static + max(earlier + max(acts.start, acts.top), earlier + acts.bottom + above,
+                        grads + acts.update)

@@ -27,26 +27,39 @@ def stochastic_round_(out: Tensor, value: Tensor) -> None:
     to the float32 pattern, then truncated. Sign-magnitude makes it right for negatives too."""
     bits = value.contiguous().view(torch.int32)
     noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device)
-    out.copy_(bits.add(noise).bitwise_and_(-65536).view(torch.float32))
+    out.copy_(noise.add_(bits).bitwise_and_(-65536).view(torch.float32))  # the sum in place
 
 
-def add_update(param: Tensor, update: Tensor, mode: str, state: dict[str, Any]) -> None:
-    """param += update (any float dtype), in place. A weight that is not bfloat16, or `mode`
-    "none", rounds the float32 sum to nearest once; "stochastic_rounding" and "kahan" as the
-    module says (`state`: the weight's optimizer state, which holds the Kahan buffer)."""
-    if param.dtype != torch.bfloat16 or mode == "none":
+def add_update(param: Tensor, update: Tensor, mode: str, state: dict[str, Any],
+               decay: float = 0.0) -> None:
+    """param ← param - decay·param + update, in place, `update` float32 and consumed (its storage
+    becomes the sum). A weight that is not bfloat16, or `mode` "none", rounds the float32 sum to
+    nearest once; "stochastic_rounding" and "kahan" as the module says (`state`: the weight's
+    optimizer state, which holds the Kahan buffer). Every operation here has operands of one
+    dtype: a CPU makes a float32 copy of each bfloat16 operand of a mixed one (CUDA does not),
+    so the step's temporaries are the same two float32 tensors of the weight's size (`update`
+    and one more) on either device (`Method.step_copies`)."""
+    if param.dtype != torch.bfloat16:
+        if decay:
+            update.add_(param, alpha=-decay)
         param.add_(update)
         return
-    total = param.float().add_(update)
-    if mode == "stochastic_rounding":
+    weight = param.float()
+    if decay:
+        update.add_(weight, alpha=-decay)
+    total = update.add_(weight)  # the same sum as weight + update: IEEE addition commutes
+    del weight
+    if mode == "none":
+        param.copy_(total)
+    elif mode == "stochastic_rounding":
         stochastic_round_(param, total)
     elif mode == "kahan":
         comp = state.get(KAHAN)
         if comp is None:
             comp = state[KAHAN] = torch.zeros_like(param)
-        total.add_(comp)
+        total.add_(comp.float())
         param.copy_(total)  # round to nearest; what that lost goes to the buffer
-        comp.copy_(total.sub_(param))
+        comp.copy_(total.sub_(param.float()))
     else:
         raise ValueError(f"unknown update compensation {mode!r}")
 
@@ -110,13 +123,14 @@ class AdamW(ParamwiseOptimizer):
         g = p.grad.float()
         m = st["exp_avg"].float().lerp_(g, 1 - b1)  # the state itself when float32
         v = st["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
+        del g  # each float32 temporary goes as soon as it is used: see add_update
         st["exp_avg"].copy_(m)
         st["exp_avg_sq"].copy_(v)
         denom = v.div(1 - b2 ** st["step"]).sqrt_().add_(group["eps"])
-        update = m.div(denom).mul_(-lr / (1 - b1 ** st["step"]))
-        if wd:
-            update.add_(p, alpha=-lr * wd)
-        add_update(p, update, self.compensation, st)
+        del v
+        update = torch.div(m, denom, out=denom).mul_(-lr / (1 - b1 ** st["step"]))
+        del m, denom
+        add_update(p, update, self.compensation, st, lr * wd)
 
 
 def own_optimizer_kwargs(train: Any) -> dict[str, Any]:

@@ -141,10 +141,10 @@ def test_bf16_true_honours_state_dtype_and_compensation(tmp_path, monkeypatch, s
     seen: dict[str, Any] = {}
     real_add = adam_mini.add_update
 
-    def spy(param, update, mode, state):
+    def spy(param, update, mode, state, decay=0.0):
         seen.update(param=param.dtype, mode=mode, m=state["exp_avg"].dtype,
                     v=state["exp_avg_sq"].dtype)
-        real_add(param, update, mode, state)
+        real_add(param, update, mode, state, decay)
         seen["kahan"] = KAHAN in state
 
     monkeypatch.setattr(adam_mini, "add_update", spy)

@@ -46,7 +46,7 @@ def test_tiny_updates_lost_to_rounding_are_kept_by_sr_and_kahan(sign):
     states: dict[str, dict[str, Any]] = {mode: {} for mode in weights}
     for _ in range(100):
         for mode, w in weights.items():
-            add_update(w, update, mode, states[mode])
+            add_update(w, update.clone(), mode, states[mode])  # it consumes the update
     target = sign * 1.01
     assert torch.equal(weights["none"], torch.full((4096,), sign, dtype=BF16))
     assert weights["stochastic_rounding"].float().mean().item() == pytest.approx(target, abs=2e-4)
