@@ -83,11 +83,14 @@ MUON = {"name": "muon"}
 # Fira takes GaLore's bases: measured 6.0e-5 (one embedding entry, 4 processes). 8-bit Adam
 # rounds each moment to one of 256 levels of its block: an entry within 1e-7 of a boundary
 # rounds to the neighbour in one run, and its update moves by up to 8% of lr (measured 4.8e-4
-# on 15 of 524,288 embedding entries, 4 processes). Muon's Newton–Schulz runs in bf16: a 1e-7
-# difference in the gathered update rounds some entries to the neighbouring bf16 value, each
-# hidden matrix ends up to 1.9e-4 away, and the embedding entries whose gradients are near zero
-# then take AdamW steps of the other sign (measured 1.04e-2 on 18 of 524,288 entries, 2
-# processes: about 3 steps of lr); the losses still agree as every method's do.
+# on 15 of 524,288 embedding entries, 4 processes); GaLore's 8-bit inner Adam runs the same
+# blockwise kernel, so the same bound (measured 4.7e-4 on 1 of 524,288 embedding entries, 2
+# processes, layer-wise, on an AMD EPYC without AVX-512, where bitsandbytes takes its AVX2 path;
+# under 3e-4 on the Intel Xeon before, with the code of either day). Muon's Newton–Schulz runs
+# in bf16: a 1e-7 difference in the gathered update rounds some entries to the neighbouring bf16
+# value, each hidden matrix ends up to 1.9e-4 away, and the embedding entries whose gradients
+# are near zero then take AdamW steps of the other sign (measured 1.04e-2 on 18 of 524,288
+# entries, 2 processes: about 3 steps of lr); the losses still agree as every method's do.
 WEIGHT_ATOL = {"galore": 3e-4, "fira": 3e-4, "relora": 2e-3, "adam8bit": 2e-3, "muon": 2e-2}
 
 
@@ -127,11 +130,12 @@ def test_fsdp_trains_as_one_process(tmp_path, procs, method, memory):
     written = {p.name for p in (tmp_path / "many" / "checkpoint" / "state.pt").iterdir()}
     assert {f"__{r}_0.distcp" for r in range(procs)} | {".metadata", "rest.pt"} == written
     a, b = state(tmp_path / "one"), state(tmp_path / "many")
+    kernel = method.get("optimizer") if method.get("optimizer") == "adam8bit" else method["name"]
     assert a["model"].keys() == b["model"].keys()
     for key, value in a["model"].items():
         assert b["model"][key].shape == value.shape
         torch.testing.assert_close(b["model"][key], value, rtol=0,
-                                   atol=WEIGHT_ATOL.get(method["name"], 5e-5))
+                                   atol=WEIGHT_ATOL.get(kernel, 5e-5))
     inner = a["optimizer"].get("inner", [a["optimizer"]])  # layer-wise: one optimizer a tensor
     for i, opt in enumerate(inner):
         for index, st in opt["state"].items():
