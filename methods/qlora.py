@@ -23,7 +23,6 @@ from harness.methods.base import (
     register,
     target_linears,
     tensor_bytes,
-    update_bytes,
 )
 from harness.methods.full import adam_bytes
 from harness.methods.lora import ADAPTER, Lora, LoraParams, LoraShapes, add_adapters, lora_layers
@@ -125,9 +124,6 @@ class QLora(Lora):
                              sum(packed))
         counted.extra_bytes = sum(self._constants_bytes(out * inp) for out, inp in s.target_weights)
         return counted
-
-    def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
-        return update_bytes(LoraShapes(shapes, self.config).trainable, run)
 
     def _constants_bytes(self, n: int) -> int:
         """uint8 absmax per block; float32 absmax per 256 of those, offset, and both maps."""

@@ -38,7 +38,7 @@ def add_update(param: Tensor, update: Tensor, mode: str, state: dict[str, Any],
     optimizer state, which holds the Kahan buffer). Every operation here has operands of one
     dtype: a CPU makes a float32 copy of each bfloat16 operand of a mixed one (CUDA does not),
     so the step's temporaries are the same two float32 tensors of the weight's size (`update`
-    and one more) on either device (`Method.step_copies`)."""
+    and one more) on either device (`Method.update_bytes`)."""
     if param.dtype != torch.bfloat16:
         if decay:
             update.add_(param, alpha=-decay)
