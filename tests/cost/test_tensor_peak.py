@@ -63,6 +63,37 @@ def test_a_failing_timeline_leaves_the_trial_ok_without_a_live_tensor_peak(tmp_p
     assert "peak of live tensors not recorded" in capsys.readouterr().out
 
 
+TIMELINES = {  # label -> (method, --set overrides): graphs unlike each other's
+    "full": ({"name": "full"}, {}),
+    "lora bf16-true layer-wise": ({"name": "lora", "rank": 8},
+                                  {"train.precision": "bf16-true", "memory.layerwise": True}),
+    "galore 16-mixed recompute": ({"name": "galore", "rank": 8},
+                                  {"train.precision": "16-mixed", "memory.recompute": "full"}),
+    "adam8bit accumulation 2": ({"name": "adam8bit"}, {"train.total_batch_size": 8}),
+}
+
+
+@pytest.mark.parametrize("case", TIMELINES)
+def test_the_timeline_without_categories_peaks_where_torchs_whole_analysis_does(tmp_path, case):
+    """`tracked` skips the categories' passes of torch's MemoryProfile: torch's own full
+    analysis of the same recorded step is the reference, to the byte."""
+    from harness.cost.profile import profiler
+    from harness.cost.tensor_peak import _peak, _uncategorized
+    from harness.train import Trainer
+    from harness.trials import Records
+
+    method, overrides = TIMELINES[case]
+    run = load_run({**micro_run(steps=3), "method": method}, overrides)
+    trainer = Trainer(run, Records(tmp_path, run), lambda step: False)
+    try:
+        with profiler(1, trainer.device, memory=True) as prof:
+            trainer.hooks.on("step", lambda step: prof.step())
+            trainer.fit()
+    finally:
+        trainer.close()
+    assert _peak(_uncategorized(prof))[0] == _peak(prof._memory_profile())[0] > 0
+
+
 BEFORE_THE_FIRST_STEP = """
 import json, sys
 from pathlib import Path
