@@ -6,19 +6,13 @@ records it as a CPU trial's `peak_memory_bytes`."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
-from torch.profiler._memory_profiler import (
-    Action,
-    CategoryDict,
-    DataFlowGraph,
-    MemoryProfile,
-    OpTree,
-    SizeMap,
-)
+from torch._C._profiler import _EventType
+from torch.profiler._memory_profiler import Action, CategoryDict, Key, OpTree, SizeMap, TensorKey
 
 from harness.cost.profile import SKIPPED, profiler
 from harness.distributed import every_rank, say
@@ -48,7 +42,8 @@ def step_peak(trainer: Trainer) -> tuple[int, dict[str, int]]:
     with profiler(1, trainer.device, memory=True) as prof:
         trainer.hooks.on("step", lambda step: prof.step())
         trainer.fit()
-    return _peak(prof._memory_profile())
+    memory = prof._memory_profile()
+    return _peak(memory.timeline, memory._categories)
 
 
 @contextmanager
@@ -67,12 +62,13 @@ def tracked(trainer: Trainer, enabled: bool = True) -> Iterator[None]:
         trainer.meter.pause()  # reading the timeline is not training
         peak = None
         try:
-            peak = _peak(_uncategorized(prof))[0]
+            peak = _peak(_timeline(prof))[0]
             trainer.costs[PEAK] = peak
-        except Exception as e:  # torch's timeline analysis asserts on some graphs (seen under
-            # DDP with layer-wise hooks): a measurement must never end the trial it measures
-            say(f"peak of live tensors not recorded: torch's memory timeline failed "
-                f"({brief(e)}); the summary keeps peak_rss_bytes")
+        except Exception as e:  # the profiler's private event tree may change with torch (its
+            # data-flow analysis, read before, asserted under DDP with layer-wise hooks): a
+            # measurement must never end the trial it measures
+            say(f"peak of live tensors not recorded: reading the profiler's memory events "
+                f"failed ({brief(e)}); the summary keeps peak_rss_bytes")
         finally:
             peaks = every_rank(peak)  # every rank profiles the same step: in lockstep
             if trainer.sharded and all(peaks):
@@ -85,35 +81,73 @@ def tracked(trainer: Trainer, enabled: bool = True) -> Iterator[None]:
         yield
 
 
-def _uncategorized(prof: torch.profiler.profile) -> MemoryProfile:
-    """torch's memory timeline without the tensor categories, which only a breakdown needs: the
-    same peak (tests/cost/test_tensor_peak.py) from about half the analysis that every CPU trial
-    pays (0.36 s instead of 0.66 s at llama_micro on 2 cores)."""
-    memory = MemoryProfile.__new__(MemoryProfile)  # __init__ runs the categories' seven passes
-    memory._op_tree = OpTree(prof.profiler.kineto_results)  # type: ignore[union-attr]
-    memory._data_flow_graph = DataFlowGraph(memory._op_tree)
-    memory._size_map = SizeMap(memory._op_tree)
-    memory._categories = CategoryDict()
-    return memory
+Event = tuple[int, Action, tuple[object, int], int]  # time, action, (key, version), bytes
 
 
-def _peak(memory: object) -> tuple[int, dict[str, int]]:
+def _timeline(prof: torch.profiler.profile) -> list[Event]:
+    """torch's memory timeline (MemoryProfile.timeline) without its data-flow graph and tensor
+    categories, which only a breakdown needs: a fifth of the analysis every CPU trial pays
+    (0.15 s instead of 0.7 s at llama_micro on 2 cores), the same peak to the byte
+    (tests/cost/test_tensor_peak.py). A tensor is created and destroyed where the allocator
+    says; one an op reads that was allocated before the step lived before it. In-place writes,
+    which the graph tracks for the categories, move no bytes."""
+    tree = OpTree(prof.profiler.kineto_results)  # type: ignore[union-attr]
+    sizes = SizeMap(tree)
+    events: list[Event] = []
+    read: set[TensorKey] = set()
+    allocated: set[TensorKey] = set()
+    freed: set[TensorKey] = set()
+    live_unknown: set[tuple[int, torch.device]] = set()
+    for event in tree.dfs():
+        kind, fields = event.typed
+        if kind == _EventType.TorchOp:
+            read.update(k for k in map(TensorKey.from_tensor, SizeMap._flat_tensor_inputs(fields))
+                        if k is not None)
+        elif kind == _EventType.Allocation:
+            time, size = event.start_time_ns, fields.alloc_size
+            key = TensorKey.from_allocation(fields)
+            if key is not None:
+                (allocated if size > 0 else freed).add(key)
+                events.append((time, Action.CREATE if size > 0 else Action.DESTROY, (key, 0),
+                               sizes[key]))
+            else:  # no tensor of its own (as torch's timeline: one key a device, by address)
+                unknown, spot = (Key(fields.device), 0), (fields.ptr, fields.device)
+                if size > 0:
+                    bumped = spot in live_unknown
+                    events.append((time, Action.INCREMENT_VERSION if bumped else Action.CREATE,
+                                   unknown, size))
+                    live_unknown.add(spot)
+                else:
+                    events.append((time, Action.DESTROY, unknown, -size))
+                    if spot not in live_unknown:
+                        events.append((-1, Action.PREEXISTING, unknown, -size))
+                    live_unknown.discard(spot)
+    events += [(-1, Action.PREEXISTING, (k, 0), sizes[k]) for k in (read | freed) - allocated]
+    events.sort(key=lambda e: (e[0], e[1].value))
+    return events
+
+
+def _peak(timeline: Sequence[Event], categories: CategoryDict | None = None,
+          ) -> tuple[int, dict[str, int]]:
+    """The largest sum of live bytes in `timeline`, with its breakdown by torch's `categories`
+    where given."""
     live: dict[object, tuple[int, str]] = {}
     current = peak = 0
     at_peak: Counter[str] = Counter()
-    for _, action, (key, version), size in memory.timeline:  # type: ignore[attr-defined]
+    for _, action, (key, version), size in timeline:
         if action == Action.DESTROY:
             current -= live.pop(key, (0, ""))[0]
             continue
         bumped = action == Action.INCREMENT_VERSION  # written in place: same bytes, maybe a new
         old = live.get(key, (0, ""))[0]  # category (a gradient becoming an optimizer state)
         nbytes = old if bumped and old else size
-        category = memory._categories.get(key, version + bumped)  # type: ignore[attr-defined]
+        category = categories.get(key, version + bumped) if categories is not None else None
         live[key] = (nbytes, category.name.lower() if category else "other")
         current += nbytes - old
         if current > peak:
             peak = current
-            at_peak = Counter()
-            for nbytes, category in live.values():
-                at_peak[category] += nbytes
+            if categories is not None:
+                at_peak = Counter()
+                for nbytes, category in live.values():
+                    at_peak[category] += nbytes
     return peak, dict(at_peak)

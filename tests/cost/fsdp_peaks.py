@@ -2,8 +2,7 @@
 a steady fsdp step, for each run config named after the output folder, as one JSON line a
 config in the folder's `rank-<r>.jsonl`. Without accumulation torch's own FSDP2 memory
 tracker (`FSDPMemTracker`) measures it; it refuses a second forward in one step, so with
-accumulation the profiler's memory timeline does (harness/cost/tensor_peak.py), a step again
-on every rank where its analysis fails on one (it asserts on some graphs)."""
+accumulation the profiler's memory timeline does (harness/cost/tensor_peak.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 from harness import distributed
 from harness.cost.profile import profiler
-from harness.cost.tensor_peak import _peak
+from harness.cost.tensor_peak import _peak, _timeline
 from harness.methods.resolve import load_run
 from harness.train.loop import Trainer
 from harness.trials import Records
@@ -30,20 +29,14 @@ def tracked(trainer: Trainer) -> int:
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
-def profiled(trainer: Trainer) -> int | None:
-    """Measured on every rank in one step: a rank's timeline analysis fails now and then (about
-    one step in four here), so up to 8 steps are tried."""
-    for _ in range(8):
-        with profiler(1, trainer.device, memory=True, skipped=0) as prof:
-            trainer.train_step()
-            prof.step()
-        try:
-            peak = _peak(prof._memory_profile())[0]
-        except AssertionError:  # torch's data-flow analysis: "version mismatch"
-            peak = None
-        if all(distributed.every_rank(peak)):
-            return peak
-    return None
+def profiled(trainer: Trainer) -> int:
+    """Measured on every rank in one step, as `tracked` in harness/cost/tensor_peak.py reads a
+    trial's (torch's own data-flow analysis, which asserted on about one rank-step in four
+    here, is not used)."""
+    with profiler(1, trainer.device, memory=True, skipped=0) as prof:
+        trainer.train_step()
+        prof.step()
+    return _peak(_timeline(prof))[0]
 
 
 def main(results: Path, configs: list[str]) -> None:

@@ -70,15 +70,18 @@ TIMELINES = {  # label -> (method, --set overrides): graphs unlike each other's
     "galore 16-mixed recompute": ({"name": "galore", "rank": 8},
                                   {"train.precision": "16-mixed", "memory.recompute": "full"}),
     "adam8bit accumulation 2": ({"name": "adam8bit"}, {"train.total_batch_size": 8}),
+    "qgalore": ({"name": "qgalore", "rank": 8}, {}),
+    "apollo offloads": ({"name": "apollo", "rank": 8}, {"memory.offload": ["mlp"],
+                                                       "memory.optimizer_offload": "host"}),
 }
 
 
 @pytest.mark.parametrize("case", TIMELINES)
-def test_the_timeline_without_categories_peaks_where_torchs_whole_analysis_does(tmp_path, case):
-    """`tracked` skips the categories' passes of torch's MemoryProfile: torch's own full
-    analysis of the same recorded step is the reference, to the byte."""
+def test_the_lean_timeline_peaks_where_torchs_whole_analysis_does(tmp_path, case):
+    """`tracked` reads the allocator's events without torch's data-flow graph and categories:
+    torch's own MemoryProfile of the same recorded step is the reference, to the byte."""
     from harness.cost.profile import profiler
-    from harness.cost.tensor_peak import _peak, _uncategorized
+    from harness.cost.tensor_peak import _peak, _timeline
     from harness.train import Trainer
     from harness.trials import Records
 
@@ -91,7 +94,7 @@ def test_the_timeline_without_categories_peaks_where_torchs_whole_analysis_does(
             trainer.fit()
     finally:
         trainer.close()
-    assert _peak(_uncategorized(prof))[0] == _peak(prof._memory_profile())[0] > 0
+    assert _peak(_timeline(prof))[0] == _peak(prof._memory_profile().timeline)[0] > 0
 
 
 BEFORE_THE_FIRST_STEP = """
