@@ -89,8 +89,8 @@ def _timeline(prof: torch.profiler.profile) -> list[Event]:
     categories, which only a breakdown needs: a fifth of the analysis every CPU trial pays
     (0.15 s instead of 0.7 s at llama_micro on 2 cores), the same peak to the byte
     (tests/cost/test_tensor_peak.py). A tensor is created and destroyed where the allocator
-    says; one an op reads that was allocated before the step lived before it. In-place writes,
-    which the graph tracks for the categories, move no bytes."""
+    says; one that an op reads or the step frees, not allocated in the step, lived before it.
+    In-place writes, which the graph tracks for the categories, move no bytes."""
     tree = OpTree(prof.profiler.kineto_results)  # type: ignore[union-attr]
     sizes = SizeMap(tree)
     events: list[Event] = []
