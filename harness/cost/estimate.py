@@ -16,7 +16,6 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-import pandas as pd
 import torch
 from tabulate import tabulate
 
@@ -177,6 +176,8 @@ def paper_comparison(records: list[dict[str, Any]], sweep: SweepConfig) -> str:
 
 def human_bytes(value: Any) -> str:
     """Decimal units (GB = 1e9 bytes) to match how accelerator memory is usually quoted."""
+    import pandas as pd  # here: a worker or trial process that never prints a table skips it
+
     if pd.isna(value):
         return ""
     if value >= 1e9:

@@ -13,23 +13,22 @@ helpers below are how methods and modifiers see a parameter that may be sharded 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
-from torch.distributed.tensor import DTensor
 
 from harness import distributed
+
+# torch's FSDP, DTensor and checkpoint modules are imported where they are used: together they
+# take ~1 s of CPU to import (sympy among them), in every trial, worker and CLI process, most of
+# which never shard. Until a sharded run imports them, no tensor can be a DTensor (`is_sharded`).
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
 
 # Mixed precision as FSDP does it: the float32 shards are the master weights, gathered in the
 # compute dtype; gradients are reduced in float32. Other precisions: the weights' own dtype.
@@ -37,6 +36,8 @@ COMPUTE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     dtype = COMPUTE.get(precision)
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
 
@@ -48,6 +49,9 @@ def shard(model: nn.Module, layers: Iterable[nn.Module], device: torch.device, p
     gathered weights after its forward when `reshard_after_forward` (gathered again for its
     backward), or keeps them to save that all-gather. `offload`: FSDP's CPU offload, the
     sharded weights, gradients and optimizer states on the host, the step run there."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
     mesh = init_device_mesh(device.type, (distributed.world_size(),))
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     common = {"mesh": mesh, "mp_policy": mixed_precision(precision), "offload_policy": policy}
@@ -56,24 +60,26 @@ def shard(model: nn.Module, layers: Iterable[nn.Module], device: torch.device, p
     fully_shard(model, **common)
 
 
-def is_sharded(t: torch.Tensor | None) -> bool:
-    return isinstance(t, DTensor)
+def is_sharded(t: Any) -> bool:
+    """Whether `t` is a DTensor (a sharded tensor)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's rows of a sharded tensor, a view (writes reach the shard); else `t` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_sharded(t) else t
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on every rank (an all-gather when sharded); else `t` itself."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_sharded(t) else t
 
 
 def rows(t: torch.Tensor, sharded: bool = False) -> slice:
     """The rows of the whole tensor that this rank's shard holds (all of them unsharded);
     `sharded`: as if `t` were row-sharded over the ranks."""
-    if not (sharded or isinstance(t, DTensor)):
+    if not (sharded or is_sharded(t)):
         return slice(0, t.shape[0])
     world, rank = distributed.world_size(), distributed.rank()
     chunk = -(-t.shape[0] // world)
@@ -85,13 +91,15 @@ def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """`value`, this rank's rows of a tensor shaped as `param`, as a sharded tensor placed as
     `param` is (plain `value` when `param` is not sharded): optimizer states in this form are
     saved and resharded by torch.distributed.checkpoint like the weights."""
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return value
     return _row_shard(value, param, param.shape)
 
 
 def _row_shard(local: torch.Tensor, ref: DTensor, shape: Iterable[int]) -> DTensor:
     """`local`, this rank's rows of a tensor of `shape`, placed as the sharded `ref` is."""
+    from torch.distributed.tensor import DTensor
+
     shape = torch.Size(shape)
     return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
                               shape=shape, stride=torch.empty(shape, device="meta").stride())
@@ -117,7 +125,7 @@ def split(obj: Any, key: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
     def walk(o: Any, at: str) -> Any:
         if isinstance(o, torch.Tensor):
             tensors[at] = o
-            return Slot(at, isinstance(o, DTensor), tuple(o.shape), o.dtype)
+            return Slot(at, is_sharded(o), tuple(o.shape), o.dtype)
         if isinstance(o, dict):
             return {k: walk(v, f"{at}/{k}") for k, v in o.items()}
         if isinstance(o, list | tuple):
@@ -131,7 +139,7 @@ def templates(skeleton: Any, model: nn.Module) -> dict[str, torch.Tensor]:
     """Empty tensors to read a split state into at this world size: a row-sharded one as this
     rank's rows of a DTensor placed as the model's weights are (whole when the model is not
     sharded), any other whole, on the host."""
-    ref = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    ref = next((p for p in model.parameters() if is_sharded(p)), None)
     out: dict[str, torch.Tensor] = {}
     for slot in _slots(skeleton):
         if slot.rows and ref is not None:
@@ -169,16 +177,18 @@ def shard_states(states: dict[Any, dict[str, Any]]) -> None:
     """An optimizer's per-parameter states, loaded whole from a checkpoint, cut to this rank's
     rows and placed as their parameter is: every tensor shaped as its (sharded) parameter."""
     for param, state in states.items():
-        if not isinstance(param, DTensor):
+        if not is_sharded(param):
             continue
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+            if isinstance(value, torch.Tensor) and not is_sharded(value) \
                     and value.shape == param.shape:
                 state[key] = like(value[rows(param)].to(param.device), param)
 
 
 def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """A whole model state (a checkpoint's) into a sharded model: each rank keeps its rows."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
@@ -186,7 +196,7 @@ def rows_whole(state: dict[str, Any], param: torch.Tensor, whole: Collection[str
     """An optimizer state kept as plain tensors of this rank's rows (dim 0 the shard's rows,
     keys outside `whole`, which every rank holds entire) with those tensors placed as row
     shards of the whole, which a checkpoint writes shard by shard and reads at any world size."""
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return state
     span = rows(param)
     out = dict(state)
@@ -200,12 +210,12 @@ def rows_whole(state: dict[str, Any], param: torch.Tensor, whole: Collection[str
 def rows_cut(state: dict[str, Any], param: torch.Tensor, whole: Collection[str]) -> None:
     """The inverse of `rows_whole` on load: each whole tensor of the parameter's rows (dim 0
     the parameter's, keys outside `whole`) cut to this rank's rows, in place."""
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return
     for key, value in state.items():
         if key in whole or not isinstance(value, torch.Tensor):
             continue
-        if isinstance(value, DTensor):  # read from a sharded checkpoint: already its rows
+        if is_sharded(value):  # read from a sharded checkpoint: already its rows
             state[key] = value.to_local()
         elif value.dim() and value.shape[0] == param.shape[0]:
             state[key] = value[rows(param)].clone()
@@ -216,19 +226,19 @@ def blocks_whole(state: dict[str, Any], param: torch.Tensor, keys: Collection[st
     """Per-block values of this rank's rows (8-bit states' absmax: one a block of the
     flattened shard) placed as shards of the whole tensor's `blocks`; sound where every shard
     is a whole number of blocks and the ranks hold equal rows (`aligned`)."""
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return state
     return {k: _row_shard(v, param, (blocks,)) if k in keys and isinstance(v, torch.Tensor)
-            and not isinstance(v, DTensor) else v for k, v in state.items()}
+            and not is_sharded(v) else v for k, v in state.items()}
 
 
 def blocks_cut(state: dict[str, Any], param: torch.Tensor, keys: Collection[str]) -> None:
     """The inverse of `blocks_whole` on load: this rank's blocks of each whole tensor."""
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return
     for key in keys:
         value = state.get(key)
-        if isinstance(value, DTensor):
+        if is_sharded(value):
             state[key] = value.to_local()
         elif isinstance(value, torch.Tensor):
             state[key] = value[rows(value, sharded=True)].clone()
@@ -243,5 +253,5 @@ def aligned(shape: Iterable[int], block: int) -> bool:
 
 
 def _holds_rows(value: Any, span: slice) -> bool:
-    return (isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0
+    return (isinstance(value, torch.Tensor) and not is_sharded(value) and value.dim() > 0
             and value.shape[0] == span.stop - span.start)
