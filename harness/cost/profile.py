@@ -23,12 +23,14 @@ if TYPE_CHECKING:
 SKIPPED = 2  # steps before the recorded ones
 
 
-def profiler(steps: int, device: torch.device, memory: bool = False,
+def profiler(steps: int, device: torch.device, memory: bool = False, stacks: bool = False,
              on_trace_ready: Callable[[profile], None] | None = None,
              skipped: int = SKIPPED) -> profile:
-    """`memory`: also record allocations with their stacks, for the memory timeline
-    (harness/cost/tensor_peak.py); `on_trace_ready` runs as soon as the recorded steps end;
-    `skipped`: steps before them (the last one a warm-up)."""
+    """`memory`: also record allocations, for the memory timeline (harness/cost/tensor_peak.py);
+    `stacks`: and the Python stacks, which torch's memory categories need (a breakdown), not
+    the peak (they cost about 0.2 s of a llama_micro trial's 1.4 s on 2 cores); `on_trace_ready`
+    runs as soon as the recorded steps end; `skipped`: steps before them (the last one a
+    warm-up)."""
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -37,7 +39,7 @@ def profiler(steps: int, device: torch.device, memory: bool = False,
         steps_of = schedule(wait=max(skipped - 1, 0), warmup=min(skipped, 1), active=steps,
                             repeat=1)
     return profile(activities=activities, record_shapes=True, profile_memory=memory,
-                   with_stack=memory, on_trace_ready=on_trace_ready, schedule=steps_of)
+                   with_stack=stacks, on_trace_ready=on_trace_ready, schedule=steps_of)
 
 
 def write(prof: profile, out: Path, device: torch.device, rows: int = 30) -> str:

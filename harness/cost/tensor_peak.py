@@ -39,7 +39,7 @@ def step_peak(trainer: Trainer) -> tuple[int, dict[str, int]]:
         trainer.hooks.on("step", reset)
         trainer.fit()
         return torch.cuda.max_memory_allocated(trainer.device), {}
-    with profiler(1, trainer.device, memory=True) as prof:
+    with profiler(1, trainer.device, memory=True, stacks=True) as prof:
         trainer.hooks.on("step", lambda step: prof.step())
         trainer.fit()
     memory = prof._memory_profile()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from harness.cost.profile import SKIPPED, profiler, write
@@ -31,10 +32,13 @@ def test_records_the_steps_after_the_skipped_ones_and_writes_both_files(tmp_path
     assert "aten::mm" in table and len(table.splitlines()) < len(ops.splitlines())
 
 
-def test_memory_mode_records_allocations_with_shapes():
-    with profiler(1, CPU, memory=True) as prof:
+@pytest.mark.parametrize("stacks", [False, True])
+def test_memory_mode_records_allocations_with_shapes(stacks):
+    with profiler(1, CPU, memory=True, stacks=stacks) as prof:
         work(prof, SKIPPED + 1)
-    assert prof.profile_memory and prof.record_shapes and prof.with_stack
+    assert prof.profile_memory and prof.record_shapes and prof.with_stack is stacks
     mm = [e for e in prof.events() if e.name == "aten::mm"]
     assert mm and mm[0].input_shapes[:2] == [[32, 32], [32, 32]]
     assert max(e.cpu_memory_usage for e in prof.events()) >= 32 * 32 * 4
+    # the Python tracer's frames ("file.py(line): function") only when asked
+    assert any(".py(" in e.name for e in prof.events()) is stacks

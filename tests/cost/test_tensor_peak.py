@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from conftest import estimated_peak, micro_run
 
 from harness.bench.memory import PEAK_TOLERANCE, method_run
@@ -78,8 +80,12 @@ TIMELINES = {  # label -> (method, --set overrides): graphs unlike each other's
 
 @pytest.mark.parametrize("case", TIMELINES)
 def test_the_lean_timeline_peaks_where_torchs_whole_analysis_does(tmp_path, case):
-    """`tracked` reads the allocator's events without torch's data-flow graph and categories:
-    torch's own MemoryProfile of the same recorded step is the reference, to the byte."""
+    """`tracked` reads the allocator's events without torch's data-flow graph and categories,
+    and records no Python stacks: torch's own MemoryProfile of the same recorded step (which
+    needs the stacks) is the reference, to the byte, for the timeline read from either record
+    (the second of a run trained again alike). Q-GaLore's peak is not the same from one run to
+    the next (21,951,388 to 22,000,540 bytes over six runs, with stacks or without: 0.22%):
+    its stackless record is held within 0.5% of the first."""
     from harness.cost.profile import profiler
     from harness.cost.tensor_peak import _peak, _timeline
     from harness.train import Trainer
@@ -87,14 +93,24 @@ def test_the_lean_timeline_peaks_where_torchs_whole_analysis_does(tmp_path, case
 
     method, overrides = TIMELINES[case]
     run = load_run({**micro_run(steps=3), "method": method}, overrides)
-    trainer = Trainer(run, Records(tmp_path, run), lambda step: False)
-    try:
-        with profiler(1, trainer.device, memory=True) as prof:
-            trainer.hooks.on("step", lambda step: prof.step())
-            trainer.fit()
-    finally:
-        trainer.close()
-    assert _peak(_timeline(prof))[0] == _peak(prof._memory_profile().timeline)[0] > 0
+
+    def recorded(stacks: bool, out: Path) -> torch.profiler.profile:
+        trainer = Trainer(run, Records(out, run), lambda step: False)
+        try:
+            with profiler(1, trainer.device, memory=True, stacks=stacks) as prof:
+                trainer.hooks.on("step", lambda step: prof.step())
+                trainer.fit()
+        finally:
+            trainer.close()
+        return prof
+
+    whole, lean = recorded(True, tmp_path / "whole"), recorded(False, tmp_path / "lean")
+    reference = _peak(whole._memory_profile().timeline)[0]
+    assert _peak(_timeline(whole))[0] == reference > 0
+    if case == "qgalore":
+        assert _peak(_timeline(lean))[0] == pytest.approx(reference, rel=0.005)
+    else:
+        assert _peak(_timeline(lean))[0] == reference
 
 
 BEFORE_THE_FIRST_STEP = """
