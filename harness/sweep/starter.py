@@ -61,8 +61,8 @@ def _text_stream(fd: int) -> IO[str]:
 def _run_trial(argv: list[str], env: dict[str, str], out: _Fd, err: _Fd) -> None:
     """The forked child: stdio and environment as a fresh `harness ...` would have them."""
     # What the fork server imported lives as long as the trial: out of the collector's sight,
-    # a full collection (the end of every trial has one) walks only the trial's own objects
-    # (not the server's 436,000: 0.22 CPU-s each), and the pages shared with the server stay shared.
+    # a full collection (the end of every trial has one) walks only the trial's own objects,
+    # not the server's 436,000 (0.22 CPU-s each), and pages shared with the server stay so.
     gc.freeze()
     os.dup2(out.fd, 1)
     os.dup2(err.fd, 2)
