@@ -145,11 +145,13 @@ def test_a_preempted_fsdp_trial_of_two_tasks_resumes_from_its_shards(tmp_path):
 
 
 def test_a_trial_at_its_time_limit_is_requeued_and_resumes(tmp_path):
-    """Slurm checks limits every 30 s: with timeout_min=2 and a 30 s signal delay, USR2 comes
-    60-90 s in. The trial is too long to finish; once it has resumed, the job is cancelled."""
+    """Slurm checks limits every 30 s: with timeout_min=2 and a 50 s signal delay, USR2 comes
+    40-70 s in (an 80 s delay sent it 26 s in), when the trial trains (its first steps came
+    about 20 s in). The trial is too long to finish; once it has resumed, the job is
+    cancelled."""
     out = tmp_path / "runs"
     path = sweep_file(tmp_path, 1_000_000, [3e-3], log_every=10)
-    proc = start_sweep(path, out, "launcher.timeout_min=2", "launcher.signal_delay_s=30")
+    proc = start_sweep(path, out, "launcher.timeout_min=2", "launcher.signal_delay_s=50")
     trial_dir = only_trial(out)
     job = job_of(trial_dir)
     stopped_at = wait_past_requeue(trial_dir, 20, "no requeue at the time limit")
