@@ -277,15 +277,28 @@ def describe(model: PreTrainedModel) -> str:
     return f"{total / 1e6:.2f}M parameters ({(total - embed) / 1e6:.2f}M without input embeddings)"
 
 
-def param_shapes(name: str, vocab_size: int, seq_len: int) -> dict[str, torch.Size]:
-    """Every parameter's shape, from a model built on the meta device: no memory, no data.
-    `vocab_size`, the tokenizer's length, as `build_model` takes it."""
+def param_shapes(name: str, vocab_size: int) -> dict[str, torch.Size]:
+    """Every parameter's shape, in `named_parameters` order: no memory, no data. `vocab_size`,
+    the tokenizer's length, as `build_model` takes it."""
     if name not in PRESETS:
         fit_vocab(name, vocab_size)
         return dict(hf_model(name).shapes)
-    with torch.device("meta"):
-        model = build_model(name, vocab_size, seq_len, None)
-    return {n: p.shape for n, p in model.named_parameters()}
+    return preset_shapes(PRESETS[name], vocab_size)
+
+
+def preset_shapes(p: Preset, vocab_size: int) -> dict[str, torch.Size]:
+    """A preset's LlamaForCausalLM shapes written out, not built: importing transformers'
+    modeling costs a sweep, `harness estimate` or `plan` process about 3 CPU-seconds, and a
+    preset's layout is fixed (tests/test_models.py checks it against the built model)."""
+    h, i = p.hidden, p.intermediate
+    layer = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, h), "self_attn.v_proj": (h, h),
+             "self_attn.o_proj": (h, h), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h),
+             "mlp.down_proj": (h, i), "input_layernorm": (h,), "post_attention_layernorm": (h,)}
+    shapes = {"model.embed_tokens.weight": torch.Size((vocab_size, h))}
+    for k in range(p.layers):
+        shapes |= {f"model.layers.{k}.{m}.weight": torch.Size(s) for m, s in layer.items()}
+    return shapes | {"model.norm.weight": torch.Size((h,)),
+                     "lm_head.weight": torch.Size((vocab_size, h))}
 
 
 def head_shape(shapes: dict[str, Any]) -> Any:

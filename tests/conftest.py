@@ -372,7 +372,7 @@ def estimated_peak(run: Any, device: str = "cpu") -> int:
     from harness.methods import build_method
     from harness.models import param_shapes
 
-    shapes = param_shapes(run.model, SAMPLE_VOCAB, run.task.seq_len)
+    shapes = param_shapes(run.model, SAMPLE_VOCAB)
     method = build_method(run)
     return peak_bytes(method.estimate(shapes, run), activations(run, shapes, method, device),
                       run, shapes)

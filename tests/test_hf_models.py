@@ -90,11 +90,11 @@ def test_each_family_is_described_as_its_config_says(tmp_path):
         assert (arch.kv_heads, arch.head_dim, arch.vocab) == (kv, HEAD_DIM, SAMPLE_VOCAB)
         assert arch.tied == (family == "qwen2")
         assert arch.window == (WINDOW if family == "mistral" else None)
-        shapes = param_shapes(model, SAMPLE_VOCAB, 32)
+        shapes = param_shapes(model, SAMPLE_VOCAB)
         assert shapes["model.layers.1.self_attn.k_proj.weight"] == (kv * HEAD_DIM, HIDDEN)
         assert ("model.layers.0.self_attn.q_proj.bias" in shapes) == (family == "qwen2")
         assert ("lm_head.weight" in shapes) == (family != "qwen2")
-    assert sum(s.numel() for s in param_shapes(str(tmp_path / "qwen2"), 100, 32).values()) == (
+    assert sum(s.numel() for s in param_shapes(str(tmp_path / "qwen2"), 100).values()) == (
         qwen2_params())
 
 

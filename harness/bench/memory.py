@@ -71,7 +71,7 @@ def method_records(label: str, preset: str, steps: int, seq_len: int,
     run = method_run(label, preset, steps, seq_len, batch_size)
     summary, peak = measure_run(run)
     method = build_method(run)
-    shapes = param_shapes(preset, vocab_size(run.task.tokenizer), seq_len)
+    shapes = param_shapes(preset, vocab_size(run.task.tokenizer))
     estimate = method.estimate(shapes, run)
     acts = activations(run, shapes, method, pick_device(run.device).type)
     predicted_peak = peak_bytes(estimate, acts, run, shapes)

@@ -65,8 +65,8 @@ def vocab_size(tokenizer: str) -> int:
 
 
 @lru_cache
-def _shapes(model: str, vocab: int, seq_len: int) -> dict[str, torch.Size]:
-    return param_shapes(model, vocab, seq_len)
+def _shapes(model: str, vocab: int) -> dict[str, torch.Size]:
+    return param_shapes(model, vocab)
 
 
 def estimate_run(run: RunConfig, world: int = 1) -> dict[str, Any]:
@@ -74,7 +74,7 @@ def estimate_run(run: RunConfig, world: int = 1) -> dict[str, Any]:
     in total, and its peak: each process holds all of them under DDP, rank 0 its share and what
     FSDP gathers under fsdp (harness/cost/sharded.py)."""
     steps = Steps.of(run.train, run.task.seq_len, world, "launcher: nodes x tasks_per_node")
-    shapes = _shapes(run.model, vocab_size(run.task.tokenizer), run.task.seq_len)
+    shapes = _shapes(run.model, vocab_size(run.task.tokenizer))
     method = build_method(run, steps)
     estimate = whole = method.estimate(shapes, run)
     acts = activations(run, shapes, method, "cpu" if run.device == "cpu" else "cuda")

@@ -232,7 +232,7 @@ def step_work(run: Any, gpus: int = 1) -> tuple[float, int, float]:
     """A step's extra forward passes (a fraction of one), bytes over the host link, and its
     seconds on DEVICE under the cost model (the module's docstring): one GPU's share."""
     seq_len, layers = run.task.seq_len, architecture(run.model).layers
-    shapes = _shapes(run.model, vocab_size(run.task.tokenizer), seq_len)
+    shapes = _shapes(run.model, vocab_size(run.task.tokenizer))
     steps = Steps.of(run.train, seq_len, gpus)
     method = build_method(run, steps)
     flops = forward_flops(shapes, method, seq_len)

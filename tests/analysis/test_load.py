@@ -20,7 +20,7 @@ def test_one_row_per_trial_with_summary_and_config_columns(finished_run: Path):
     assert sorted(trials.index) == ["adam8bit", "full"]
     assert (trials["status"] == "ok").all() and (trials["run_dir"] == str(finished_run)).all()
     assert sorted(trials["trial"]) == sorted(p.name for p in (finished_run / "trials").iterdir())
-    n = sum(s.numel() for s in param_shapes("llama_micro", SAMPLE_VOCAB, 32).values())
+    n = sum(s.numel() for s in param_shapes("llama_micro", SAMPLE_VOCAB).values())
     train = FINISHED_SWEEP["train"]
     sequences = train["total_batch_size"] * train["steps"]
     for method, row in trials.iterrows():

@@ -50,7 +50,7 @@ def test_a_layerwise_estimate_counts_one_process_s_micro_batches(case):
     """4 sequences of 2 over 2 processes: one micro-batch each, so every gradient is freed in
     its own backward (the largest is the peak); one process accumulates two (all of them)."""
     run = layerwise_run(case)
-    shapes = param_shapes(run.model, vocab_size(run.task.tokenizer), run.task.seq_len)
+    shapes = param_shapes(run.model, vocab_size(run.task.tokenizer))
     sizes = [s.numel() for s in shapes.values()]
     assert estimate_run(run)["grad_bytes"] == 4 * sum(sizes)
     assert estimate_run(run, world=2)["grad_bytes"] == 4 * max(sizes)

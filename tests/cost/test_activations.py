@@ -79,7 +79,7 @@ def test_bf16_true_updates_hold_two_float32_copies_of_the_largest_weight(tmp_pat
 
 def test_bf16_true_keeps_about_half_of_fp32s_activation_bytes_and_no_autocast_copies():
     """Everything is 2 bytes but each norm's fp32 input and the head's fp32 log-softmax."""
-    shapes = param_shapes("llama_60m", 8192, 256)
+    shapes = param_shapes("llama_60m", 8192)
     runs = [method_run("full", "llama_60m", 3, 256, 16, o)
             for o in ({}, {"train.precision": "bf16"}, BF16_TRUE)]  # fmt: skip
     a32, a16, pure = (activations(r, shapes, build_method(r), "cuda").start for r in runs)
@@ -100,6 +100,6 @@ def test_bf16_keeps_fewer_activation_bytes_than_fp32_but_not_half():
     """Norms stay fp32 and autocast copies each linear's input and weight."""
     fp32 = method_run("full", "llama_60m", 3, 256, 16, {})
     bf16 = method_run("full", "llama_60m", 3, 256, 16, {"train.precision": "bf16"})
-    shapes = param_shapes("llama_60m", 8192, 256)
+    shapes = param_shapes("llama_60m", 8192)
     a32, a16 = (activations(r, shapes, build_method(r), "cuda").start for r in (fp32, bf16))
     assert 0.5 < a16 / a32 < 0.9

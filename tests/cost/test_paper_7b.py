@@ -117,7 +117,7 @@ def test_bf16_true_bytes_per_parameter(overrides, states_per_param):
     compensation; no step tensor: bf16-true's AdamW counts steps in a Python int (its state on
     llama_micro after a real step holds exp_avg, exp_avg_sq and the Kahan buffer, and an int)."""
     run = method_run("full", "llama_7b", 3, 256, 1, {"train.precision": "bf16-true", **overrides})
-    shapes = param_shapes("llama_7b", 32100, 256)
+    shapes = param_shapes("llama_7b", 32100)
     n = sum(s.numel() for s in shapes.values())
     e = build_method(run).estimate(shapes, run)
     assert (e.weight_bytes, e.grad_bytes) == (2 * n, 2 * n)

@@ -98,7 +98,7 @@ def test_partition_of_llama_micro_and_its_state_bytes():
     ids = torch.randint(0, SAMPLE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    shapes = param_shapes("llama_micro", SAMPLE_VOCAB, 32)
+    shapes = param_shapes("llama_micro", SAMPLE_VOCAB)
     n = sum(p.numel() for p in model.parameters())
     blocks = 2 * SAMPLE_VOCAB + 2 * (2 + 2 + 64 + 64 + 176 + 176 + 64 + 1 + 1) + 1
     measured = method.measure(model, optimizer)
@@ -154,7 +154,7 @@ def test_bf16_true_honours_state_dtype_and_compensation(tmp_path, monkeypatch, s
     assert summary["status"] == "ok", summary["error"]
     assert seen == {"param": torch.bfloat16, "mode": compensation, "m": dtype, "v": dtype,
                     "kahan": compensation == "kahan"}
-    estimate = build_method(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB, 32), run)
+    estimate = build_method(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
     assert_estimate_matches(estimate, summary)
 
 

@@ -125,12 +125,12 @@ def test_trains_logs_projections_and_counts_memory_exactly(tmp_path, method):
     events = [r for r in rows if r["kind"] == "event"]
     assert [(e["step"], e["apollo_projections"]) for e in events] == [
         (1, TARGETS), (9, TARGETS), (17, TARGETS)]
-    estimate = build_method(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB, 32), run)
+    estimate = build_method(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
     assert_estimate_matches(estimate, summary)
     floats = build_method(load_run(int8_run(1, {**method, "int8_weights": False})))
-    float_bytes = floats.estimate(param_shapes("llama_micro", SAMPLE_VOCAB, 32), run)
+    float_bytes = floats.estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
     targets = sum(shape.numel() for name, shape in
-                  param_shapes("llama_micro", SAMPLE_VOCAB, 32).items()
+                  param_shapes("llama_micro", SAMPLE_VOCAB).items()
                   if floats.projects(name, tuple(shape)))
     assert float_bytes.weight_bytes - summary["param_bytes"] == 3 * targets
 
@@ -150,7 +150,7 @@ def test_trains_under_each_precision_it_accepts(tmp_path, train_keys):
     run = load_run(int8_run(8, MINI_INT8, **train_keys))
     summary = train(run, tmp_path / "t")
     assert summary["status"] == "ok", summary["error"]
-    estimate = build_method(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB, 32), run)
+    estimate = build_method(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
     assert_estimate_matches(estimate, summary)
 
 

@@ -27,7 +27,7 @@ def one_step(model, method: dict, **train):
                                     {"name": "adam8bit", "min_8bit_size": 256}])
 def test_estimate_equals_the_real_tensors_after_a_step(tiny_model, method):
     m, run, optimizer = one_step(tiny_model, method)
-    estimate = m.estimate(param_shapes("llama_micro", SAMPLE_VOCAB, 32), run)
+    estimate = m.estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
     assert estimate == m.measure(tiny_model, optimizer)
     n = sum(p.numel() for p in tiny_model.parameters())
     assert (estimate.weight_bytes, estimate.grad_bytes, estimate.extra_bytes) == (4 * n, 4 * n, 0)

@@ -60,7 +60,7 @@ def assert_steps_like_adamw(
 
 
 def check_estimate(run, summary: dict, model: str = "llama_micro") -> None:
-    estimate = build_method(run).estimate(param_shapes(model, VOCAB, run.task.seq_len), run)
+    estimate = build_method(run).estimate(param_shapes(model, VOCAB), run)
     assert (estimate.weight_bytes, estimate.grad_bytes, estimate.optimizer_state_bytes,
             estimate.extra_bytes) == (summary["param_bytes"], summary["grad_bytes"],
                                       summary["optimizer_state_bytes"], summary["extra_bytes"])

@@ -82,7 +82,7 @@ def estimate_and_measure(
     loss_sum(model, ids, ids).backward()
     optimizer.step()
     m.on_step(1, model, optimizer)
-    return m.estimate(param_shapes(preset, vocab, run.task.seq_len), run), m.measure(
+    return m.estimate(param_shapes(preset, vocab), run), m.measure(
         model, optimizer
     )
 
@@ -105,7 +105,7 @@ def test_lora_learns_and_trains_adapters_plus_non_targets(straight):
 def test_lora_estimate_equals_the_real_tensors_on_micro(straight):
     data, _, summary = straight
     run = load_run(data)
-    estimate = build_method(run).estimate(param_shapes(run.model, VOCAB, 32), run)
+    estimate = build_method(run).estimate(param_shapes(run.model, VOCAB), run)
     assert_estimate_matches(estimate, summary)
     assert summary["extra_bytes"] == 0
 

@@ -73,7 +73,7 @@ def test_it_learns(tmp_path):
 def test_estimate_equals_the_real_tensors_after_a_step(tmp_path):
     run = load_run(lowrank_run(rank=8, steps=1))
     summary = train(run, tmp_path / "t")
-    shapes = param_shapes(run.model, SAMPLE_VOCAB, run.task.seq_len)
+    shapes = param_shapes(run.model, SAMPLE_VOCAB)
     estimate = build_method(run).estimate(shapes, run)
     assert_estimate_matches(estimate, summary)
     assert summary["extra_bytes"] == 0
@@ -88,7 +88,7 @@ def test_estimate_equals_the_real_tensors_for_llama_60m_at_the_default_rank():
     ids = torch.randint(0, SAMPLE_VOCAB, (1, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    estimate = method.estimate(param_shapes("llama_60m", SAMPLE_VOCAB, 8), run)
+    estimate = method.estimate(param_shapes("llama_60m", SAMPLE_VOCAB), run)
     assert estimate == method.measure(model, optimizer)
     assert estimate.weight_bytes == 4 * expected_params("llama_60m", SAMPLE_VOCAB, 128)
 
@@ -108,6 +108,6 @@ def test_an_unknown_target_is_refused_by_name():
     run = load_run({**lowrank_run(), "method": {"name": "lowrank", "target_modules": ["qproj"]}})
     method = build_method(run)
     with pytest.raises(UserError, match="no linear named qproj"):
-        method.estimate(param_shapes("llama_micro", SAMPLE_VOCAB, 32), run)
+        method.estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
     with pytest.raises(UserError, match="no linear named qproj"):
         method.prepare(micro_model(None, pad_id=0), run)

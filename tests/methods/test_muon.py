@@ -143,7 +143,7 @@ def test_split_and_state_bytes_of_llama_micro():
     assert set(optimizer.state[model.lm_head.weight]) == {"step", "exp_avg", "exp_avg_sq"}
     measured = method.measure(model, optimizer)
     assert measured.optimizer_state_bytes == 4 * (HIDDEN + 2 * OTHER + 7)
-    assert method.estimate(param_shapes("llama_micro", SAMPLE_VOCAB, 32), run) == measured
+    assert method.estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run) == measured
 
 
 def test_each_groups_lr_and_decay_are_settable():
@@ -178,7 +178,7 @@ def test_bf16_true_honours_state_dtype_and_compensation(tmp_path, state_dtype, c
     assert (KAHAN in q) == (compensation == "kahan")
     summary = train(run, tmp_path / "t")
     assert summary["status"] == "ok", summary["error"]
-    assert_estimate_matches(method.estimate(param_shapes("llama_micro", SAMPLE_VOCAB, 32), run),
+    assert_estimate_matches(method.estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run),
                             summary)
 
 

@@ -40,7 +40,7 @@ def fit(run, out: Path) -> Trainer:
 
 
 def check_estimate(run, costs: dict) -> None:
-    estimate = build_method(run).estimate(param_shapes(run.model, VOCAB, run.task.seq_len), run)
+    estimate = build_method(run).estimate(param_shapes(run.model, VOCAB), run)
     assert (estimate.weight_bytes, estimate.grad_bytes, estimate.optimizer_state_bytes,
             estimate.extra_bytes) == (costs["param_bytes"], costs["grad_bytes"],
                                       costs["optimizer_state_bytes"], costs["extra_bytes"])

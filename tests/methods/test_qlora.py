@@ -79,7 +79,7 @@ def test_qlora_learns_and_trains_only_the_adapters(straight):
 def test_qlora_estimate_equals_the_real_tensors_on_micro(straight):
     data, _, summary = straight
     run = load_run(data)
-    estimate = build_method(run).estimate(param_shapes(run.model, VOCAB, 32), run)
+    estimate = build_method(run).estimate(param_shapes(run.model, VOCAB), run)
     assert_estimate_matches(estimate, summary)
     assert summary["extra_bytes"] > 0
 

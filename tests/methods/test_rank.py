@@ -14,7 +14,7 @@ from harness.methods.resolve import load_run
 from harness.models import param_shapes
 from harness.train import train
 
-SHAPES = param_shapes("llama_micro", 8192, 32)  # hidden 64: every target's smaller side is 64
+SHAPES = param_shapes("llama_micro", 8192)  # hidden 64: every target's smaller side is 64
 RANKED = ["lora", "relora", "qlora", "lowrank", "galore", "qgalore"]
 
 

@@ -78,10 +78,10 @@ def test_relora_counts_and_estimate_with_warm_start_on_micro(straight):
     run = load_run(data)
     adapters = adapter_count("llama_micro", 8)
     # the counts are taken after step 1, inside the warm start: the targets train too
-    targets = sum(s.numel() for n, s in param_shapes(run.model, VOCAB, 32).items() if "proj" in n)
+    targets = sum(s.numel() for n, s in param_shapes(run.model, VOCAB).items() if "proj" in n)
     non_targets = non_target_count("llama_micro", VOCAB)
     assert summary["trainable_params"] == adapters + non_targets + targets
-    estimate = build_method(run).estimate(param_shapes(run.model, VOCAB, 32), run)
+    estimate = build_method(run).estimate(param_shapes(run.model, VOCAB), run)
     assert_estimate_matches(estimate, summary)
 
 

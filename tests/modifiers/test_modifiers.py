@@ -92,7 +92,7 @@ def test_every_method_with_every_modifier(tmp_path, tmp_path_factory, method, mo
         assert summary["skipped_steps"] >= 0 and summary["loss_scale"] > 0
     if modifier == "offload_mlp":
         assert summary["offloaded_bytes_per_step"] > 0
-    estimate = build_method(run).estimate(param_shapes(run.model, VOCAB, 32), run)
+    estimate = build_method(run).estimate(param_shapes(run.model, VOCAB), run)
     assert_estimate_matches(estimate, summary)
 
 
@@ -100,7 +100,7 @@ def test_layerwise_holds_one_gradient_at_a_time(tmp_path):
     data = {**run_config("full", "layerwise"), "train": {**run_config("full")["train"],
                                                          "total_batch_size": 2}}
     summary = train(load_run(data), tmp_path / "t")
-    sizes = [p.numel() for p in param_shapes("llama_micro", VOCAB, 32).values()]
+    sizes = [p.numel() for p in param_shapes("llama_micro", VOCAB).values()]
     assert summary["grad_bytes"] == 4 * max(sizes) < 4 * sum(sizes) / 2
 
 

@@ -81,7 +81,7 @@ def test_summary_has_every_field_and_real_memory_counts(tmp_path):
 def test_estimator_matches_the_real_tensors(tmp_path, method):
     run = load_run({**micro_run(steps=1), "method": {"name": method}})
     summary = train(run, tmp_path / "t")
-    shapes = param_shapes(run.model, 8192, run.task.seq_len)  # the sample tokenizer's vocab
+    shapes = param_shapes(run.model, 8192)  # the sample tokenizer's vocab
     estimate = build_method(run).estimate(shapes, run)
     assert_estimate_matches(estimate, summary)
     assert summary["extra_bytes"] == 0
