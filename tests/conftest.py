@@ -2,7 +2,8 @@
 
 Helpers (imported as `from conftest import ...`): `micro_run` (a run config), `micro_model` (a
 small LLaMA preset, seeded), `write_c4_shards` (a local C4-layout corpus), `write_yaml`,
-`harness` (the real command line). Fixtures: `micro`, `tiny_model`, `sample_tokenizer`,
+`harness` (the real command line in a child), `harness_here` (the same in this process).
+Fixtures: `micro`, `tiny_model`, `sample_tokenizer`,
 `tiny_corpus`, and `finished_run` (a sweep run once per session through the CLI; read-only,
 `finished_run_copy` for a test that writes into it). The quick and integration tiers and the
 service groups: tiers.py.
@@ -10,9 +11,11 @@ service groups: tiers.py.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import gzip
 import importlib
+import io
 import json
 import os
 import shutil
@@ -94,6 +97,19 @@ def harness(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
         env={**os.environ},
         timeout=600,
     )
+
+
+def harness_here(*args: str) -> subprocess.CompletedProcess:
+    """`harness ARGS` run by this test process, as `harness` reports it: exit code, stdout and
+    stderr. For the commands no signal reaches and whose process itself is not under test: a
+    sweep here skips the interpreter's imports (~2.7 CPU-s) and forks its trials from this
+    process's fork server, started once (~4.5 CPU-s a sweep otherwise, on the 2-core VM)."""
+    from harness.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["harness", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import optuna
 import psutil
 import pytest
 import yaml
-from conftest import assert_matches_one_process, harness, micro_run, wait_for_step, write_yaml
+from conftest import assert_matches_one_process, harness_here, micro_run, wait_for_step, write_yaml
 from conftest import train_losses as losses
 
 from harness.config import LauncherConfig
@@ -118,15 +118,15 @@ def test_submitit_local_trial_preempted_resumes_with_the_same_losses(tmp_path, m
 def test_grid_sweep_on_submitit_local_and_status_columns(tmp_path):
     path = sweep_file(tmp_path)
     out = tmp_path / "runs"
-    done = harness("sweep", str(path), "--out", str(out), "--set", "launcher.kind=submitit-local",
-                   "--jobs", "2")
+    done = harness_here("sweep", str(path), "--out", str(out), "--set",
+                        "launcher.kind=submitit-local", "--jobs", "2")
     assert done.returncode == 0, done.stderr
     trials = sorted((out / "trials").iterdir())
     assert len(trials) == 2
     for trial_dir in trials:
         assert read_json(trial_dir / "summary.json")["status"] == "ok"
         assert read_json(trial_dir / "launch.json")["launcher"] == "submitit-local"
-    status = harness("status", str(out))
+    status = harness_here("status", str(out))
     header = status.stdout.splitlines()[0].split()
     assert {"loss", "requeues"} <= set(header), status.stdout
     last = losses(trials[0])[4]
@@ -138,8 +138,8 @@ def test_a_ddp_trial_through_submitit_tasks_matches_one_process(tmp_path):
     trial process; the trial equals a 1-process run with the same global batch."""
     path = sweep_file(tmp_path, search={"space": {"train.lr": [3e-3]}})
     out = tmp_path / "runs"
-    done = harness("sweep", str(path), "--out", str(out), "--set", "launcher.kind=submitit-local",
-                   "--set", "launcher.tasks_per_node=2")
+    done = harness_here("sweep", str(path), "--out", str(out), "--set",
+                        "launcher.kind=submitit-local", "--set", "launcher.tasks_per_node=2")
     assert done.returncode == 0, done.stdout + done.stderr
     (trial_dir,) = (out / "trials").iterdir()
     run = micro_run(steps=4, lr=3e-3) | {"eval": {"every": 0, "tokens": 64}}
@@ -153,8 +153,8 @@ def test_an_optuna_worker_of_two_tasks_runs_each_trial_on_both(tmp_path):
     space = {"train.lr": {"low": 1e-3, "high": 3e-3, "log": True}}
     path = sweep_file(tmp_path, search={"sampler": "random", "n_trials": 2, "space": space})
     out = tmp_path / "runs"
-    done = harness("sweep", str(path), "--out", str(out), "--set", "launcher.kind=submitit-local",
-                   "--set", "launcher.tasks_per_node=2")
+    done = harness_here("sweep", str(path), "--out", str(out), "--set",
+                        "launcher.kind=submitit-local", "--set", "launcher.tasks_per_node=2")
     assert done.returncode == 0, done.stdout + done.stderr
     trial_dirs = sorted((out / "trials").iterdir())
     assert len(trial_dirs) == 2

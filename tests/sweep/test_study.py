@@ -12,7 +12,7 @@ import time
 
 import optuna
 import pytest
-from conftest import harness, micro_run, wait_for_step, write_yaml
+from conftest import harness_here, micro_run, wait_for_step, write_yaml
 
 from harness.errors import UserError
 from harness.methods.resolve import load_run
@@ -77,7 +77,7 @@ def test_method_space_is_conditional_and_ints_stay_ints(tmp_path):
     assert isinstance(rank, optuna.distributions.IntDistribution) and rank.step == 4
     trial = make_trial(sweep, "lowrank", {"train.lr": 1e-3, "method.rank": 8}, 0)
     assert trial.run.method["rank"] == 8 and trial.id.startswith("lowrank-")
-    dry = harness("sweep", str(path), "--dry-run")
+    dry = harness_here("sweep", str(path), "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert "lowrank: study tpe/lowrank" in dry.stdout and "method.rank" in dry.stdout
     assert "2 trials per method x 2 methods = 4 trials" in dry.stdout
@@ -98,7 +98,7 @@ def test_tpe_sweep_runs_a_study_and_resumes_without_rerunning(tmp_path):
         enqueue=[{"train.lr": 0.003}],
     )
     out = tmp_path / "runs"
-    done = harness("sweep", str(path), "--out", str(out), "--jobs", "2")
+    done = harness_here("sweep", str(path), "--out", str(out), "--jobs", "2")
     assert done.returncode == 0, done.stderr
     assert (out / "optuna.journal").is_file()
     study = optuna.load_study(
@@ -114,7 +114,7 @@ def test_tpe_sweep_runs_a_study_and_resumes_without_rerunning(tmp_path):
         assert summary["eval_ppl"] == pytest.approx(t.value)
         assert summary["lr"] == pytest.approx(t.params["train.lr"])
 
-    again = harness("sweep", str(path), "--out", str(out))
+    again = harness_here("sweep", str(path), "--out", str(out))
     assert again.returncode == 0, again.stderr
     assert "tpe/full: 4 of 4 trials finished" in again.stdout
     assert (
@@ -183,9 +183,9 @@ def test_a_multi_objective_search_tells_each_objective_and_records_the_constrain
         enqueue=[{"train.lr": 0.003, "memory.recompute": "none"},
                  {"train.lr": 0.003, "memory.recompute": "full"}])
     out = tmp_path / "runs"
-    done = harness("sweep", str(path), "--out", str(out), "--jobs", "2")
+    done = harness_here("sweep", str(path), "--out", str(out), "--jobs", "2")
     assert done.returncode == 0, done.stderr
-    assert "minimize eval_ppl, minimize peak_memory_bytes" in harness(
+    assert "minimize eval_ppl, minimize peak_memory_bytes" in harness_here(
         "sweep", str(path), "--dry-run").stdout
     study = optuna.load_study(study_name="tpe/full",
                               storage=open_storage(str(out / "optuna.journal")))
@@ -216,7 +216,7 @@ def test_median_pruner_cuts_a_bad_trial_from_real_statistics(tmp_path):
     data = read_json_yaml(path)
     data["train"]["steps"], data["eval"]["every"] = 4, 2
     out = tmp_path / "runs"
-    done = harness("sweep", str(write_yaml(path, data)), "--out", str(out))
+    done = harness_here("sweep", str(write_yaml(path, data)), "--out", str(out))
     assert done.returncode == 0, done.stderr
     study = optuna.load_study(study_name="tpe/full",
                               storage=open_storage(str(out / "optuna.journal")))
@@ -229,7 +229,7 @@ def test_median_pruner_cuts_a_bad_trial_from_real_statistics(tmp_path):
     summary = read_json(out / "trials" / pruned.user_attrs["trial_id"] / "summary.json")
     assert summary["status"] == "pruned" and summary["step"] == 2
     assert summary["eval_ppl"] == pytest.approx(pruned.intermediate_values[2])
-    assert "pruned" in harness("status", str(out)).stdout
+    assert "pruned" in harness_here("status", str(out)).stdout
 
 
 def sweep_in_background(tmp_path, checkpoint_every: int, step: int):
@@ -259,7 +259,7 @@ def test_retry_failed_queues_a_crashed_optuna_trial_again(tmp_path):
     assert sweep.wait(timeout=120) == 1  # the kill is recorded; the sweep says so
     assert read_json(trial_dir / "summary.json")["status"] == "killed"  # SIGKILL: issue 18
 
-    again = harness("sweep", str(path), "--out", str(out), "--retry-failed")
+    again = harness_here("sweep", str(path), "--out", str(out), "--retry-failed")
     assert again.returncode == 0, again.stderr
     resumed = re.search(rf"resumed from {trial_dir}/checkpoint/state.pt at step (\d+)",
                         again.stdout)
@@ -269,7 +269,7 @@ def test_retry_failed_queues_a_crashed_optuna_trial_again(tmp_path):
     assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"]
     assert trials[1].user_attrs["retry_of"] == 0
     assert trials[1].user_attrs["trial_id"] == trials[0].user_attrs["trial_id"] == trial_dir.name
-    assert "tpe/full: 1 of 1 trials finished" in harness("sweep", str(path), "--out",
+    assert "tpe/full: 1 of 1 trials finished" in harness_here("sweep", str(path), "--out",
                                                          str(out)).stdout
 
 
@@ -282,11 +282,11 @@ def test_ctrl_c_leaves_the_trial_to_resume_on_the_next_run(tmp_path):
     assert [t.state.name for t in optuna.load_study(study_name="tpe/full",
                                                     storage=storage).get_trials()] == ["RUNNING"]
 
-    again = harness("sweep", str(path), "--out", str(out))
+    again = harness_here("sweep", str(path), "--out", str(out))
     assert again.returncode == 0, again.stderr
     assert f"resumed from {trial_dir}/checkpoint/state.pt" in again.stdout
     trials = optuna.load_study(study_name="tpe/full", storage=storage).get_trials()
     assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"]  # told, then retried in place
     assert trials[1].user_attrs["trial_id"] == trial_dir.name
-    assert "tpe/full: 1 of 1 trials finished" in harness("sweep", str(path), "--out",
+    assert "tpe/full: 1 of 1 trials finished" in harness_here("sweep", str(path), "--out",
                                                          str(out)).stdout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import harness, micro_run, write_yaml
+from conftest import harness, harness_here, micro_run, write_yaml
 
 from harness.methods.resolve import load_run
 from harness.sweep.expand import expand, load_sweep
@@ -57,18 +57,18 @@ def test_sweep_resumes_skips_finished_and_survives_a_nan_trial(tmp_path):
 
     ok = out / "trials" / trials[("full", 0.003)].id / "summary.json"
     stamp = ok.stat().st_mtime_ns
-    again = harness("sweep", str(path), "--out", str(out))
+    again = harness_here("sweep", str(path), "--out", str(out))
     assert "3 trials, 3 already finished, 0 to run" in again.stdout
     assert ok.stat().st_mtime_ns == stamp
 
-    status = harness("status", str(out))
+    status = harness_here("status", str(out))
     assert status.returncode == 0
     assert all(t.id in status.stdout for t in trials.values()) and "nan" in status.stdout
-    watched = harness("status", str(out), "--watch", "1")  # all finished: one frame, then exit
+    watched = harness_here("status", str(out), "--watch", "1")  # all finished: one frame, then exit
     assert watched.returncode == 0 and watched.stdout.count("\033[2J") == 1
     assert all(t.id in watched.stdout for t in trials.values())
 
-    report = harness("report", str(out))
+    report = harness_here("report", str(out))
     assert report.returncode == 0, report.stderr
     summary_md = (out / "report" / "report.md").read_text()
     assert "full" in summary_md and "adam8bit" in summary_md
@@ -88,8 +88,8 @@ def test_retry_failed_runs_the_nan_trial_again(tmp_path):
         "methods": {"full": {}},
     }
     path, out = write_yaml(tmp_path / "one.yaml", data), tmp_path / "runs"
-    assert harness("sweep", str(path), "--out", str(out)).returncode == 1
-    rerun = harness("sweep", str(path), "--out", str(out), "--retry-failed")
+    assert harness_here("sweep", str(path), "--out", str(out)).returncode == 1
+    rerun = harness_here("sweep", str(path), "--out", str(out), "--retry-failed")
     assert "1 trials, 0 already finished, 1 to run" in rerun.stdout
 
 

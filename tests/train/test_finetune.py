@@ -120,7 +120,7 @@ def test_every_method_fine_tunes_the_embedded_task(tmp_path, method):
 def test_one_command_pretrains_then_fine_tunes_and_reports(tmp_path):
     """`model: {from: DIR, sweep: FILE}`: the sweep runs FILE into DIR first, then fine-tunes
     its best trial; the report is the Table 4 layout."""
-    from conftest import harness, write_yaml
+    from conftest import harness_here, write_yaml
 
     pre = {**micro_run(steps=2), "methods": {"full": {}}, "name": "pre"}
     pre.pop("method")
@@ -130,11 +130,11 @@ def test_one_command_pretrains_then_fine_tunes_and_reports(tmp_path):
             "search": {"metric": "eval_score", "direction": "maximize"}}
     glue.pop("method")
     write_yaml(tmp_path / "ft.yaml", glue)
-    done = harness("sweep", str(tmp_path / "ft.yaml"), "--out", str(tmp_path / "runs_ft"))
+    done = harness_here("sweep", str(tmp_path / "ft.yaml"), "--out", str(tmp_path / "runs_ft"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "runs_pre does not exist yet; running" in done.stdout
     config = (next((tmp_path / "runs_ft" / "trials").iterdir()) / "config.yaml").read_text()
     assert "  from: " in config and "from_" not in config
-    report = harness("report", str(tmp_path / "runs_ft"))
+    report = harness_here("report", str(tmp_path / "runs_ft"))
     assert report.returncode == 0, report.stderr
     assert "| method   | Sample   | avg   | memory   | tok/s   |" in report.stdout

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import harness, micro_run, write_yaml
+from conftest import harness_here, micro_run, write_yaml
 
 
 def test_each_trial_is_one_offline_run_grouped_by_its_sweep(tmp_path):
@@ -11,7 +11,7 @@ def test_each_trial_is_one_offline_run_grouped_by_its_sweep(tmp_path):
     data.update(name="wbsweep", methods={"full": {}}, wandb={"enabled": True, "project": "proj"},
                 search={"space": {"train.lr": [1e-3, 2e-3]}})
     out = tmp_path / "runs"
-    done = harness("sweep", str(write_yaml(tmp_path / "s.yaml", data)), "--out", str(out))
+    done = harness_here("sweep", str(write_yaml(tmp_path / "s.yaml", data)), "--out", str(out))
     assert done.returncode == 0, done.stderr
     trial_dirs = sorted((out / "trials").iterdir())
     assert len(trial_dirs) == 2
