@@ -4,7 +4,7 @@ Helpers (imported as `from conftest import ...`): `micro_run` (a run config), `m
 small LLaMA preset, seeded), `write_c4_shards` (a local C4-layout corpus), `write_yaml`,
 `harness` (the real command line in a child), `harness_here` (the same in this process).
 Fixtures: `micro`, `tiny_model`, `sample_tokenizer`,
-`tiny_corpus`, and `finished_run` (a sweep run once per session through the CLI; read-only,
+`tiny_corpus`, and `finished_run` (a sweep run once per session by the CLI's main; read-only,
 `finished_run_copy` for a test that writes into it). The quick and integration tiers and the
 service groups: tiers.py.
 """
@@ -180,11 +180,11 @@ FINISHED_SWEEP: dict[str, Any] = {
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A runs folder as `harness sweep` leaves it (FINISHED_SWEEP, both trials ok), built once
-    per session through the real command. Shared: read it, never write into it (use
-    `finished_run_copy` for that)."""
+    per session by the command's `main` (`harness_here`). Shared: read it, never write into it
+    (use `finished_run_copy` for that)."""
     root = tmp_path_factory.mktemp("finished")
     path = write_yaml(root / "finished.yaml", FINISHED_SWEEP)
-    done = harness("sweep", str(path), "--out", str(root / "runs"), "--jobs", "2")
+    done = harness_here("sweep", str(path), "--out", str(root / "runs"), "--jobs", "2")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return root / "runs"
 

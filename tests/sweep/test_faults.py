@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import micro_run, start_sweep, wait_for_step, write_yaml
+from conftest import harness_here, micro_run, start_sweep, wait_for_step, write_yaml
 
 from harness.config import LauncherConfig
 from harness.sweep.launchers import TrialJob, submit
@@ -71,9 +71,8 @@ def test_a_sweep_left_unfinished_exits_3_and_names_the_trial_and_its_resume(tmp_
         f"unfinished: {trial_dir.name} (interrupted at step {step}); resume: harness sweep "
         f"{path} --out {out} --set launcher.max_requeues=0")
 
-    again = start_sweep(path, out)  # the command it names finishes the trial
-    stdout, stderr = again.communicate(timeout=600)
-    assert again.returncode == 0, stdout + stderr
+    again = harness_here("sweep", str(path), "--out", str(out))  # the command it names
+    assert again.returncode == 0, again.stdout + again.stderr  # finishes the trial
     assert read_json(trial_dir / "summary.json")["status"] == "ok"
 
 
