@@ -3,9 +3,9 @@
 Helpers (imported as `from conftest import ...`): `micro_run` (a run config), `micro_model` (a
 small LLaMA preset, seeded), `write_c4_shards` (a local C4-layout corpus), `write_yaml`,
 `harness` (the real command line in a child), `harness_here` (the same in this process).
-Fixtures: `micro`, `tiny_model`, `sample_tokenizer`,
-`tiny_corpus`, and `finished_run` (a sweep run once per session by the CLI's main; read-only,
-`finished_run_copy` for a test that writes into it). The quick and integration tiers and the
+Fixtures: `micro`, `tiny_model`, `sample_tokenizer`, `tiny_corpus`, and `finished_run` (a
+sweep run once per session by the CLI's main; read-only, `finished_run_copy` for a test that
+writes into it). The quick and integration tiers and the
 service groups: tiers.py.
 """
 

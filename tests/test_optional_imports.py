@@ -90,10 +90,15 @@ def test_a_presets_preflight_and_estimate_leave_transformers_unloaded(tmp_path):
     """The sweep process's disk preflight and `harness estimate` read a preset's shapes written
     out (harness/models.py `preset_shapes`): building the model imported transformers'
     modeling, about 3 CPU-s a sweep on the 2-core VM."""
-    code = (f"import sys\nfrom harness.cli import main\nfrom harness.sweep.expand import "
-            f"load_sweep\nfrom harness.sweep.forecast import check_disk\n"
-            f"check_disk(load_sweep('sweeps/quickstart.yaml', {{}}), __import__('pathlib')"
-            f".Path({str(tmp_path)!r}), False)\nmain(['estimate', 'sweeps/quickstart.yaml'])\n"
-            f"print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))")
+    code = f"""
+import sys
+from pathlib import Path
+from harness.cli import main
+from harness.sweep.expand import load_sweep
+from harness.sweep.forecast import check_disk
+check_disk(load_sweep("sweeps/quickstart.yaml", {{}}), Path({str(tmp_path)!r}), False)
+main(["estimate", "sweeps/quickstart.yaml"])
+print(sorted(m for m in sys.modules if m.split(".")[0] == "transformers"))
+"""
     done = run(dict(os.environ), "-c", code)
     assert "qgalore-" in done.stdout and done.stdout.splitlines()[-1] == "[]"
