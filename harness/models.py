@@ -40,11 +40,11 @@ PRESETS: dict[str, Preset] = {
 ALLOWED = (f"allowed: a preset ({', '.join(PRESETS)}), a folder holding config.json (with "
            "weights: continued pretraining), or a config.json file")
 # What the methods (their target linears), the modifiers and the cost model read of a decoder.
+LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+         "input_layernorm", "post_attention_layernorm")  # a decoder layer's weights, in order
 LAYOUT = ("model.embed_tokens.weight", "model.norm.weight",
-          *(f"model.layers.0.{m}.weight" for m in (
-              "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-              "input_layernorm", "post_attention_layernorm")))  # fmt: skip
+          *(f"model.layers.0.{m}.weight" for m in LAYER))
 WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
 
 
@@ -291,12 +291,11 @@ def preset_shapes(p: Preset, vocab_size: int) -> dict[str, torch.Size]:
     modeling costs a sweep, `harness estimate` or `plan` process about 3 CPU-seconds, and a
     preset's layout is fixed (tests/test_models.py checks it against the built model)."""
     h, i = p.hidden, p.intermediate
-    layer = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, h), "self_attn.v_proj": (h, h),
-             "self_attn.o_proj": (h, h), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h),
-             "mlp.down_proj": (h, i), "input_layernorm": (h,), "post_attention_layernorm": (h,)}
+    sizes = [(h, h)] * 4 + [(i, h), (i, h), (h, i), (h,), (h,)]  # q, k, v, o; the MLP; norms
+    layer = dict(zip(LAYER, map(torch.Size, sizes), strict=True))
     shapes = {"model.embed_tokens.weight": torch.Size((vocab_size, h))}
     for k in range(p.layers):
-        shapes |= {f"model.layers.{k}.{m}.weight": torch.Size(s) for m, s in layer.items()}
+        shapes |= {f"model.layers.{k}.{m}.weight": size for m, size in layer.items()}
     return shapes | {"model.norm.weight": torch.Size((h,)),
                      "lm_head.weight": torch.Size((vocab_size, h))}
 
