@@ -5,8 +5,8 @@ small LLaMA preset, seeded), `write_c4_shards` (a local C4-layout corpus), `writ
 `harness` (the real command line in a child), `harness_here` (the same in this process).
 Fixtures: `micro`, `tiny_model`, `sample_tokenizer`, `tiny_corpus`, and `finished_run` (a
 sweep run once per session by the CLI's main; read-only, `finished_run_copy` for a test that
-writes into it). The quick and integration tiers and the
-service groups: tiers.py.
+writes into it). The quick and integration tiers and the service groups: tiers.py; the
+services and privileges some tests need: services.py.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import yaml
 from ranks import Ranks
+from services import small_disk  # noqa: F401  the fixture, found by pytest here
 from tiers import (  # noqa: F401  the tiers' hooks and fixture, found by pytest here
     pytest_collection_modifyitems,
     pytest_xdist_make_scheduler,
@@ -215,41 +216,6 @@ def assert_estimate_matches(estimate: Any, summary: dict[str, Any]) -> None:
     assert estimate.extra_bytes == summary["extra_bytes"]
 
 
-def missing(what: str, how: str) -> None:
-    """A test that needs a service or a privilege this machine lacks: skipped with `how` to get
-    it on a developer's machine, a failure in CI (CI=true, which .ci/run sets), where it must
-    be there."""
-    if os.environ.get("CI"):
-        pytest.fail(f"{what} is required in CI ({how})")
-    pytest.skip(f"needs {what}: {how}")
-
-
-def chromium() -> str:
-    """Skipped on a developer's machine without it, but never in CI, where .ci/run installs it."""
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if not path:
-        missing("chromium", "`sudo bash scripts/chromium.sh`")
-    return path  # type: ignore[return-value]
-
-
-def headless(browser: str, page: Path, profile: Path, *flags: str) -> str:
-    done = subprocess.run(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-         "--hide-scrollbars", f"--user-data-dir={profile}", *flags, page.as_uri()],
-        capture_output=True, text=True, timeout=120, check=True,
-    )
-    return done.stdout
-
-
-def require_service(env: str, what: str, start: str) -> str:
-    """Tests on a real cluster or database: the service's address from `env`, which `.ci/run`
-    sets after starting it."""
-    value = os.environ.get(env)
-    if not value:
-        missing(what, f"`{start}`, then set {env}")
-    return value  # type: ignore[return-value]
-
-
 def train_losses(trial_dir: Path) -> dict[int, float]:
     """Logged training loss by step, for comparing an interrupted run with a clean one."""
     from harness.trials import read_jsonl
@@ -365,21 +331,6 @@ def hf_eval_loss(folder, task: dict, tokens: int) -> float:
             total += float(F.cross_entropy(logits, x[0, 1:], reduction="sum").double())
             count += n - 1
     return total / count
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    """A real 64 MiB tmpfs. Mounting one needs root: skipped on a developer's machine without
-    it, never in CI (.ci/run runs as root)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True,
-        text=True) if os.geteuid() == 0 else None
-    if mounted is None or mounted.returncode:
-        missing("a tmpfs mount", mounted.stderr.strip() if mounted else "run as root")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def estimated_peak(run: Any, device: str = "cpu") -> int:

@@ -11,9 +11,9 @@ import matplotlib.image
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import chromium, headless
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
+from services import chromium, headless
 from test_plots import write_runs
 
 from harness.analysis import load_runs, load_steps

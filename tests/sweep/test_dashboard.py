@@ -12,7 +12,8 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import chromium, free_port, headless, require_service, write_yaml
+from conftest import free_port, write_yaml
+from services import chromium, headless, require_service
 
 from harness.errors import UserError
 from harness.sweep.dashboard import storage_of

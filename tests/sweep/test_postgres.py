@@ -15,8 +15,9 @@ from typing import IO
 
 import optuna
 import pytest
-from conftest import REPO, micro_run, require_service, train_losses, wait_for_step, write_yaml
+from conftest import REPO, micro_run, train_losses, wait_for_step, write_yaml
 from optuna.trial import TrialState
+from services import require_service
 
 from harness.sweep.study import open_storage
 from harness.trials import read_json, read_jsonl

@@ -20,11 +20,11 @@ import pytest
 from conftest import (
     assert_matches_one_process,
     micro_run,
-    require_service,
     train_losses,
     wait_for_step,
     write_yaml,
 )
+from services import require_service
 
 from harness.methods.resolve import load_run
 from harness.train import train

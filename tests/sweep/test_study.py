@@ -270,7 +270,7 @@ def test_retry_failed_queues_a_crashed_optuna_trial_again(tmp_path):
     assert trials[1].user_attrs["retry_of"] == 0
     assert trials[1].user_attrs["trial_id"] == trials[0].user_attrs["trial_id"] == trial_dir.name
     assert "tpe/full: 1 of 1 trials finished" in harness_here("sweep", str(path), "--out",
-                                                         str(out)).stdout
+                                                              str(out)).stdout
 
 
 def test_ctrl_c_leaves_the_trial_to_resume_on_the_next_run(tmp_path):
@@ -289,4 +289,4 @@ def test_ctrl_c_leaves_the_trial_to_resume_on_the_next_run(tmp_path):
     assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"]  # told, then retried in place
     assert trials[1].user_attrs["trial_id"] == trial_dir.name
     assert "tpe/full: 1 of 1 trials finished" in harness_here("sweep", str(path), "--out",
-                                                         str(out)).stdout
+                                                              str(out)).stdout
