@@ -345,9 +345,9 @@ def estimated_peak(run: Any, device: str = "cpu") -> int:
                       run, shapes)
 
 
-def measured_peak(run: Any) -> tuple[int, dict[str, int]]:
-    """A steady step's peak of live tensors, as `harness bench memory` measures it, with the
-    profiler's categories (CPU)."""
+def measured_peak(run: Any, breakdown: bool = False) -> tuple[int, dict[str, int]]:
+    """A steady step's peak of live tensors, as `harness bench memory` measures it; with
+    `breakdown`, its bytes by the profiler's categories too (CPU)."""
     import tempfile
 
     from harness.cost.tensor_peak import step_peak
@@ -357,6 +357,6 @@ def measured_peak(run: Any) -> tuple[int, dict[str, int]]:
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(run, Records(Path(out), run), lambda step: False)
         try:
-            return step_peak(trainer)
+            return step_peak(trainer, breakdown)
         finally:
             trainer.close()

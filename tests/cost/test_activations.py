@@ -39,7 +39,7 @@ def test_estimated_peak_is_within_5_percent_of_a_measured_step(case):
     bf16 = "bf16" in overrides.get("train.precision", "")
     run = method_run(label, "llama_micro" if bf16 else "llama_tiny", 3, 128, 4,
                      {"device": "cpu", **overrides})
-    measured, categories = measured_peak(run)
+    measured, categories = measured_peak(run, breakdown=True)
     assert categories["parameter"] > 0 and categories.get("activation", 0) > 0
     assert abs(measured / estimated_peak(run) - 1) <= PEAK_TOLERANCE
 

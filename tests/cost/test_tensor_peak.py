@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -80,37 +82,41 @@ TIMELINES = {  # label -> (method, --set overrides): graphs unlike each other's
 
 @pytest.mark.parametrize("case", TIMELINES)
 def test_the_lean_timeline_peaks_where_torchs_whole_analysis_does(tmp_path, case):
-    """`tracked` reads the allocator's events without torch's data-flow graph and categories,
-    and records no Python stacks: torch's own MemoryProfile of the same recorded step (which
-    needs the stacks) is the reference, to the byte, for the timeline read from either record
-    (the second of a run trained again alike). Q-GaLore's peak is not the same from one run to
-    the next (21,951,388 to 22,000,540 bytes over six runs, with stacks or without: 0.22%):
-    its stackless record is held within 0.5% of the first."""
+    """`tracked` and `step_peak` read the allocator's events without torch's data-flow graph
+    and categories, and record no Python stacks: torch's own MemoryProfile of the same recorded
+    step (which needs the stacks) is the reference, to the byte, for the timeline read from
+    either record (the second of a run trained again alike, by `step_peak`). Q-GaLore's peak is
+    not the same from one run to the next (21,951,388 to 22,000,540 bytes over six runs, with
+    stacks or without: 0.22%): its stackless record is held within 0.5% of the first."""
     from harness.cost.profile import profiler
-    from harness.cost.tensor_peak import _peak, _timeline
+    from harness.cost.tensor_peak import _peak, _timeline, step_peak
     from harness.train import Trainer
     from harness.trials import Records
 
     method, overrides = TIMELINES[case]
     run = load_run({**micro_run(steps=3), "method": method}, overrides)
 
-    def recorded(stacks: bool, out: Path) -> torch.profiler.profile:
+    def trained(out: Path, measure: Callable[[Trainer], Any]) -> Any:
         trainer = Trainer(run, Records(out, run), lambda step: False)
         try:
-            with profiler(1, trainer.device, memory=True, stacks=stacks) as prof:
-                trainer.hooks.on("step", lambda step: prof.step())
-                trainer.fit()
+            return measure(trainer)
         finally:
             trainer.close()
+
+    def with_stacks(trainer: Trainer) -> torch.profiler.profile:
+        with profiler(1, trainer.device, memory=True, stacks=True) as prof:
+            trainer.hooks.on("step", lambda step: prof.step())
+            trainer.fit()
         return prof
 
-    whole, lean = recorded(True, tmp_path / "whole"), recorded(False, tmp_path / "lean")
+    whole = trained(tmp_path / "whole", with_stacks)
+    lean, _ = trained(tmp_path / "lean", step_peak)
     reference = _peak(whole._memory_profile().timeline)[0]
     assert _peak(_timeline(whole))[0] == reference > 0
     if case == "qgalore":
-        assert _peak(_timeline(lean))[0] == pytest.approx(reference, rel=0.005)
+        assert lean == pytest.approx(reference, rel=0.005)
     else:
-        assert _peak(_timeline(lean))[0] == reference
+        assert lean == reference
 
 
 BEFORE_THE_FIRST_STEP = """
