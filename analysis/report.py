@@ -31,7 +31,6 @@ from .format import (
     ordered,
     text_table,
     variant_label,
-    whole,
 )
 from .front import front_line, front_table, objectives_of
 from .html import Block, Heading, Image, Paragraph, Preformatted, Table, write_html
@@ -59,30 +58,6 @@ def summary_table(trials: pd.DataFrame, order: Sequence[str] = ()) -> pd.DataFra
         for key, group in own.groupby(VARIANT, sort=False):
             rows.append(_method_row(dict(zip(VARIANT, key, strict=True)), group))
     return pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
-
-
-def status_table(trials: pd.DataFrame) -> str:
-    """Per-trial progress for `harness status`, readable while a sweep is still running."""
-    table = pd.DataFrame(
-        {
-            "id": trials["trial"],
-            "method": trials["method"],
-            "memory": trials["memory"].fillna("none"),
-            "status": trials["status"],
-            "step": [
-                f"{whole(step, '0')}/{whole(steps, '?')}"
-                for step, steps in zip(trials["step"], trials["steps"], strict=True)
-            ],
-            "loss": trials["last_loss"].map(lambda v: cell(v, ".4f")),
-            "eval ppl": trials["eval_ppl"].map(lambda v: cell(v, ".2f")),
-            "tok/s": trials["tokens_per_s"].map(lambda v: cell(v, ",.0f")),
-            "peak memory": trials["peak_memory_bytes"].map(human_bytes),
-            "peak RSS": trials["peak_rss_bytes"].map(human_bytes),
-            "requeues": trials["requeues"].map(lambda v: whole(v, "0")),
-            "final model": trials["final_model_bytes"].map(human_bytes),
-        }
-    )
-    return text_table(table)
 
 
 def write_report(paths: Paths, out: PathArg | None = None) -> str:

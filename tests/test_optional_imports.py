@@ -102,3 +102,19 @@ print(sorted(m for m in sys.modules if m.split(".")[0] == "transformers"))
 """
     done = run(dict(os.environ), "-c", code)
     assert "qgalore-" in done.stdout and done.stdout.splitlines()[-1] == "[]"
+
+
+def test_the_tables_status_and_estimate_print_leave_matplotlib_and_scipy_unloaded(finished_run):
+    """The trials table a sweep ends with and `harness status` prints (analysis/status.py), and
+    `harness estimate` beside GaLore's Table 2 (its CSV in harness.analysis): the package loads
+    the report's figures only when they are asked for, ~2 CPU-s a process on the 2-core VM."""
+    code = f"""
+import sys
+from harness.cli import main
+main(["status", {str(finished_run)!r}])
+main(["estimate", "sweeps/c4_1b.yaml"])
+print(sorted(m for m in ("matplotlib", "scipy") if m in sys.modules))
+"""
+    done = run(dict(os.environ), "-c", code)
+    assert "| ok " in done.stdout and "Table 2" in done.stdout, done.stdout[-2000:]
+    assert done.stdout.splitlines()[-1] == "[]"
