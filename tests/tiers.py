@@ -103,14 +103,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: service_group(item.nodeid) is None)
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: one worker more than the cores (PYTEST_XDIST_AUTO_NUM_WORKERS overrides, as in
-    xdist). The Slurm and PostgreSQL groups wait on the scheduler, requeues and heartbeats for
-    much of their ~10 minutes, and with one worker a core the other then idled: on the 2-core
-    VM, 2 workers kept the cores 89-92% busy over CI, 3 kept them 94.5% busy."""
-    return int(os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") or len(os.sched_getaffinity(0)) + 1)
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`--dist loadgroup`'s rule, decided here by file: xdist 3.8 marks a group by rewriting
     `item._nodeid`, which pytest 9 no longer reads (nodeid comes from `_id`), so its groups were
