@@ -31,7 +31,6 @@ from ranks import Ranks
 from services import small_disk  # noqa: F401  the fixture, found by pytest here
 from tiers import (  # noqa: F401  the tiers' hooks and fixture, found by pytest here
     pytest_collection_modifyitems,
-    pytest_xdist_auto_num_workers,
     pytest_xdist_make_scheduler,
     unmarked_processes,
 )

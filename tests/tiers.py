@@ -103,66 +103,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: service_group(item.nodeid) is None)
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: a worker a core, and one more for the service groups (`ServiceGroups`), which
-    wait on Slurm's scheduler, requeues and heartbeats for much of their ~13 minutes; none in
-    the quick tier, which has no service test. PYTEST_XDIST_AUTO_NUM_WORKERS overrides, as in
-    xdist."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
-    quick = "not integration" in (config.option.markexpr or "")
-    return len(os.sched_getaffinity(0)) + (0 if quick else 1)
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`--dist loadgroup`'s rule, decided here by file: xdist 3.8 marks a group by rewriting
     `item._nodeid`, which pytest 9 no longer reads (nodeid comes from `_id`), so its groups were
-    silently split over workers. A service file is one scope; every other test its own.
-
-    With 3 workers or more, the first runs the service groups and nothing else, and the others
-    everything else: while a Slurm job is pending or requeued, the other workers keep every
-    core busy (with 2 workers, one of which ran the groups, CI's 2 cores were 92% busy), and
-    only those workers pay for the session fixtures and fork servers of the other tests (3
-    workers all taking any test cost ~180 CPU-s more than 2)."""
+    silently split over workers. A service file is one scope; every other test its own."""
     from xdist.scheduler import LoadScopeScheduling
 
-    services = set(SERVICE_GROUPS.values())
-
     class ServiceGroups(LoadScopeScheduling):
-        service_node: Any = None
-
         def _split_scope(self, nodeid: str) -> str:
             return service_group(nodeid) or nodeid
-
-        def _serves(self, node: Any, scope: str) -> bool:
-            return self.service_node is None or (node is self.service_node) == (scope in services)
-
-        def schedule(self) -> None:
-            if self.collection is None and len(self.nodes) >= 3:
-                self.service_node = self.nodes[0]
-            super().schedule()
-
-        def _assign_work_unit(self, node: Any) -> None:
-            """The first unit in the queue that this worker serves, if any."""
-            scope = next((s for s in self.workqueue if self._serves(node, s)), None)
-            if scope is not None:
-                self.workqueue.move_to_end(scope, last=False)
-                super()._assign_work_unit(node)
-
-        def remove_node(self, node: Any) -> str | None:
-            """A service worker that crashed: its tests go back in the queue for any worker
-            (xdist's replacement included), as without a service worker."""
-            if node is self.service_node:
-                self.service_node = None
-            return super().remove_node(node)
-
-        def _reschedule(self, node: Any) -> None:
-            """As xdist's, but a worker with nothing left that it serves ends once its own
-            tests have (xdist's shutdown lets it finish them)."""
-            if not node.shutting_down and not any(self._serves(node, s) for s in self.workqueue):
-                node.shutdown()
-                return
-            super()._reschedule(node)
 
     return ServiceGroups(config, log)
 
