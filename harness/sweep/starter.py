@@ -30,11 +30,12 @@ import torch
 
 from harness.sweep.process import trial_args
 
-# What `harness train` imports before its first step (`python -X importtime`), by name: the
-# fork server imports them once. Nothing it imports may run a parallel torch op: a child forked
-# after OpenMP's thread pool has started hangs in its own first one (seen with a matmul).
+# What `harness train` imports before its first step (`python -X importtime`), by name, and what
+# its first export builds (harness/train/warm.py): the fork server loads them once. Nothing it
+# imports may run a parallel torch op: a child forked after OpenMP's thread pool has started
+# hangs in its own first one (seen with a matmul).
 PRELOAD = ["harness.cli", "harness.train.run", "harness.methods.resolve", "harness.data.c4",
-           "transformers.models.llama.modeling_llama", "datasets"]
+           "transformers.models.llama.modeling_llama", "datasets", "harness.train.warm"]
 
 
 class _Fd:
