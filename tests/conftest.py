@@ -267,7 +267,7 @@ def free_port() -> int:
 def ranks(config: Path, out: Path, procs: int = 2) -> Ranks:
     """`harness train` data-parallel, its ranks forked warm (tests/ranks.py): what `torchrun`
     below starts, at a fraction of the CPU."""
-    return Ranks(config, out, procs, free_port())
+    return Ranks(["train", str(config), "--out", str(out)], procs, free_port())
 
 
 def torchrun(config: Path, out: Path, procs: int = 2) -> subprocess.Popen:

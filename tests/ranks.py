@@ -1,7 +1,8 @@
-"""Data-parallel `harness train` for the many FSDP and DDP cases: its ranks forked from the
-harness's warm fork server (harness/sweep/starter.py) with the environment torchrun gives its
-workers, instead of torchrun's agent starting each cold (about 5 CPU-seconds a rank and 2.5
-the agent, most of the suite's FSDP time). What torchrun itself adds, the user's command and
+"""Data-parallel `harness train` for the many FSDP and DDP cases, and the fsdp peak ranks of
+tests/cost/fsdp_peaks.py: ranks forked from the harness's warm fork server
+(harness/sweep/starter.py) with the environment torchrun gives its workers, instead of
+torchrun's agent starting each cold (about 5 CPU-seconds a rank and 2.5 the agent, most of the
+suite's FSDP time). What torchrun itself adds, the user's command and
 its agent stopping the other ranks once one ends, is tested with torchrun:
 tests/train/test_ddp.py's interrupted pair."""
 
@@ -12,7 +13,6 @@ import signal
 import threading
 import time
 from multiprocessing.connection import wait
-from pathlib import Path
 
 from harness.sweep.starter import ForkedTrial
 
@@ -22,15 +22,16 @@ class Ranks:
     stdout and stderr one stream as torchrun's; one rank failing ends the others, as torchrun
     does. The part of `subprocess.Popen` the tests use: `stdout`, `communicate`, `returncode`."""
 
-    def __init__(self, config: Path, out: Path, procs: int, port: int) -> None:
+    def __init__(self, argv: list[str], procs: int, port: int,
+                 module: str = "harness.cli") -> None:
+        """Each rank runs `module`'s `main(argv)`: `harness` itself, or a test's script."""
         read, write = os.pipe()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(procs),
                "LOCAL_WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}
-        argv = ["train", str(config), "--out", str(out)]
         try:
             self.ranks = [ForkedTrial(argv, {**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                      write, write) for r in range(procs)]
+                                      write, write, module) for r in range(procs)]
         finally:
             os.close(write)
         self.stdout = open(read, encoding="utf-8", errors="replace")  # noqa: SIM115

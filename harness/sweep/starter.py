@@ -59,7 +59,7 @@ def _text_stream(fd: int) -> IO[str]:
                             write_through=True)
 
 
-def _run_trial(argv: list[str], env: dict[str, str], out: _Fd, err: _Fd) -> None:
+def _run_trial(argv: list[str], env: dict[str, str], out: _Fd, err: _Fd, module: str) -> None:
     """The forked child: stdio and environment as a fresh `harness ...` would have them."""
     # What the fork server imported lives as long as the trial: out of the collector's sight,
     # a full collection (the end of every trial has one) walks only the trial's own objects,
@@ -75,9 +75,9 @@ def _run_trial(argv: list[str], env: dict[str, str], out: _Fd, err: _Fd) -> None
     # torch sized its pool when the fork server imported it; a fresh process reads this then
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = ["harness", *argv]
-    cli = importlib.import_module("harness.cli")  # by name, as `trial_command` runs it
+    entry = importlib.import_module(module)  # by name, as `trial_command` runs it
     try:
-        code = cli.main(argv)
+        code = entry.main(argv)
     finally:
         atexit._run_exitfuncs()  # multiprocessing leaves by os._exit; an interpreter runs them
     sys.exit(code)
@@ -89,10 +89,12 @@ class ForkedTrial:
 
     stdout: IO[str] | None = None
 
-    def __init__(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> None:
-        """`stdout`, `stderr`: the file descriptors the child writes to (it gets copies)."""
+    def __init__(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int,
+                 module: str = "harness.cli") -> None:
+        """`stdout`, `stderr`: the file descriptors the child writes to (it gets copies);
+        `module`: whose `main(argv)` it runs (the tests fork their own measuring scripts so)."""
         self.process = _context().Process(
-            target=_run_trial, args=(argv, env, _Fd(stdout), _Fd(stderr)), name="harness")
+            target=_run_trial, args=(argv, env, _Fd(stdout), _Fd(stderr), module), name="harness")
         self.process.start()
         self.pid = self.process.pid
 

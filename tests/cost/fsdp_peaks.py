@@ -1,13 +1,13 @@
-"""Run under torchrun by tests/cost/test_sharded.py: each rank's peak of live tensor bytes in
-a steady fsdp step, for each run config named after the output folder, as one JSON line a
-config in the folder's `rank-<r>.jsonl`. Without accumulation torch's own FSDP2 memory
-tracker (`FSDPMemTracker`) measures it; it refuses a second forward in one step, so with
-accumulation the profiler's memory timeline does (harness/cost/tensor_peak.py)."""
+"""Each rank of tests/cost/test_sharded.py's fsdp runs, forked with torchrun's environment
+(tests/ranks.py): its peak of live tensor bytes in a steady fsdp step, for each run config
+named after the output folder, as one JSON line a config in the folder's `rank-<r>.jsonl`.
+Without accumulation torch's own FSDP2 memory tracker (`FSDPMemTracker`) measures it; it
+refuses a second forward in one step, so with accumulation the profiler's memory timeline does
+(harness/cost/tensor_peak.py)."""
 
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -39,7 +39,9 @@ def profiled(trainer: Trainer) -> int:
     return _peak(_timeline(prof))[0]
 
 
-def main(results: Path, configs: list[str]) -> None:
+def main(argv: list[str]) -> int:
+    """`argv`: the results folder, then the run configs."""
+    results, configs = Path(argv[0]), argv[1:]
     for path in configs:
         run = load_run(yaml.safe_load(Path(path).read_text()))
         with tempfile.TemporaryDirectory() as out:
@@ -52,7 +54,4 @@ def main(results: Path, configs: list[str]) -> None:
                 f.write(json.dumps({"config": path, "rank": distributed.rank(), "peak": peak})
                         + "\n")
             distributed.barrier()
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])
+    return 0

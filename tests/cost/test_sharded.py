@@ -13,13 +13,11 @@ some ranks up to 2.7% above the others.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, micro_run, write_yaml
+from conftest import free_port, micro_run, write_yaml
+from ranks import Ranks
 
 from harness.cost.estimate import estimate_run
 from harness.methods.resolve import load_run
@@ -55,14 +53,9 @@ def configs(tmp_path: Path, world: int) -> dict[Path, dict]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_ranks_peak_is_the_estimate_within_2_percent(tmp_path, world):
     runs = configs(tmp_path, world)
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-         "--master_port", str(free_port()), str(REPO / "tests" / "cost" / "fsdp_peaks.py"),
-         str(tmp_path), *map(str, runs)],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = Ranks([str(tmp_path), *map(str, runs)], world, free_port(), "fsdp_peaks")
+    log, _ = done.communicate(timeout=600)
+    assert done.returncode == 0, log
     measured = [json.loads(line) for p in tmp_path.glob("rank-*.jsonl")
                 for line in p.read_text().splitlines()]
     assert len(measured) == world * len(runs)
