@@ -50,6 +50,10 @@ write_configs() {
   mem_mb=$(awk '/^MemTotal:/ {printf "%d", $2 / 1024 * 0.95}' /proc/meminfo)
   # Job ids start from the clock, so a wiped state folder does not reuse ids (submitit's %j folders).
   first_id=$(($(date +%s) / 10 % 50000000 + 1000))
+  # A test cluster's clock, not a production one: a requeued job may start again cred_expire + 1
+  # seconds after its requeue (5, the least slurmctld accepts; 120 by default, and 10 here
+  # before), and the scheduler looks at pending jobs every second instead of every 5. On the
+  # 2-core VM, alone: test_preempted_trial_resumes_from_its_checkpoint... 36 s instead of 43.
   mkdir -p /etc/slurm
   cat >/etc/slurm/slurm.conf <<EOF
 # Written by slurm/cluster.sh: one-node test cluster; state in $DIR.
@@ -57,7 +61,7 @@ ClusterName=$CLUSTER
 SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=root
 AuthType=auth/munge
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool
 SlurmctldPidFile=$DIR/run/slurmctld.pid
@@ -73,7 +77,7 @@ JobCompType=jobcomp/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 DefMemPerCPU=$((mem_mb / cpus))
-SchedulerParameters=bf_interval=5,sched_interval=5
+SchedulerParameters=bf_interval=1,sched_interval=1
 ReturnToService=2
 MpiDefault=none
 MailProg=/bin/true
