@@ -2,9 +2,8 @@
 tests/cost/fsdp_peaks.py: ranks forked from the harness's warm fork server
 (harness/sweep/starter.py) with the environment torchrun gives its workers, instead of
 torchrun's agent starting each cold (about 5 CPU-seconds a rank and 2.5 the agent, most of the
-suite's FSDP time). What torchrun itself adds, the user's command and
-its agent stopping the other ranks once one ends, is tested with torchrun:
-tests/train/test_ddp.py's interrupted pair."""
+suite's FSDP time). What torchrun itself adds, the user's command and its agent stopping the
+other ranks once one ends, is tested with torchrun: tests/train/test_ddp.py's interrupted pair."""
 
 from __future__ import annotations
 
