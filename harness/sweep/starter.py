@@ -75,7 +75,7 @@ def _run_trial(argv: list[str], env: dict[str, str], out: _Fd, err: _Fd, module:
     # torch sized its pool when the fork server imported it; a fresh process reads this then
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = ["harness", *argv]
-    entry = importlib.import_module(module)  # by name, as `trial_command` runs it
+    entry = importlib.import_module(module)  # harness.cli by name, as `trial_command` runs it
     try:
         code = entry.main(argv)
     finally:
