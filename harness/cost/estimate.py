@@ -52,6 +52,7 @@ PAPER_METHODS = {
 }
 # Table 2 trains with BF16 AdamW: a variant with another inner optimizer is not its row.
 PAPER_SETTINGS = {"optimizer": "adamw"}
+ACTIVATION_KEYS = ("recompute", "offload", "offload_min_bytes")  # memory keys of activations
 PAPER_TOLERANCE = 0.08  # worst full-rank / low-rank gap under the convention below (7.2%)
 
 
@@ -64,27 +65,41 @@ def vocab_size(tokenizer: str) -> int:
     return len(load_tokenizer(tokenizer))
 
 
+def bytes_key(run: RunConfig, world: int) -> str:
+    """What a method's bytes depend on: the run less its activation modifiers (recompute,
+    offload), which change the activations a step holds and no method's bytes
+    (tests/cost/test_plan.py checks every registered method)."""
+    return f"{world} {run.model_dump_json(exclude={'memory': set(ACTIVATION_KEYS)})}"
+
+
 @lru_cache
 def _shapes(model: str, vocab: int) -> dict[str, torch.Size]:
     return param_shapes(model, vocab)
 
 
-def estimate_run(run: RunConfig, world: int = 1) -> dict[str, Any]:
+def estimate_run(run: RunConfig, world: int = 1, memo: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
     """The method's predicted bytes for one run on `world` data-parallel processes, by kind and
     in total, and its peak: each process holds all of them under DDP, rank 0 its share and what
-    FSDP gathers under fsdp (harness/cost/sharded.py)."""
+    FSDP gathers under fsdp (harness/cost/sharded.py). `memo` keeps the method's bytes for the
+    next run that differs only in its activation modifiers (`harness plan`'s candidates)."""
     steps = Steps.of(run.train, run.task.seq_len, world, "launcher: nodes x tasks_per_node")
     shapes = _shapes(run.model, vocab_size(run.task.tokenizer))
     method = build_method(run, steps)
-    estimate = whole = method.estimate(shapes, run)
+    sharded = run.train.parallel == "fsdp" and world > 1
+    memo = {} if memo is None else memo
+    key = bytes_key(run, world)
+    if key not in memo:
+        whole = method.estimate(shapes, run)
+        memo[key] = (whole, method.estimate_sharded(shapes, run, world) if sharded else whole,
+                     disk_bytes(run, whole, shapes))
+    whole, estimate, disk = memo[key]
     acts = activations(run, shapes, method, "cpu" if run.device == "cpu" else "cuda")
-    peak = peak_bytes(estimate, acts, run, shapes)
-    if run.train.parallel == "fsdp" and world > 1:
-        estimate = method.estimate_sharded(shapes, run, world)
-        peak = fsdp_peak(estimate, whole, acts, run, shapes, method, world)
+    peak = (fsdp_peak(estimate, whole, acts, run, shapes, method, world) if sharded
+            else peak_bytes(estimate, acts, run, shapes))
     return {"method_name": run.method_name, "params": run.method_params, **estimate.as_dict(),
             "activation_bytes": acts.start, "workspace_bytes": acts.workspace, "peak_bytes": peak,
-            **disk_bytes(run, whole, shapes)}
+            **disk}
 
 
 def _changed(record: dict[str, Any]) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 from harness.config.objectives import size
 from harness.config.steps import Steps
 from harness.cost.activations import KIND_LINEARS, activations, targets, trains_norms
-from harness.cost.estimate import _shapes, estimate_run, vocab_size
+from harness.cost.estimate import _shapes, bytes_key, estimate_run, vocab_size
 from harness.errors import UserError
 from harness.methods import method_names
 from harness.methods.base import Method, build_method, get_method, is_target, numel
@@ -182,6 +182,8 @@ def plan(model: str, budget: int, seq_len: int = 256, token_batch: int = 256,
              method_entries(model).items() if "pretrain" not in get_method(name).tasks}
     base, loaded = None, False
     evaluated, refused = [], {}
+    estimated: dict[str, Any] = {}  # what runs differing only in activation modifiers share
+    worked: dict[str, Any] = {}
     for c in candidates(model, seq_len, token_batch):
         try:
             run = run_of(c, model, seq_len, tokenizer, gpus)
@@ -194,10 +196,10 @@ def plan(model: str, budget: int, seq_len: int = 256, token_batch: int = 256,
         if base is None:  # full AdamW, bf16-mixed, no modifier, one micro-batch
             whole = Candidate("full", "full", {}, "", {}, "bf16-mixed", token_batch // seq_len, 1)
             base = step_work(run_of(whole, model, seq_len, tokenizer, gpus), gpus)[2]
-        record = estimate_run(run, gpus)
+        record = estimate_run(run, gpus, estimated)
         c.peak_bytes = record["peak_bytes"] - on_host(run, record)
         c.breakdown = {k: record[k] for k in BREAKDOWN}
-        c.recompute_forwards, c.transfer_bytes, seconds = step_work(run, gpus)
+        c.recompute_forwards, c.transfer_bytes, seconds = step_work(run, gpus, worked)
         c.cost = seconds / base
         c.fits = c.peak_bytes <= budget
         evaluated.append(c)
@@ -228,14 +230,23 @@ def on_host(run: Any, record: dict[str, Any]) -> int:
         record["weight_bytes"] + record["grad_bytes"] if sharded else 0)
 
 
-def step_work(run: Any, gpus: int = 1) -> tuple[float, int, float]:
+def step_work(run: Any, gpus: int = 1, memo: dict[str, Any] | None = None
+              ) -> tuple[float, int, float]:
     """A step's extra forward passes (a fraction of one), bytes over the host link, and its
-    seconds on DEVICE under the cost model (the module's docstring): one GPU's share."""
+    seconds on DEVICE under the cost model (the module's docstring): one GPU's share. `memo`
+    keeps the method's FLOPs and trained elements for the next run that differs only in its
+    activation modifiers, as `estimate_run`'s does its bytes."""
     seq_len, layers = run.task.seq_len, architecture(run.model).layers
     shapes = _shapes(run.model, vocab_size(run.task.tokenizer))
     steps = Steps.of(run.train, seq_len, gpus)
     method = build_method(run, steps)
-    flops = forward_flops(shapes, method, seq_len)
+    memo = {} if memo is None else memo
+    key = bytes_key(run, gpus)
+    if key not in memo:
+        host = run.memory.optimizer_offload == "host"  # the only user of the trained elements
+        memo[key] = (forward_flops(shapes, method, seq_len),
+                     trained_numel(shapes, method) if host else 0)
+    flops, trained = memo[key]
     layer = flops["attention"] + flops["mlp"]
     forward = layer * layers + flops["head"]
     recomputed = ("attention", "mlp") if run.memory.recompute == "full" else run.memory.recomputed
@@ -250,7 +261,7 @@ def step_work(run: Any, gpus: int = 1) -> tuple[float, int, float]:
         transfers += 2 * moved * steps.accumulation
     if run.memory.optimizer_offload == "host":  # gradients down, weights back up
         w = widths(run)
-        transfers += trained_numel(shapes, method) * (w.grad + w.weight)
+        transfers += trained * (w.grad + w.weight)
     rate = DEVICE.fp32_flops if run.train.precision == "32-true" else DEVICE.bf16_flops
     seconds = (steps.tokens * (forward * (1 + extra_forwards) + backward) / rate
                + transfers / DEVICE.host_bytes_s

@@ -249,3 +249,32 @@ def test_llama_7b_on_8_gpus_of_80gb() -> None:
                for line in methods)
     assert apart.startswith("  lora: LoRA fine-tunes") and "\n  qlora: QLoRA fine-tunes" in apart
     assert any(line.startswith("  adam8bit: ") for line in methods)  # a full-rank baseline
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_activation_modifiers_change_no_methods_bytes_or_flops(gpus: int) -> None:
+    """`plan` estimates a method's bytes and FLOPs once for the candidates that differ only in
+    recompute and offload (`estimate_run`'s and `step_work`'s memos). For every method entry
+    and precision, each activation modifier's run gives, computed afresh, the weights,
+    gradients, states, extras, disk and FLOPs of the run without one, and the shared memo
+    gives each run what it gives afresh."""
+    estimated, worked, checked = {}, {}, 0
+    for label, (name, settings) in pl.method_entries("llama_micro").items():
+        for precision in pl.PRECISIONS:
+            fresh: list[tuple[dict, dict]] = []
+            for act, memory in pl.ACTIVATION_MODIFIERS.items():
+                c = pl.Candidate(label, name, settings, act, memory, precision, 2, 2)
+                try:
+                    run = pl.run_of(c, "llama_micro", 64, "sample", gpus)
+                except UserError:
+                    continue
+                record, work = estimate_run(run, gpus), pl.step_work(run, gpus)
+                assert estimate_run(run, gpus, estimated) == record
+                assert pl.step_work(run, gpus, worked) == work
+                fresh.append(({k: v for k, v in record.items() if k.endswith("bytes") and
+                               k not in ("activation_bytes", "workspace_bytes", "peak_bytes")},
+                              pl.forward_flops(pl._shapes("llama_micro", 8192),
+                                               pl.build_method(run), 64)))
+                checked += 1
+            assert all(f == fresh[0] for f in fresh), (label, precision)
+    assert checked > 200  # 360 on one GPU, 288 under fsdp: every entry, precision, modifier
