@@ -115,8 +115,12 @@ def test_the_lean_timeline_peaks_where_torchs_whole_analysis_does(tmp_path, case
     assert _peak(_timeline(whole))[0] == reference > 0
     if case == "qgalore":
         assert lean == pytest.approx(reference, rel=0.005)
-    else:
-        assert lean == reference
+    else:  # the same record read both ways is the same to the byte (above); two runs agree
+        # but for the step's 1-byte bools (isfinite and ~ in harness/modifiers/precision.py and
+        # the loop's NaN check: 9 made in a 16-mixed step, counted from its record): one of them
+        # was live at the peak of one run and not the other's (galore 16-mixed recompute,
+        # 24,942,184 against 24,942,185 bytes: 3 of 22 runs, the Intel VM, 2026-12-01)
+        assert abs(lean - reference) <= 9
 
 
 BEFORE_THE_FIRST_STEP = """
