@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable
 from functools import lru_cache
 from importlib import resources
 from typing import Any
@@ -25,7 +26,7 @@ from harness.cost.activations import activations, peak_bytes
 from harness.cost.disk import disk_bytes
 from harness.cost.paper_7b import comparison_7b
 from harness.cost.sharded import fsdp_peak
-from harness.methods.base import build_method, changed_params
+from harness.methods.base import MemoryEstimate, build_method, changed_params
 from harness.models import param_shapes
 
 # len(tokenizer), which is what the trainer sizes the embedding with.
@@ -52,7 +53,6 @@ PAPER_METHODS = {
 }
 # Table 2 trains with BF16 AdamW: a variant with another inner optimizer is not its row.
 PAPER_SETTINGS = {"optimizer": "adamw"}
-ACTIVATION_KEYS = ("recompute", "offload", "offload_min_bytes")  # memory keys of activations
 PAPER_TOLERANCE = 0.08  # worst full-rank / low-rank gap under the convention below (7.2%)
 
 
@@ -65,11 +65,20 @@ def vocab_size(tokenizer: str) -> int:
     return len(load_tokenizer(tokenizer))
 
 
-def bytes_key(run: RunConfig, world: int) -> str:
-    """What a method's bytes depend on: the run less its activation modifiers (recompute,
-    offload), which change the activations a step holds and no method's bytes
-    (tests/cost/test_plan.py checks every registered method)."""
-    return f"{world} {run.model_dump_json(exclude={'memory': set(ACTIVATION_KEYS)})}"
+ACTIVATION_KEYS = {"recompute", "offload", "offload_min_bytes"}  # memory keys of activations
+
+
+def memoized(memo: dict[str, Any] | None, run: RunConfig, world: int,
+             compute: Callable[[], Any]) -> Any:
+    """`compute()`, kept in `memo` for the next run that differs only in its activation
+    modifiers (recompute, offload), which change the activations a step holds and none of a
+    method's bytes or FLOPs (tests/cost/test_plan.py checks every registered method)."""
+    if memo is None:
+        return compute()
+    key = f"{world} {run.model_dump_json(exclude={'memory': ACTIVATION_KEYS})}"
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
 
 
 @lru_cache
@@ -87,13 +96,13 @@ def estimate_run(run: RunConfig, world: int = 1, memo: dict[str, Any] | None = N
     shapes = _shapes(run.model, vocab_size(run.task.tokenizer))
     method = build_method(run, steps)
     sharded = run.train.parallel == "fsdp" and world > 1
-    memo = {} if memo is None else memo
-    key = bytes_key(run, world)
-    if key not in memo:
+
+    def method_bytes() -> tuple[MemoryEstimate, MemoryEstimate, dict[str, int]]:
         whole = method.estimate(shapes, run)
-        memo[key] = (whole, method.estimate_sharded(shapes, run, world) if sharded else whole,
-                     disk_bytes(run, whole, shapes))
-    whole, estimate, disk = memo[key]
+        return (whole, method.estimate_sharded(shapes, run, world) if sharded else whole,
+                disk_bytes(run, whole, shapes))
+
+    whole, estimate, disk = memoized(memo, run, world, method_bytes)
     acts = activations(run, shapes, method, "cpu" if run.device == "cpu" else "cuda")
     peak = (fsdp_peak(estimate, whole, acts, run, shapes, method, world) if sharded
             else peak_bytes(estimate, acts, run, shapes))

@@ -29,7 +29,7 @@ from typing import Any
 from harness.config.objectives import size
 from harness.config.steps import Steps
 from harness.cost.activations import KIND_LINEARS, activations, targets, trains_norms
-from harness.cost.estimate import _shapes, bytes_key, estimate_run, vocab_size
+from harness.cost.estimate import _shapes, estimate_run, memoized, vocab_size
 from harness.errors import UserError
 from harness.methods import method_names
 from harness.methods.base import Method, build_method, get_method, is_target, numel
@@ -240,13 +240,9 @@ def step_work(run: Any, gpus: int = 1, memo: dict[str, Any] | None = None
     shapes = _shapes(run.model, vocab_size(run.task.tokenizer))
     steps = Steps.of(run.train, seq_len, gpus)
     method = build_method(run, steps)
-    memo = {} if memo is None else memo
-    key = bytes_key(run, gpus)
-    if key not in memo:
-        host = run.memory.optimizer_offload == "host"  # the only user of the trained elements
-        memo[key] = (forward_flops(shapes, method, seq_len),
-                     trained_numel(shapes, method) if host else 0)
-    flops, trained = memo[key]
+    host = run.memory.optimizer_offload == "host"  # the only user of the trained elements
+    flops, trained = memoized(memo, run, gpus, lambda: (
+        forward_flops(shapes, method, seq_len), trained_numel(shapes, method) if host else 0))
     layer = flops["attention"] + flops["mlp"]
     forward = layer * layers + flops["head"]
     recomputed = ("attention", "mlp") if run.memory.recompute == "full" else run.memory.recomputed
@@ -259,7 +255,7 @@ def step_work(run: Any, gpus: int = 1, memo: dict[str, Any] | None = None
         moved = (activations(kept, shapes, method, "cuda").start
                  - activations(run, shapes, method, "cuda").start)
         transfers += 2 * moved * steps.accumulation
-    if run.memory.optimizer_offload == "host":  # gradients down, weights back up
+    if host:  # gradients down, weights back up
         w = widths(run)
         transfers += trained * (w.grad + w.weight)
     rate = DEVICE.fp32_flops if run.train.precision == "32-true" else DEVICE.bf16_flops
