@@ -45,7 +45,6 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["WANDB_SILENT"] = "true"
 
 
-
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What a training imports (the trial starter's list), then every object so far out of
     the collector's sight: each `train()` ends with a full `gc.collect()`, which in a test
