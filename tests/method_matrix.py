@@ -63,6 +63,8 @@ def quick_cases() -> set[tuple[str, str]]:
         picked.add((method, order[turn % len(order)]))
         turn += 1
     return picked
+
+
 _baselines: dict[str, dict[int, float]] = {}
 
 

@@ -136,6 +136,16 @@ def test_from_scratch_is_seeded_as_the_presets_are(tmp_path):
 BYTES = {"weight_bytes": "param_bytes", "grad_bytes": "grad_bytes",
          "optimizer_state_bytes": "optimizer_state_bytes", "extra_bytes": "extra_bytes"}
 ESTIMATED = {"full": {"name": "full"}, "relora": METHODS["relora"], "galore": METHODS["galore"]}
+PRETRAINING = [name for name in method_names() if "pretrain" in get_method(name).tasks]
+# The quick tier keeps a diagonal of the families x methods grid (each family and each method
+# once), and on Qwen2 the methods that replace, quantize or split what its biases and tied head
+# touch; the rest run in the integration tier (tests/tiers.py), as CI runs it.
+QUICK = {
+    "test_a_config_trains_and_its_bytes_are_the_estimates": {
+        ("llama_gqa", "relora"), ("qwen2", "galore"), ("mistral", "full")},
+    "test_every_pretraining_method_trains_a_qwen2_config": {
+        (method,) for method in ("relora", "lowrank", "qgalore", "adam_mini", "muon")},
+}
 
 
 @pytest.mark.parametrize("method", ESTIMATED)
@@ -148,9 +158,6 @@ def test_a_config_trains_and_its_bytes_are_the_estimates(tmp_path, family, metho
     assert sorted(losses) == [1, 2] and all(math.isfinite(v) for v in losses.values())
     estimate = estimate_run(run)
     assert {k: estimate[k] for k in BYTES} == {k: summary[v] for k, v in BYTES.items()}
-
-
-PRETRAINING = [name for name in method_names() if "pretrain" in get_method(name).tasks]
 
 
 @pytest.mark.parametrize("method", PRETRAINING)

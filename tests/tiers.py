@@ -4,6 +4,7 @@ that a quick test starts no process. conftest.py imports the hooks and the fixtu
 
 from __future__ import annotations
 
+import math
 import multiprocessing.process
 import os
 import subprocess
@@ -21,7 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 # method x modifier grid) carry the `integration` marker, applied here, so that
 # `pytest -m "not integration"` is a quick loop for an edit. A grid keeps some cases quick: a
 # test module's `QUICK` maps a test's name to the parameter tuples that stay (the matrix's
-# diagonal: every method once, every modifier at least once). A test that starts a process
+# diagonal: every method once, every modifier at least once; the other grids say beside their
+# `QUICK` what they keep), the rest of the grid is integration-tier. A test that starts a process
 # without the marker fails (`unmarked_processes` below), so these lists cannot fall behind.
 INTEGRATION_FILES = {  # every test in these files
     "sweep/test_faults.py", "sweep/test_launchers.py", "sweep/test_postgres.py",
@@ -93,7 +95,26 @@ def service_group(nodeid: str) -> str | None:
     return SERVICE_GROUPS.get(nodeid.split("::", 1)[0].removeprefix("tests/"))
 
 
+def check_quick(items: list[pytest.Item]) -> None:
+    """A `QUICK` case that names no case of its grid would leave the grid out of the quick tier
+    unseen: where a grid's every case was collected, each of its quick cases must be one."""
+    grids: dict[tuple[str, str], tuple[Any, int, list[tuple]]] = {}
+    for item in items:
+        name = item.name.split("[")[0]
+        quick = getattr(item.module, "QUICK", {}).get(name)
+        if quick is not None:
+            cases = math.prod(len(m.args[1]) for m in item.iter_markers("parametrize"))
+            grid = grids.setdefault((item.module.__name__, name), (quick, cases, []))
+            grid[2].append(tuple(item.callspec.params.values()))  # type: ignore[attr-defined]
+    for (module, name), (quick, cases, seen) in grids.items():
+        stale = [case for case in quick if case not in seen]
+        if len(seen) == cases and stale:
+            raise pytest.UsageError(f"{module}.QUICK[{name!r}] names {stale[0]!r}, which is no "
+                                    f"case of the grid; name a case that it parametrizes")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    check_quick(items)
     for item in items:
         if is_integration(item):
             item.add_marker(pytest.mark.integration)

@@ -28,6 +28,13 @@ CASES = {  # label -> (METHODS entry, --set overrides)
     "galore bf16-true": ("galore", BF16_TRUE),
     "qgalore bf16-true": ("qgalore", BF16_TRUE),
 }
+# The quick tier keeps a diagonal: every method, precision and modifier of CASES at least once
+# (bf16-mixed with LoRA, bf16-true with Kahan and with bfloat16 states, recompute full and mlp,
+# accumulation); the rest run in the integration tier (tests/tiers.py), as CI runs it.
+QUICK = {"test_estimated_peak_is_within_5_percent_of_a_measured_step": {
+    (case,) for case in ("lora bf16", "lowrank fp32", "galore recompute full",
+                         "full accumulation 2", "full bf16-true kahan",
+                         "lora bf16-true recompute mlp", "qgalore bf16-true")}}
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -78,6 +78,11 @@ TIMELINES = {  # label -> (method, --set overrides): graphs unlike each other's
     "apollo offloads": ({"name": "apollo", "rank": 8}, {"memory.offload": ["mlp"],
                                                        "memory.optimizer_offload": "host"}),
 }
+# The quick tier keeps the timelines of layer-wise, 16-mixed with recompute, and both offloads;
+# the plain, accumulating and Q-GaLore ones run in the integration tier (tests/tiers.py).
+QUICK = {"test_the_lean_timeline_peaks_where_torchs_whole_analysis_does": {
+    (case,) for case in ("lora bf16-true layer-wise", "galore 16-mixed recompute",
+                         "apollo offloads")}}
 
 
 @pytest.mark.parametrize("case", TIMELINES)

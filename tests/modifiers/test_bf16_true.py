@@ -149,17 +149,32 @@ def test_own_optimizers_honour_state_dtype_and_compensation(tmp_path, method, st
     assert bool(kahan) == (mode == "kahan") and {k.dtype for k in kahan} <= {BF16}
 
 
-@pytest.mark.parametrize(("method", "keys"), [
+SR = {"update_compensation": "stochastic_rounding"}
+KAHAN_BF16 = {"update_compensation": "kahan", "state_dtype": "bfloat16"}
+RESUMED = [
     ("full", {"update_compensation": "none"}),
-    ("full", {"update_compensation": "stochastic_rounding"}),
+    ("full", SR),
     ("full", {"update_compensation": "kahan"}),
-    ("full", {"update_compensation": "kahan", "state_dtype": "bfloat16"}),  # torch-optimi
+    ("full", KAHAN_BF16),  # torch-optimi
     ("galore", GALORE_STATES),
     ("galore", {"update_compensation": "kahan"}),
-    ("galore", {"update_compensation": "stochastic_rounding"}),
+    ("galore", SR),
     ("qgalore", {"update_compensation": "kahan"}),
-    ("adam8bit", {"update_compensation": "kahan", "state_dtype": "bfloat16"}),
-])
+    ("adam8bit", KAHAN_BF16),
+]
+# The quick tier keeps every method under bf16-true at least once: GaLore, Q-GaLore and 8-bit
+# Adam train in test_own_optimizers_honour_state_dtype_and_compensation, and four resumes stay
+# (full AdamW with the generator, and with Kahan and bfloat16 states; GaLore's states; 8-bit
+# Adam's); the other cases run in the integration tier (tests/tiers.py), as CI runs them.
+QUICK = {
+    "test_every_method_trains_under_bf16_true": {
+        (method,) for method in METHODS if method not in ("full", "galore", "qgalore", "adam8bit")},
+    "test_resume_under_bf16_true_is_exact": [
+        ("full", SR), ("full", KAHAN_BF16), ("galore", GALORE_STATES), ("adam8bit", KAHAN_BF16)],
+}
+
+
+@pytest.mark.parametrize(("method", "keys"), RESUMED)
 def test_resume_under_bf16_true_is_exact(tmp_path, method, keys):
     """Stopped after step 2 and resumed: the same losses as a run never stopped (the Kahan
     buffers and float32 moments come back from the checkpoint, the generator too)."""

@@ -105,11 +105,19 @@ def test_encoder_from_a_local_folder_fine_tunes(tmp_path):
     assert summary["eval_accuracy"] > 60
 
 
-@pytest.mark.parametrize("method", [
+FINE_TUNED = [
     {"name": "adam8bit"}, {"name": "qlora", "rank": 4}, {"name": "galore", "rank": 8},
     {"name": "qgalore", "rank": 8}, {"name": "lowrank", "rank": 16},
     {"name": "relora", "rank": 4, "reset_every": 20, "restart_warmup_steps": 5},
-])  # fmt: skip
+]  # fmt: skip
+# The quick tier keeps the methods that change the classifier's model (NF4 base and adapters,
+# INT8 weights, factors, merges); 8-bit Adam and GaLore, optimizers only, run in the
+# integration tier (tests/tiers.py).
+QUICK = {"test_every_method_fine_tunes_the_embedded_task": [
+    (method,) for method in FINE_TUNED if method["name"] not in ("adam8bit", "galore")]}
+
+
+@pytest.mark.parametrize("method", FINE_TUNED)
 def test_every_method_fine_tunes_the_embedded_task(tmp_path, method):
     data = {**glue_run(), "method": method}
     summary = train(load_run(data), tmp_path / "t")
