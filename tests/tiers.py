@@ -74,12 +74,21 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
 QUICK_TOOLS = {"git"}  # run by the code under test in every tier (the commit in config.yaml)
 
 
+def grid_case(item: pytest.Item) -> tuple[Any, tuple] | None:
+    """(the cases its module's `QUICK` keeps, this item's parameter tuple) for a case of a
+    grid that has a `QUICK` entry; None for any other test."""
+    quick = getattr(item.module, "QUICK", {}).get(item.name.split("[")[0])
+    if quick is None:
+        return None
+    return quick, tuple(item.callspec.params.values())  # type: ignore[attr-defined]
+
+
 def is_integration(item: pytest.Item) -> bool:
     file = item.path.relative_to(REPO / "tests").as_posix()
     name = item.name.split("[")[0]
-    quick = getattr(item.module, "QUICK", {}).get(name)  # a grid: these cases stay quick
-    if quick is not None:
-        return tuple(item.callspec.params.values()) not in quick  # type: ignore[attr-defined]
+    case = grid_case(item)
+    if case is not None:  # a grid: the cases its QUICK keeps stay quick
+        return case[1] not in case[0]
     return (file in INTEGRATION_FILES or name in INTEGRATION_TESTS
             or bool(INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))))
 
@@ -100,12 +109,11 @@ def check_quick(items: list[pytest.Item]) -> None:
     unseen: where a grid's every case was collected, each of its quick cases must be one."""
     grids: dict[tuple[str, str], tuple[Any, int, list[tuple]]] = {}
     for item in items:
-        name = item.name.split("[")[0]
-        quick = getattr(item.module, "QUICK", {}).get(name)
-        if quick is not None:
+        case = grid_case(item)
+        if case is not None:
             cases = math.prod(len(m.args[1]) for m in item.iter_markers("parametrize"))
-            grid = grids.setdefault((item.module.__name__, name), (quick, cases, []))
-            grid[2].append(tuple(item.callspec.params.values()))  # type: ignore[attr-defined]
+            key = (item.module.__name__, item.name.split("[")[0])
+            grids.setdefault(key, (case[0], cases, []))[2].append(case[1])
     for (module, name), (quick, cases, seen) in grids.items():
         stale = [case for case in quick if case not in seen]
         if len(seen) == cases and stale:
