@@ -23,12 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.benchmark import Timer
 
 from harness.bench.loop import TARGET, bench_loop, bench_run, verdict
-from harness.bench.memory import METHODS, measure_run, method_records
-from harness.cost.estimate import estimate_run
+from harness.bench.memory import METHODS, free_memory, measure_run, method_records
+from harness.cost.estimate import estimate_run, vocab_size
+from harness.cost.meter import peak_flops
 from harness.cost.paper_7b import PAPER_7B
 from harness.methods.resolve import load_run
+from harness.models import param_shapes
 
 Record = dict[str, Any]
 MFU_TARGET = 0.40  # full AdamW at its best micro-batch on an H100 (issue 26)
@@ -48,18 +51,24 @@ class Settings:
     table11_rows: tuple[str, ...] | None  # TABLE11's labels to run (None: all)
     rank_1b: int
     mfu_batches: tuple[int, ...]
+    mfu_compile: bool  # also the best micro-batch under train.compile
+    gemm_s: float  # the least time each matmul of the GEMM probe is timed for
     loop: tuple[str, int, int, int, str, int]  # model, steps, batch, seq_len, precision, rounds
     big: str  # the 7B single-step part's model
     rank_7b: int
 
 
+# MFU: 1 to 64 were measured on the second lease (flat from 16 on, 51 GB at 64 of an H200's
+# 141): 128 says whether a larger micro-batch helps; 4 and 16 where the curve bends.
 GPU = Settings("cuda", ("llama_60m", "llama_350m"), 6, 256, 8, "llama_1b", None, 512,
-               (1, 2, 4, 8, 16, 32, 64), ("llama_350m", 30, 8, 256, "bf16-mixed", 3),
+               (4, 16, 32, 64, 128), True, 0.5, ("llama_350m", 30, 8, 256, "bf16-mixed", 3),
                "llama_7b", 1024)
 # The smoke run: every method in `estimate`, two of Table 11's rows (the same loop), in under
-# two minutes on 2 CPU cores (106 s with nothing else running).
+# two minutes on 2 CPU cores (106 s with nothing else running). No compiled run: inductor's
+# C++ build of llama_micro alone takes ~35 s there (train.compile has its own test,
+# tests/train/test_train.py); it is the same `_run` and `_measured` as every other row.
 SMOKE = Settings("cpu", ("llama_micro",), 3, 32, 2, "llama_micro",
-                 ("full", "galore_8bit_layerwise"), 8, (1, 2),
+                 ("full", "galore_8bit_layerwise"), 8, (1, 2), False, 0.01,
                  ("llama_micro", 3, 2, 32, "32-true", 1), "llama_micro", 8)
 
 
@@ -150,8 +159,7 @@ def _paper_table11() -> dict[tuple[str, bool], tuple[float, float]]:
 
 
 def table11(s: Settings, out: Path) -> Iterator[Record]:
-    """GaLore Table 11 (LLaMA-1B, token batch 256, bf16): memory and tok/s beside the paper's;
-    then full AdamW's MFU over micro-batches until one does not fit."""
+    """GaLore Table 11 (LLaMA-1B, token batch 256, bf16): memory and tok/s beside the paper's."""
     paper = _paper_table11()
     for label, (method, layerwise, row) in TABLE11.items():
         if s.table11_rows is not None and label not in s.table11_rows:
@@ -167,25 +175,81 @@ def table11(s: Settings, out: Path) -> Iterator[Record]:
         yield {"name": f"gpu/table11/{s.table11}/{label}", **_measured(run),
                "estimate_peak_bytes": estimate_run(run)["peak_bytes"],
                "paper_gb": gb, "paper_tokens_per_s": tok_s}
-    yield from _mfu(s)
 
 
-def _mfu(s: Settings) -> Iterator[Record]:
+def mfu(s: Settings, out: Path) -> Iterator[Record]:
+    """Full AdamW's MFU at LLaMA-1B, bf16-true, over micro-batches until one does not fit;
+    then, at the best one, what bounds it: each of the model's matmuls alone (the GEMM probe),
+    and the same run under train.compile."""
     best: Record | None = None
     for batch in s.mfu_batches:
-        run = _run(s, s.table11, {"name": "full"}, batch_size=batch,
-                   steps=8 if s.device == "cuda" else 3, precision="bf16-true")
-        record = {"name": f"gpu/mfu/{s.table11}/full/batch{batch}", **_measured(run)}
+        record = {"name": f"gpu/mfu/{s.table11}/full/batch{batch}", "batch": batch,
+                  **_measured(_mfu_run(s, batch))}
         yield record
         if record["status"] != "ok":
             break
-        if best is None or (record["mfu"] or 0) > (best["mfu"] or 0):
+        # tok/s orders the runs as MFU does (one model: the same FLOPs a token); a CPU has no MFU
+        if best is None or record["tokens_per_s"] > best["tokens_per_s"]:
             best = record
-    if best is not None:
-        mfu = best["mfu"]
-        yield {"name": f"gpu/mfu/{s.table11}/full/best", "value": mfu, "target": MFU_TARGET,
-               "batch": best["name"].rsplit("batch", 1)[1], "tokens_per_s": best["tokens_per_s"],
-               "met": mfu is not None and mfu >= MFU_TARGET}
+    if best is None:
+        return
+    yield {"name": f"gpu/mfu/{s.table11}/full/best", "value": best["mfu"], "target": MFU_TARGET,
+           "batch": best["batch"], "tokens_per_s": best["tokens_per_s"],
+           "met": best["mfu"] is not None and best["mfu"] >= MFU_TARGET}
+    task = _mfu_run(s, 1).task
+    yield from gemms(s, best["batch"] * task.seq_len, vocab_size(task.tokenizer))
+    if s.mfu_compile:
+        record = _measured(_mfu_run(s, best["batch"], compile=True))
+        yield {"name": f"gpu/mfu/{s.table11}/full/compiled/batch{best['batch']}",
+               "batch": best["batch"], **record, "target": MFU_TARGET,
+               "met": record.get("mfu") is not None and record["mfu"] >= MFU_TARGET}
+
+
+def _mfu_run(s: Settings, batch: int, **train: Any) -> Any:
+    return _run(s, s.table11, {"name": "full"}, batch_size=batch,
+                steps=8 if s.device == "cuda" else 3, precision="bf16-true", **train)
+
+
+def _up(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def gemm_shapes(model: str, vocab: int) -> list[tuple[int, int, tuple[int, int] | None]]:
+    """(out, in, the shape it was rounded up from or None) of each distinct matmul of the
+    model (every 2-D weight but the input embedding, a lookup), and each with a dimension that
+    is no multiple of 64 again with it rounded up: LLaMA-1B's MLP is 5461 wide, which leaves
+    the bf16 tensor cores' tiles ragged."""
+    shapes = sorted({(size[0], size[1]) for name, size in param_shapes(model, vocab).items()
+                     if len(size) == 2 and "embed_tokens" not in name})
+    padded = [(_up(o), _up(i), (o, i)) for o, i in shapes if (_up(o), _up(i)) != (o, i)]
+    return [(o, i, None) for o, i in shapes] + padded
+
+
+def gemms(s: Settings, tokens: int, vocab: int) -> Iterator[Record]:
+    """Each matmul a linear layer's step makes (forward, input gradient, weight gradient:
+    2 · tokens · in · out FLOPs each) alone on random bf16 data: the TFLOP/s the model's
+    shapes can reach on this device, beside its peak."""
+    free_memory()  # what an over-budget run of the sweep left
+    device = torch.device(s.device)
+    peak = peak_flops(device, "bf16-true")
+    for out_f, in_f, padded_from in gemm_shapes(s.table11, vocab):
+        # random data, never zeros: those can run faster than real values
+        w, x, g = (torch.randn(*shape, device=device, dtype=torch.bfloat16)
+                   for shape in ((out_f, in_f), (tokens, in_f), (tokens, out_f)))
+        tflops = {name: 2 * tokens * in_f * out_f / _seconds(f, *args, s.gemm_s) / 1e12
+                  for name, f, args in (("forward", torch.nn.functional.linear, (x, w)),
+                                        ("input_grad", torch.matmul, (g, w)),
+                                        ("weight_grad", torch.matmul, (g.t(), x)))}
+        yield {"name": f"gpu/mfu/{s.table11}/gemm/{out_f}x{in_f}", "tokens": tokens,
+               "out": out_f, "in": in_f, "padded_from": padded_from, "tflops": tflops,
+               "peak_tflops": None if peak is None else peak / 1e12}
+
+
+def _seconds(f: Callable[..., Any], a: torch.Tensor, b: torch.Tensor, least_s: float) -> float:
+    """The median time of f(a, b), from torch's benchmark Timer (it warms up and synchronizes
+    the device around each block of runs)."""
+    timer = Timer("f(a, b)", globals={"f": f, "a": a, "b": b})
+    return timer.blocked_autorange(min_run_time=least_s).median
 
 
 def loop(s: Settings, out: Path) -> Iterator[Record]:
@@ -234,7 +298,8 @@ def llama7b(s: Settings, out: Path) -> Iterator[Record]:
 
 
 PARTS: dict[str, Callable[[Settings, Path], Iterator[Record]]] = {
-    "tests": tests, "estimate": estimate, "table11": table11, "loop": loop, "llama7b": llama7b,
+    "tests": tests, "estimate": estimate, "table11": table11, "mfu": mfu, "loop": loop,
+    "llama7b": llama7b,
 }
 
 

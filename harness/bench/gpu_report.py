@@ -12,7 +12,8 @@ Record = dict[str, Any]
 TITLES = {
     "tests": "`pytest -m gpu`: every method × modifier × precision on the device",
     "estimate": "Estimate against the measured bytes and steady-step peak, every method",
-    "table11": "GaLore Table 11: LLaMA-1B, token batch 256, bf16-true; MFU of full AdamW",
+    "table11": "GaLore Table 11: LLaMA-1B, token batch 256, bf16-true",
+    "mfu": "MFU of full AdamW at LLaMA-1B, bf16-true, and what bounds it",
     "loop": "`harness bench loop`: the harness's loop against a bare PyTorch loop",
     "llama7b": "LLaMA-7B optimizer steps, bf16-true, 1 × 256 tokens",
 }
@@ -64,24 +65,41 @@ def _estimate(records: list[Record]) -> list[str]:
 
 
 def _table11(records: list[Record]) -> list[str]:
-    runs = [r for r in records if "/table11/" in r["name"]]
-    mfu = [r for r in records if "/mfu/" in r["name"] and not r["name"].endswith("/best")]
-    lines = _table(
+    return _table(
         ["configuration", "peak GB", "estimate GB", "paper GB", "tok/s", "paper tok/s", "MFU"],
         [[r["name"].rsplit("/", 1)[1], _gb(r.get("peak_bytes")) or r["status"],
           _gb(r.get("estimate_peak_bytes")), _num(r.get("paper_gb"), ".2f"),
           _num(r.get("tokens_per_s")), _num(r.get("paper_tokens_per_s")),
-          _num(r.get("mfu"), ".1%")] for r in runs])  # fmt: skip
-    lines += ["", *_table(["full AdamW micro-batch", "tok/s", "MFU", "peak GB"],
-                          [[r["name"].rsplit("batch", 1)[1], _num(r.get("tokens_per_s")),
-                            _num(r.get("mfu"), ".1%"), _gb(r.get("peak_bytes")) or r["status"]]
-                           for r in mfu])]  # fmt: skip
+          _num(r.get("mfu"), ".1%")] for r in records])  # fmt: skip
+
+
+def _mfu(records: list[Record]) -> list[str]:
+    """The micro-batch sweep, the best MFU against its target, the GEMM probe, the compiled
+    run."""
+    runs = [r for r in records if "/full/" in r["name"] and not r["name"].endswith("/best")]
+    lines = _table(["full AdamW micro-batch", "compiled", "tok/s", "MFU", "peak GB"],
+                   [[str(r["batch"]), "yes" if "/compiled/" in r["name"] else "",
+                     _num(r.get("tokens_per_s")), _num(r.get("mfu"), ".1%"),
+                     _gb(r.get("peak_bytes")) or r["status"]] for r in runs])  # fmt: skip
     for r in records:
         if r["name"].endswith("/best") and r["value"] is None:
             lines += ["", "MFU: no peak FLOP/s is known for this device (harness/cost/meter.py)."]
         elif r["name"].endswith("/best"):
-            lines += ["", f"Best MFU {_num(r['value'], '.1%')} at micro-batch {r['batch']}, "
-                          f"target ≥ {r['target']:.0%}: {'met' if r['met'] else 'missed'}."]
+            lines += ["", f"Best MFU {_num(r['value'], '.1%')} at micro-batch {r['batch']} "
+                          f"(eager), target ≥ {r['target']:.0%}: "
+                          f"{'met' if r['met'] else 'missed'}."]
+    gemms = [r for r in records if "/gemm/" in r["name"]]
+    if gemms:
+        peak = gemms[0]["peak_tflops"]
+        lines += ["", f"Each matmul alone at {gemms[0]['tokens']:,} tokens, bf16, TFLOP/s "
+                      f"(the device's peak: {_num(peak) or 'unknown'}):", ""]
+        lines += _table(["weight (out × in)", "rounded up from", "forward", "input grad",
+                         "weight grad"],
+                        [[f"{r['out']} × {r['in']}",
+                          " × ".join(map(str, r["padded_from"])) if r["padded_from"] else "",
+                          *(_num(r["tflops"][k], ",.4g")
+                            for k in ("forward", "input_grad", "weight_grad"))]
+                         for r in gemms])  # fmt: skip
     return lines
 
 
@@ -106,7 +124,7 @@ def _llama7b(records: list[Record]) -> list[str]:
 
 
 SECTIONS: dict[str, Callable[[list[Record]], list[str]]] = {
-    "tests": _tests, "estimate": _estimate, "table11": _table11, "loop": _loop,
+    "tests": _tests, "estimate": _estimate, "table11": _table11, "mfu": _mfu, "loop": _loop,
     "llama7b": _llama7b,
 }
 

@@ -13,7 +13,7 @@ import torch
 from conftest import REPO, harness
 
 from harness.bench.gpu import CAPS, load_state, run_part
-from harness.bench.gpu_parts import _junit
+from harness.bench.gpu_parts import _junit, gemm_shapes
 from harness.bench.gpu_report import render
 from harness.errors import UserError
 from harness.trials import read_json, write_json
@@ -34,7 +34,7 @@ def test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left(t
     smoke_s = time.monotonic() - start
     state = read_json(out / "gpu.json")
     parts = state["parts"]
-    assert list(parts) == ["tests", "estimate", "table11", "loop", "llama7b"]
+    assert list(parts) == ["tests", "estimate", "table11", "mfu", "loop", "llama7b"]
     assert all(p["status"] == "ok" for p in parts.values()), {n: p.get("error") for n, p
                                                               in parts.items()}
     env = state["environment"]
@@ -55,19 +55,29 @@ def test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left(t
     table11 = {r["name"].rsplit("/", 1)[1]: r for r in parts["table11"]["records"]}
     assert table11["galore_8bit_layerwise"]["paper_gb"] == 5.63  # GaLore Table 11, by hand
     assert table11["full"]["paper_tokens_per_s"] == 1256.98
-    assert table11.keys() == {"full", "galore_8bit_layerwise", "batch1", "batch2", "best"}
+    assert table11.keys() == {"full", "galore_8bit_layerwise"}
+    mfu = {r["name"].split("/", 3)[3]: r for r in parts["mfu"]["records"]}
+    # llama_micro (hidden 64, MLP 176, the sample's 8,192 tokens): q/k/v/o 64 × 64, gate and
+    # up 176 × 64, down 64 × 176, the head 8192 × 64; the MLP's 176 rounded up to 192
+    gemms = {"64x64", "176x64", "64x176", "8192x64", "192x64", "64x192"}
+    assert mfu.keys() == {"full/batch1", "full/batch2", "full/best"} | {f"gemm/{g}" for g in gemms}
+    fastest = max((1, 2), key=lambda b: mfu[f"full/batch{b}"]["tokens_per_s"])
+    assert mfu["full/best"]["batch"] == fastest and mfu["full/best"]["value"] is None  # a CPU
+    assert mfu["gemm/192x64"]["padded_from"] == [176, 64] and mfu["gemm/64x64"]["tokens"] == (
+        32 * fastest)  # the best micro-batch's tokens: its sequences of 32
+    assert all(0 < t < 1e3 for g in gemms for t in mfu[f"gemm/{g}"]["tflops"].values())
     (loop,) = parts["loop"]["records"]
     assert len(loop["rounds"]) == 1 and loop["value"] == loop["rounds"][0]["ratio"]
     big = {r["name"].rsplit("/", 1)[1]: r["paper_gb"] for r in parts["llama7b"]["records"]}
     assert big == {"galore_8bit_layerwise": 22.0, "qgalore": 15.08,
                    "apollo_mini_int8_layerwise": 12.0}
     page = (out / "gpu.md").read_text()
-    assert "Not run yet" not in page and page.count("\n## ") == 5
+    assert "Not run yet" not in page and page.count("\n## ") == 6
     assert "| llama_micro/full/param_bytes | 4,596,992 | 4,596,992 |" in page
     print(f"smoke run: {smoke_s:.0f} s")
 
     again = harness("bench", "gpu", "--out", str(out), "--smoke", cwd=REPO)
-    assert again.returncode == 0 and again.stdout.count("done before (ok)") == 5
+    assert again.returncode == 0 and again.stdout.count("done before (ok)") == 6
     assert read_json(out / "gpu.json")["parts"] == parts  # nothing measured twice
 
 
@@ -123,7 +133,7 @@ def test_a_tests_part_cut_off_at_its_cap_keeps_the_outcomes_it_had(tmp_path):
 
 def test_parts_and_cap_choose_what_runs_and_how_long(tmp_path):
     """--parts runs only those, in the kit's order; --cap-min replaces every part's cap; a part
-    that is no part is refused in one line naming the five."""
+    that is no part is refused in one line naming the six."""
     start = time.monotonic()
     done = harness("bench", "gpu", "--out", str(tmp_path), "--smoke", "--parts",
                    "loop,estimate", "--cap-min", "0.05", cwd=REPO)
@@ -132,28 +142,27 @@ def test_parts_and_cap_choose_what_runs_and_how_long(tmp_path):
     parts = read_json(tmp_path / "gpu.json")["parts"]
     assert list(parts) == ["estimate", "loop"] and {p["cap_s"] for p in parts.values()} == {3.0}
     assert time.monotonic() - start < 60
-    bad = harness("bench", "gpu", "--out", str(tmp_path), "--smoke", "--parts", "tests,mfu",
+    bad = harness("bench", "gpu", "--out", str(tmp_path), "--smoke", "--parts", "tests,gemm",
                   cwd=REPO)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
-    assert "no part mfu; the parts are tests, estimate, table11, loop, llama7b" in bad.stderr
+    assert "no part gemm; the parts are tests, estimate, table11, mfu, loop, llama7b" in bad.stderr
 
 
-def test_the_lease_script_runs_every_part_into_four_folders(tmp_path):
-    """scripts/gpu_lease.sh on a 15-minute lease: the memory parts side by side, then the
-    timed ones, each kit in its own folder. Scaled so that every cap is a second: the
+def test_the_lease_script_runs_its_parts_each_in_its_folder(tmp_path):
+    """scripts/gpu_lease.sh on a 15-minute lease: the memory parts side by side, then mfu
+    alone, each kit in its own folder. Scaled so that every cap is a second: the
     structure is what is checked here; the smoke run above checks the parts."""
     done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_lease.sh"), str(tmp_path),
                            "0.004"], env={**os.environ, "GPU_LEASE_SMOKE": "1"}, cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     folders = {p.name: list(read_json(p / "gpu.json")["parts"]) for p in tmp_path.iterdir()}
-    assert folders == {"tests": ["tests"], "estimate": ["estimate"], "llama7b": ["llama7b"],
-                       "timing": ["table11", "loop"]}
+    assert folders == {name: [name] for name in ("tests", "estimate", "llama7b", "table11", "mfu")}
     caps = {n: p["cap_s"] for f in tmp_path.iterdir()
             for n, p in read_json(f / "gpu.json")["parts"].items()}
-    # 4.5, 3 and 1.5 minutes scaled by 0.004: 1.08, 0.72 and 0.36 s
+    # 4.5 and 4 minutes scaled by 0.004: 1.08 and 0.96 s
     assert caps == pytest.approx({"tests": 1.08, "estimate": 1.08, "llama7b": 1.08,
-                                  "table11": 0.72, "loop": 0.36})
+                                  "table11": 1.08, "mfu": 0.96})
 
 
 def test_the_page_shows_each_part_with_its_machine():
@@ -170,8 +179,40 @@ def test_the_page_shows_each_part_with_its_machine():
     assert "| 1 | 99,000 | 100,000 | 0.990 |" in page
     assert "median ratio 0.990, target ≥ 0.98: met" in page
     assert "ok in 80.5 s (cap 240 s) on NVIDIA H100 80GB HBM3, driver 580.159.04" in page
-    assert page.count("Not run yet.") == 4
+    assert page.count("Not run yet.") == 5
     json.dumps(state)  # what gpu.json holds is JSON as it is
+
+
+def test_the_gemm_probe_takes_llama_1bs_matmuls_and_its_mlp_rounded_up_to_64():
+    """GaLore's LLaMA-1B (hidden 2048, MLP 5461, 32K tokens here): four distinct matmul shapes
+    (q/k/v/o, gate and up, down, the head; the input embedding is a lookup), and the two MLP
+    shapes again at 5504, the next multiple of 64."""
+    assert gemm_shapes("llama_1b", 32000) == [
+        (2048, 2048, None), (2048, 5461, None), (5461, 2048, None), (32000, 2048, None),
+        (2048, 5504, (2048, 5461)), (5504, 2048, (5461, 2048))]
+
+
+def test_the_mfu_section_shows_the_sweep_the_probe_and_the_compiled_run():
+    """A GPU run's records, written by hand: the eager sweep and its best, a matmul of the
+    probe, and the compiled run (which the CPU smoke run does not make)."""
+    run = {"status": "ok", "tokens_per_s": 18888.0, "mfu": 0.143, "peak_bytes": 50_970_000_000}
+    records = [{"name": "gpu/mfu/llama_1b/full/batch64", "batch": 64, **run},
+               {"name": "gpu/mfu/llama_1b/full/best", "value": 0.143, "target": 0.4,
+                "batch": 64, "tokens_per_s": 18888.0, "met": False},
+               {"name": "gpu/mfu/llama_1b/gemm/2048x5504", "tokens": 16384, "out": 2048,
+                "in": 5504, "padded_from": [2048, 5461], "peak_tflops": 989.0,
+                "tflops": {"forward": 612.3, "input_grad": 598.04, "weight_grad": 571.0}},
+               {"name": "gpu/mfu/llama_1b/full/compiled/batch64", "batch": 64, "status": "ok",
+                "tokens_per_s": 41000.0, "mfu": 0.41, "peak_bytes": 40_000_000_000,
+                "target": 0.4, "met": True}]
+    part = {"status": "ok", "seconds": 200.0, "cap_s": 360.0, "environment": {},
+            "records": records}
+    page = render({"smoke": False, "environment": None, "parts": {"mfu": part}})
+    assert "| 64 |  | 18,888 | 14.3% | 50.97 |" in page
+    assert "| 64 | yes | 41,000 | 41.0% | 40.00 |" in page
+    assert "Best MFU 14.3% at micro-batch 64 (eager), target ≥ 40%: missed." in page
+    assert "at 16,384 tokens, bf16, TFLOP/s (the device's peak: 989)" in page
+    assert "| 2048 × 5504 | 2048 × 5461 | 612.3 | 598 | 571 |" in page
 
 
 def test_bench_gpu_without_out_is_one_line_naming_the_flag(capsys):
