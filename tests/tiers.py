@@ -129,7 +129,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # The service groups first: each runs on one worker, one test after another (Slurm's ~7
     # minutes, much of it waiting on the scheduler), so started first they overlap the rest of
     # the suite instead of being its tail (collected last, they added ~5 minutes to CI's wall).
-    items.sort(key=lambda item: service_group(item.nodeid) is None)
+    # Then the other integration tests (seconds to two minutes each), the quick ones (most under
+    # a second) last: the workers run out of tests within a short one of each other, not with
+    # one idle while the other ends a fine-tune or the kit's smoke run (stable: each tier in
+    # its collection order).
+    items.sort(key=lambda item: (service_group(item.nodeid) is None,
+                                 not item.get_closest_marker("integration")))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
