@@ -64,7 +64,7 @@ GPU = Settings("cuda", ("llama_60m", "llama_350m"), 6, 256, 8, "llama_1b", None,
                (16, 64, 128), True, 0.5, ("llama_350m", 30, 8, 256, "bf16-mixed", 3),
                "llama_7b", 1024)
 # The smoke run: every method in `estimate`, two of Table 11's rows (the same loop), in under
-# two minutes on 2 CPU cores (106 s with nothing else running). No compiled run: inductor's
+# two minutes on 2 CPU cores (115 s with nothing else running). No compiled run: inductor's
 # C++ build of llama_micro alone takes ~35 s there (train.compile has its own test,
 # tests/train/test_train.py); it is the same `_run` and `_measured` as every other row.
 SMOKE = Settings("cpu", ("llama_micro",), 3, 32, 2, "llama_micro",
