@@ -77,7 +77,7 @@ QUICK_TOOLS = {"git"}  # run by the code under test in every tier (the commit in
 def grid_case(item: pytest.Item) -> tuple[Any, tuple] | None:
     """(the cases its module's `QUICK` keeps, this item's parameter tuple) for a case of a
     grid that has a `QUICK` entry; None for any other test."""
-    quick = getattr(item.module, "QUICK", {}).get(item.name.split("[")[0])
+    quick = getattr(item.module, "QUICK", {}).get(item.originalname)
     if quick is None:
         return None
     return quick, tuple(item.callspec.params.values())  # type: ignore[attr-defined]
@@ -85,7 +85,7 @@ def grid_case(item: pytest.Item) -> tuple[Any, tuple] | None:
 
 def is_integration(item: pytest.Item) -> bool:
     file = item.path.relative_to(REPO / "tests").as_posix()
-    name = item.name.split("[")[0]
+    name = item.originalname
     case = grid_case(item)
     if case is not None:  # a grid: the cases its QUICK keeps stay quick
         return case[1] not in case[0]
@@ -112,7 +112,7 @@ def check_quick(items: list[pytest.Item]) -> None:
         case = grid_case(item)
         if case is not None:
             cases = math.prod(len(m.args[1]) for m in item.iter_markers("parametrize"))
-            key = (item.module.__name__, item.name.split("[")[0])
+            key = (item.module.__name__, item.originalname)
             grids.setdefault(key, (case[0], cases, []))[2].append(case[1])
     for (module, name), (quick, cases, seen) in grids.items():
         stale = [case for case in quick if case not in seen]
