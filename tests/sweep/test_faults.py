@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import harness_here, micro_run, start_sweep, wait_for_step, write_yaml
+from conftest import STEPS_LEFT, harness_here, micro_run, start_sweep, wait_for_step, write_yaml
 
 from harness.config import LauncherConfig
 from harness.sweep.launchers import TrialJob, submit
@@ -47,21 +47,21 @@ def stop_at_step(out: Path, step: int, sig: int) -> Path:
 def test_an_interrupted_trial_is_resubmitted_before_the_sweep_ends(tmp_path):
     """USR2 straight to a local trial (as a cluster's preemption would): it stops with a
     checkpoint; the sweep runs it again from there and ends 0, the requeue counted."""
-    out = tmp_path / "runs"
-    proc = start_sweep(sweep_file(tmp_path, 12, [3e-3]), out)
+    out, steps = tmp_path / "runs", 3 + STEPS_LEFT
+    proc = start_sweep(sweep_file(tmp_path, steps, [3e-3]), out)
     trial_dir = stop_at_step(out, 3, signal.SIGUSR2)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stdout + stderr
     assert "1 trials interrupted with a checkpoint: resubmitting them (1 of at most 3)" in stdout
     summary = read_json(trial_dir / "summary.json")
-    assert (summary["status"], summary["requeues"], summary["step"]) == ("ok", 1, 12)
+    assert (summary["status"], summary["requeues"], summary["step"]) == ("ok", 1, steps)
     assert "resumed from" in stdout
     # One local trial at a time gets every CPU this process may use.
     assert summary["threads"] == len(os.sched_getaffinity(0))
 
 
 def test_a_sweep_left_unfinished_exits_3_and_names_the_trial_and_its_resume(tmp_path):
-    out, path = tmp_path / "runs", sweep_file(tmp_path, 12, [3e-3])
+    out, path = tmp_path / "runs", sweep_file(tmp_path, 2 + STEPS_LEFT, [3e-3])
     proc = start_sweep(path, out, "launcher.max_requeues=0")
     trial_dir = stop_at_step(out, 2, signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=600)
@@ -80,7 +80,7 @@ def test_a_sigkilled_trial_is_killed_and_the_sweep_carries_on(tmp_path):
     """What the kernel's OOM killer does: SIGKILL, no chance to write a word. The sweep
     records `killed` with the reason, runs the other trial, and exits 1."""
     out = tmp_path / "runs"
-    proc = start_sweep(sweep_file(tmp_path, 30, [1e-3, 3e-3]), out, "launcher.jobs=2")
+    proc = start_sweep(sweep_file(tmp_path, 1 + STEPS_LEFT, [1e-3, 3e-3]), out, "launcher.jobs=2")
     killed = stop_at_step(out, 1, signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 1, stdout + stderr
@@ -95,8 +95,8 @@ def test_a_sigkilled_trial_is_killed_and_the_sweep_carries_on(tmp_path):
 def test_repeated_preemption_signals_to_a_submitit_job_make_one_requeue(tmp_path, gap_s):
     """Two USR2 to the job's task process, 0.2 s apart (the second while the first's
     checkpoint is written) or at once: one requeue, and the trial ends ok."""
-    trial_dir = tmp_path / "trial"
-    write_yaml(trial_dir / "config.yaml", micro_run(steps=30, log_every=1))
+    trial_dir, steps = tmp_path / "trial", 3 + STEPS_LEFT
+    write_yaml(trial_dir / "config.yaml", micro_run(steps=steps, log_every=1))
     (job,) = submit(LauncherConfig(kind="submitit-local", timeout_min=10), tmp_path / "jobs",
                     [TrialJob(trial_dir)])
     wait_for_step(trial_dir, 3)
@@ -106,7 +106,7 @@ def test_repeated_preemption_signals_to_a_submitit_job_make_one_requeue(tmp_path
     task.send_signal(signal.SIGUSR2)
     assert job.result() == 0
     summary = read_json(trial_dir / "summary.json")
-    assert (summary["status"], summary["requeues"], summary["step"]) == ("ok", 1, 30)
+    assert (summary["status"], summary["requeues"], summary["step"]) == ("ok", 1, steps)
     ignored = Path(job.paths.stdout).read_text().count(
         "signal SIGUSR2 ignored: a requeue is under way")
     # Two USR2 sent at once may reach the process as one: POSIX does not queue standard signals.

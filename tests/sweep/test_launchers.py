@@ -12,7 +12,14 @@ import optuna
 import psutil
 import pytest
 import yaml
-from conftest import assert_matches_one_process, harness_here, micro_run, wait_for_step, write_yaml
+from conftest import (
+    STEPS_LEFT,
+    assert_matches_one_process,
+    harness_here,
+    micro_run,
+    wait_for_step,
+    write_yaml,
+)
 from conftest import train_losses as losses
 
 from harness.config import LauncherConfig
@@ -94,7 +101,7 @@ def test_submitit_local_trial_preempted_resumes_with_the_same_losses(tmp_path, m
     # The job's trial inherits one thread, as the in-process reference runs (conftest): with a
     # different thread count, some CPUs' matmul kernels split sums differently.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    run = micro_run(steps=30, log_every=1)
+    run = micro_run(steps=3 + STEPS_LEFT, log_every=1)
     run["eval"] = {"every": 0, "tokens": 128}
     reference = train(load_run(run), tmp_path / "reference")
 

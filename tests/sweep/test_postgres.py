@@ -15,7 +15,7 @@ from typing import IO
 
 import optuna
 import pytest
-from conftest import REPO, micro_run, train_losses, wait_for_step, write_yaml
+from conftest import REPO, STEPS_LEFT, micro_run, train_losses, wait_for_step, write_yaml
 from optuna.trial import TrialState
 from services import require_service
 
@@ -77,7 +77,7 @@ def test_two_workers_share_one_study_without_duplicates(tmp_path, url):
 
 
 def test_a_killed_workers_trial_is_retried_by_the_other(tmp_path, url):
-    path, study_name = sweep_file(tmp_path, url, n_trials=2, steps=40)
+    path, study_name = sweep_file(tmp_path, url, n_trials=2, steps=12 + STEPS_LEFT)
     out = tmp_path / "runs"
     first = worker(path, out)
     deadline = time.time() + 120

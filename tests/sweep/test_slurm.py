@@ -18,6 +18,7 @@ import conftest
 import psutil
 import pytest
 from conftest import (
+    STEPS_LEFT,
     assert_matches_one_process,
     micro_run,
     train_losses,
@@ -104,8 +105,9 @@ def test_grid_sweep_runs_as_one_job_array(tmp_path):
 
 
 def test_preempted_trial_resumes_from_its_checkpoint_with_the_same_losses(tmp_path):
-    path = sweep_file(tmp_path, 60, [3e-3])
-    reference = train(load_run(micro_run(steps=60, log_every=1) | {
+    steps = 5 + STEPS_LEFT
+    path = sweep_file(tmp_path, steps, [3e-3])
+    reference = train(load_run(micro_run(steps=steps, log_every=1) | {
         "eval": {"every": 0, "tokens": 128}}), tmp_path / "reference")
     out = tmp_path / "runs"
     proc = start_sweep(path, out)
@@ -126,16 +128,19 @@ def test_a_preempted_fsdp_trial_of_two_tasks_resumes_from_its_shards(tmp_path):
     """USR2 reaches both tasks: each rank writes its shards of the checkpoint, the requeued
     job's two ranks read them, and the losses are a 1-process run's (to the reduction order's
     1e-5, as in tests/train/test_fsdp.py)."""
-    out = tmp_path / "runs"
-    proc = start_sweep(sweep_file(tmp_path, 24, [3e-3]), out, "launcher.tasks_per_node=2",
+    # Its two ranks' step takes 37 ms or more, so 60 steps left are >= 2 s (STEPS_LEFT's aim).
+    # At lr 1e-3 the two runs stay within 4.9e-7 over 64 steps; at 3e-3 the reduction order's
+    # 1e-7 grew to 1.7e-4 by then (measured 2026-12-03).
+    out, steps = tmp_path / "runs", 4 + 60
+    proc = start_sweep(sweep_file(tmp_path, steps, [1e-3]), out, "launcher.tasks_per_node=2",
                        "train.parallel=fsdp", "train.keep_final=full")  # its shards read below
     trial_dir = only_trial(out)
     wait_for_step(trial_dir, 4)
     preempt(job_of(trial_dir))
-    assert_requeued_ok(proc, trial_dir, 1, 24)
+    assert_requeued_ok(proc, trial_dir, 1, steps)
     assert {p.name for p in (trial_dir / "checkpoint" / "state.pt").glob("*.distcp")} == {
         "__0_0.distcp", "__1_0.distcp"}
-    train(load_run(micro_run(steps=24, log_every=1, parallel="fsdp") | {
+    train(load_run(micro_run(steps=steps, lr=1e-3, log_every=1, parallel="fsdp") | {
         "eval": {"every": 0, "tokens": 128}}), tmp_path / "one")
     one, two = train_losses(tmp_path / "one"), train_losses(trial_dir)
     assert two.keys() == one.keys()
@@ -234,14 +239,14 @@ def assert_requeued_ok(proc: subprocess.Popen, trial_dir: Path, requeues: int,
 def test_two_preemption_signals_make_one_requeue(tmp_path):
     """The second USR2 comes while the trial still writes the first one's checkpoint."""
     out = tmp_path / "runs"
-    proc = start_sweep(sweep_file(tmp_path, 30, [3e-3]), out)
+    proc = start_sweep(sweep_file(tmp_path, 4 + STEPS_LEFT, [3e-3]), out)
     trial_dir = only_trial(out)
     wait_for_step(trial_dir, 4)
     job = job_of(trial_dir)
     preempt(job)
     time.sleep(0.2)
     preempt(job)
-    assert_requeued_ok(proc, trial_dir, 1, 30)
+    assert_requeued_ok(proc, trial_dir, 1, 4 + STEPS_LEFT)
     logs = "".join(p.read_text() for p in (out / "jobs").glob("*/*_log.out"))
     assert "signal SIGUSR2 ignored: a requeue is under way" in logs
 

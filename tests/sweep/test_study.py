@@ -12,7 +12,7 @@ import time
 
 import optuna
 import pytest
-from conftest import harness_here, micro_run, wait_for_step, write_yaml
+from conftest import STEPS_LEFT, harness_here, micro_run, wait_for_step, write_yaml
 
 from harness.errors import UserError
 from harness.methods.resolve import load_run
@@ -233,13 +233,13 @@ def test_median_pruner_cuts_a_bad_trial_from_real_statistics(tmp_path):
 
 
 def sweep_in_background(tmp_path, checkpoint_every: int, step: int):
-    """A one-trial random-search sweep of 60 steps, started as a terminal starts it (SIGINT at
-    its default: a pytest launched in the background inherits it ignored, and so would the
-    sweep, which then never sees a Ctrl-C) and watched until `step`."""
+    """A one-trial random-search sweep of `step` + STEPS_LEFT steps, started as a terminal
+    starts it (SIGINT at its default: a pytest launched in the background inherits it ignored,
+    and so would the sweep, which then never sees a Ctrl-C) and watched until `step`."""
     path = search_file(tmp_path, sampler="random", n_trials=1,
                        space={"train.lr": {"low": 1e-3, "high": 1e-2, "log": True}})
     data = read_json_yaml(path)
-    data["train"].update(steps=60, checkpoint_every=checkpoint_every)
+    data["train"].update(steps=step + STEPS_LEFT, checkpoint_every=checkpoint_every)
     write_yaml(path, data)
     out = tmp_path / "runs"
     sweep = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", str(path),
