@@ -24,6 +24,7 @@ from harness.errors import last_line
 from harness.sweep.process import record_end, trial_env
 from harness.sweep.source import Source
 from harness.sweep.starter import ForkedTrial, start_trial
+from harness.sweep.trial_state import slurm_states
 from harness.sweep.worker import TrialJob, Worker
 from harness.trials import RunsDir, Status, TrialDir
 
@@ -143,17 +144,25 @@ def submit(launcher: LauncherConfig, folder: Path, calls: list[Callable[[], Any]
     return [executor.submit(call) for call in calls]
 
 
-def wait(jobs: list[Any], on_done: Callable[[int, Any], None]) -> None:
+# A job whose result files are there while Slurm still holds it has either just finished (it
+# is completing) or was requeued after they were written: a 2-task job's rank 1 writes its
+# result on preemption, and rank 0 an error when the step's cancellation kills its `scontrol
+# requeue`. It is looked at again 1 s later, then twice as long each time up to this, so a
+# requeued job that runs for hours costs squeue a call every half-minute.
+RECHECK_MAX_S = 30.0
+
+
+def wait(jobs: list[Any], on_done: Callable[[int, Any], None], slurm: bool = False) -> None:
     """Poll until every job has ended, reporting each as it does; Ctrl-C leaves them running."""
     pending = set(range(len(jobs)))
+    held: dict[int, tuple[float, float]] = {}  # a job Slurm still held: when to look, and gap
     with tqdm(total=len(jobs), desc="jobs", unit="job", dynamic_ncols=True) as bar:
         try:
             while pending:
-                for i in sorted(pending):
-                    if jobs[i].done():
-                        pending.discard(i)
-                        on_done(i, jobs[i])
-                        bar.update(1)
+                for i in ended(jobs, sorted(pending), held, slurm):
+                    pending.discard(i)
+                    on_done(i, jobs[i])
+                    bar.update(1)
                 time.sleep(1)
         except KeyboardInterrupt:
             ids = sorted({str(jobs[i].job_id).split("_")[0] for i in pending})
@@ -162,6 +171,20 @@ def wait(jobs: list[Any], on_done: Callable[[int, Any], None]) -> None:
                 "`harness status`, stop them with `scancel`; run the sweep again to collect them"
             )
             raise
+
+
+def ended(jobs: list[Any], pending: list[int], held: dict[int, tuple[float, float]],
+          slurm: bool) -> list[int]:
+    """The pending jobs whose result files are there and, on Slurm, that Slurm no longer holds
+    (one squeue for all of them; a job it holds is noted in `held` with when to look again)."""
+    now = time.monotonic()
+    ready = [i for i in pending if held.get(i, (now, 0.0))[0] <= now and jobs[i].done()]
+    listed = slurm_states([str(jobs[i].job_id) for i in ready]) if slurm else {}
+    for i in ready:
+        if str(jobs[i].job_id) in listed:
+            gap = min(RECHECK_MAX_S, 2 * held[i][1]) if i in held else 1.0
+            held[i] = (now + gap, gap)
+    return [i for i in ready if str(jobs[i].job_id) not in listed]
 
 
 def run_jobs(sources: list[Source], launcher: LauncherConfig, out: Path) -> None:
@@ -177,7 +200,7 @@ def run_jobs(sources: list[Source], launcher: LauncherConfig, out: Path) -> None
     for source, job in zip(sources, jobs, strict=True):
         _record(source, launcher, job)
     print(_announce(sources, jobs), flush=True)
-    wait(jobs, lambda i, job: _collect(sources[i], job))
+    wait(jobs, lambda i, job: _collect(sources[i], job), slurm=launcher.kind == "slurm")
 
 
 def _announce(sources: list[Source], jobs: list[Any]) -> str:

@@ -26,8 +26,12 @@ from conftest import (
     write_yaml,
 )
 from services import require_service
+from submitit.core.utils import cloudpickle_dump
 
+from harness.config import LauncherConfig
 from harness.methods.resolve import load_run
+from harness.sweep.launchers import submit, wait
+from harness.sweep.trial_state import slurm_states
 from harness.train import train
 from harness.trials import read_json
 
@@ -147,6 +151,24 @@ def test_a_preempted_fsdp_trial_of_two_tasks_resumes_from_its_shards(tmp_path):
     assert all(abs(two[s] - one[s]) <= 1e-5 * abs(one[s]) for s in one)
     logs = "".join(p.read_text() for p in (out / "jobs").glob("*/*_log.out"))
     assert "resumed from" in logs
+
+
+def test_a_job_slurm_still_holds_has_not_ended_though_its_result_files_are_there(tmp_path):
+    """A requeued job keeps the result files of its run before (a 2-task job's rank 1 writes
+    one on preemption, rank 0 an error when the requeue's cancellation kills its `scontrol`):
+    the sweep waits until Slurm lets the job go, then reads its last run's result. CI met a
+    sweep that ended, its trial unfinished, while that trial's job was requeued."""
+    launcher = LauncherConfig(kind="slurm", partition="debug", cpus_per_task=1, timeout_min=5)
+    (job,) = submit(launcher, tmp_path / "jobs", [partial(time.sleep, 6)])
+    job_id, deadline = str(job.job_id), time.time() + 60
+    while slurm_states([job_id]).get(job_id) != "running":
+        assert time.time() < deadline, "the job did not start"
+        time.sleep(0.2)
+    cloudpickle_dump(("success", "the run before's"), job.paths.result_pickle)  # submitit's form
+    assert job.done()  # all submitit looks at
+    seen = []
+    wait([job], lambda _, j: seen.append((slurm_states([job_id]), j.result())), slurm=True)
+    assert seen == [({}, None)]  # Slurm had let it go; None is time.sleep's, its last run's
 
 
 def test_a_trial_at_its_time_limit_is_requeued_and_resumes(tmp_path):
