@@ -178,13 +178,14 @@ def ended(jobs: list[Any], pending: list[int], held: dict[int, tuple[float, floa
     """The pending jobs whose result files are there and, on Slurm, that Slurm no longer holds
     (one squeue for all of them; a job it holds is noted in `held` with when to look again)."""
     now = time.monotonic()
-    ready = [i for i in pending if held.get(i, (now, 0.0))[0] <= now and jobs[i].done()]
-    listed = slurm_states([str(jobs[i].job_id) for i in ready]) if slurm else {}
-    for i in ready:
-        if str(jobs[i].job_id) in listed:
+    due = [i for i in pending if i not in held or held[i][0] <= now]
+    ready = {i: str(jobs[i].job_id) for i in due if jobs[i].done()}
+    listed = slurm_states(list(ready.values())) if slurm else {}
+    for i, job_id in ready.items():
+        if job_id in listed:
             gap = min(RECHECK_MAX_S, 2 * held[i][1]) if i in held else 1.0
             held[i] = (now + gap, gap)
-    return [i for i in ready if str(jobs[i].job_id) not in listed]
+    return [i for i, job_id in ready.items() if job_id not in listed]
 
 
 def run_jobs(sources: list[Source], launcher: LauncherConfig, out: Path) -> None:
