@@ -37,7 +37,7 @@ UNTESTED: dict[tuple[str, str], str] = {}
 FOREIGN = {  # flags the docs quote from other programs, not harness's
     "--beta2": "Q-GaLore's run_pretrain.py", "--simulation": "Q-GaLore's run_pretrain.py",
     "--dtype": "GaLore's torchrun_main.py", "--optimizer": "GaLore's torchrun_main.py",
-    "--bf16": "ReLoRA's torchrun_main.py", "--signal": "sbatch",
+    "--bf16": "ReLoRA's torchrun_main.py", "--signal": "sbatch", "--durations": "pytest",
 }  # fmt: skip
 CHEAP = {"methods", "plan", "estimate"}  # read-only and seconds here: run for real
 OPEN, CLOSE, ALT, END = "\0[", "\0]", "\0|", "\0;"  # operators; "\1" joins a word's alternatives
