@@ -14,6 +14,7 @@ both at least as good in perplexity and as cheap, and better in one.
 from __future__ import annotations
 
 import json
+import textwrap
 from typing import Any
 
 import pandas as pd
@@ -30,6 +31,11 @@ from .stats import best_lr
 
 GALORE_SETUP = ("galore_table2", "apollo_table2", "fira_table3", "qgalore_table1")
 SETUP_SIZES = ("60M", "130M", "350M", "1B")
+# A method whose perplexity is this much above full-rank AdamW's is a poor pick however fast:
+# in GaLore's setup the methods published as matching full rank (GaLore, Q-GaLore, APOLLO,
+# Fira) stay within 6% of it at every size; ReLoRA, LoRA and low-rank are 18% to 9x above it
+# at 1B.
+POOR_QUALITY = 1.10
 
 
 def published(model: str) -> tuple[dict[str, float], str]:
@@ -80,6 +86,25 @@ def by_quality(p: Plan, quality: dict[str, float]) -> list[dict[str, Any]]:
             and (o["perplexity"], o["candidate"].cost) != (r["perplexity"], r["candidate"].cost)
             for o in rated)
     return rated + [{**r, "frontier": False} for r in unrated]
+
+
+def quality_note(p: Plan, quality: dict[str, float]) -> str | None:
+    """When the fastest fit's method has a perplexity more than POOR_QUALITY times full-rank
+    AdamW's (or, without a full-rank figure, the best fit's): say so, and name the fit with
+    the best perplexity and its row."""
+    if not p.fits or _key(p.fits[0]) not in quality:
+        return None
+    first, ranked = p.fits[0], [r for r in by_quality(p, quality) if r["perplexity"]]
+    mine, best = quality[_key(first)], ranked[0]
+    reference, name = (quality["full"], "full-rank AdamW's") if "full" in quality else (
+        best["perplexity"], f"{best['method']}'s")
+    if mine <= POOR_QUALITY * reference or best["method"] == first.label:
+        return None
+    row = p.fits.index(best["candidate"]) + 1
+    return (f"note: the fastest fit, {first.label}, reaches perplexity {mine:.2f} against {name} "
+            f"{reference:.2f} (source in the list below): a poor pick despite its speed; the "
+            f"best perplexity that fits is {best['method']}'s, {best['perplexity']:.2f} "
+            f"(row {row})")
 
 
 def _key(c: Candidate) -> str:
@@ -147,6 +172,8 @@ def format_plan(p: Plan, model: str, top: int = 20, runs_dir: PathArg | None = N
     tail += f"\nsettings: {settings}" if settings else ""
     note = ("\ncost: step time relative to full AdamW, bf16-mixed, no modifier, one micro-batch "
             f"(compute model in docs/estimate.md); {len(p.refused)} combinations refused")
+    warning = quality_note(p, ppl)
+    table += f"\n{textwrap.fill(warning, 100, subsequent_indent='  ')}" if warning else ""
     return f"{head}\n{table}{tail}{note}{_per_method(p, ppl, source)}"
 
 
@@ -177,5 +204,6 @@ def to_json(p: Plan, model: str, runs_dir: PathArg | None = None) -> str:
     return json.dumps({"budget_bytes": p.budget, "gpus": p.gpus, "unusable": p.unusable,
                        "apart": p.apart, "fits": [c.record() for c in p.fits],
                        "closest": [c.record() for c in p.closest], "refused": p.refused,
-                       "by_quality": ranked, "quality_source": source},
+                       "by_quality": ranked, "quality_source": source,
+                       "quality_note": quality_note(p, ppl)},
                       indent=2)  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from test_report import make_runs
 
-from harness.analysis.plan_view import by_quality, measured, published
+from harness.analysis.plan_view import by_quality, measured, published, quality_note
 from harness.cli import main
 from harness.cost.plan import Candidate, Plan
 
@@ -48,6 +48,21 @@ def test_best_perplexity_first_and_the_frontier_marked():
     rows = by_quality(p, {"a": 14.0, "b": 15.0, "c": 16.0})
     assert [(r["method"], r["perplexity"], r["frontier"]) for r in rows] == [
         ("a", 14.0, True), ("b", 15.0, True), ("c", 16.0, False), ("d", None, False)]
+
+
+@pytest.mark.parametrize(("fastest", "noted"), [(17.2, True), (16.5, False)])
+def test_a_fastest_fit_10_percent_worse_than_full_rank_is_called_a_poor_pick(fastest, noted):
+    """Full rank at 15.56: 17.2 is 10.5% above it (noted), 16.5 is 6.0% (not); the best
+    perplexity that fits, 14.0, is named with its row (the third, fastest first)."""
+    p = Plan(10**10, [_candidate(n, c) for n, c in (("lowrank", 0.5), ("full", 1.0),
+                                                      ("apollo", 1.2))], [], {})
+    note = quality_note(p, {"lowrank": fastest, "full": 15.56, "apollo": 14.0})
+    if not noted:
+        assert note is None
+        return
+    assert note == (f"note: the fastest fit, lowrank, reaches perplexity {fastest:.2f} against "
+                    "full-rank AdamW's 15.56 (source in the list below): a poor pick despite its "
+                    "speed; the best perplexity that fits is apollo's, 14.00 (row 3)")
 
 
 def test_plan_lists_fine_tuning_methods_apart_and_orders_by_perplexity(tmp_path, capsys):

@@ -209,6 +209,24 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
             "cost", "tok_s", "breakdown"} <= set(data["fits"][0])  # fmt: skip
 
 
+def test_a_poor_quality_fastest_fit_is_called_out(capsys: pytest.CaptureFixture[str]) -> None:
+    """Low-rank (W = BA) fits 24 GB fastest, but GaLore's Table 2 puts it at perplexity 142.53
+    at 1B against full rank's 15.56, and APOLLO's Table 2 APOLLO-Mini at 14.17: the plan says
+    so under its table and points at APOLLO-Mini's row."""
+    assert main(["plan", "llama_7b", "--memory", "24GB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"][0]["label"] == "lowrank"
+    note = data["quality_note"]
+    assert note.startswith("note: the fastest fit, lowrank, reaches perplexity 142.53 against "
+                           "full-rank AdamW's 15.56")
+    assert "the best perplexity that fits is apollo_mini_int8's, 14.17" in note
+    row = int(note.rsplit("(row ", 1)[1].rstrip(")"))
+    assert data["fits"][row - 1]["label"] == "apollo_mini_int8"
+    assert main(["plan", "llama_7b", "--memory", "24GB", "--top", "2"]) == 0
+    table, rest = capsys.readouterr().out.split("\n... ", 1)
+    assert " ".join(table.split("\nnote: ")[1].split()) == " ".join(note[6:].split())
+
+
 def test_llama_7b_in_24gb() -> None:
     """The issue's question, as a user types it."""
     out = harness("plan", "llama_7b", "--memory", "24GB")
