@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import platform
 import sys
 import typing
 from collections.abc import Callable
@@ -22,14 +23,17 @@ from harness.cli_args import (
     positive_int,
 )
 from harness.cli_bench import add_bench
-from harness.config import parse_overrides, read_yaml
 from harness.errors import UserError, render
-from harness.methods.resolve import load_run
+
+# Only what building the parser needs is imported here: `harness --help` and `--version` stay
+# light; each command imports its rooms (torch, transformers, pandas) when it runs.
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from harness.config import parse_overrides, read_yaml
     from harness.cost.profile import SKIPPED
     from harness.distributed.allocation import follow_allocation
+    from harness.methods.resolve import load_run
     from harness.train import train
     from harness.trials import Status
 
@@ -53,6 +57,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     import shlex
 
+    from harness.config import parse_overrides
     from harness.sweep.driver import UNFINISHED, run_sweep, unfinished
     from harness.sweep.expand import expand, load_sweep, plan_table
 
@@ -78,7 +83,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         if args.jobs:
             sweep.launcher.jobs = args.jobs
-        code = run_sweep(sweep, out, args.retry_failed, show=_show_table)
+        code = run_sweep(sweep, out, args.retry_failed, show=_show_outcome)
         if code == UNFINISHED:  # never a success while a trial has not ended: name each one
             resume = shlex.join(["harness", "sweep", args.sweep, "--out", str(out),
                                  *[a for s in args.set for a in ("--set", s)],
@@ -97,11 +102,24 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
 
 
-def _show_table(out: Path) -> None:
-    """The status table a finished sweep prints, as its summaries say."""
-    from harness.analysis import load_runs, status_table
+def _show_outcome(out: Path) -> None:
+    """A finished sweep's trials counted by status, each one that did not end ok named with its
+    error, and where the tables are: the per-trial table is `harness status`'s and the results
+    `harness report`'s, so `harness sweep X && harness report X` prints each table once."""
+    import shlex
 
-    print(status_table(load_runs(out)), flush=True)
+    from harness.trials import FAILED, Status
+
+    trials = _load(str(out))
+    counts = trials["status"].value_counts()
+    order = [Status.OK, *(s for s in Status if s != Status.OK)]
+    outcome = ", ".join(f"{counts[s]} {s}" for s in order if s in counts)
+    where, n = shlex.quote(str(out)), len(trials)
+    print(f"{n} trial{'' if n == 1 else 's'} in {out}: {outcome or 'none'} (one row each: "
+          f"harness status {where}; tables and figures: harness report {where})", flush=True)
+    for _, row in trials[trials["status"].isin(FAILED)].iterrows():  # unfinished: cmd_sweep's
+        error = f": {row['error']}" if isinstance(row.get("error"), str) else ""
+        print(f"  {row['trial']} {row['status']}{error}", flush=True)
 
 
 def _load(runs_dir: str):
@@ -181,8 +199,9 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
+    from harness.config import parse_overrides
     from harness.cost.estimate import format_table, paper_comparison, to_json
-    from harness.sweep.expand import estimate_sweep, load_sweep
+    from harness.sweep.expand import estimate_sweep, expand, load_sweep
 
     with logs_to_stderr(args.json):
         sweep = load_sweep(args.sweep, parse_overrides(args.set))
@@ -190,7 +209,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(records))
         return EXIT_OK
-    print(format_table(records))
+    print(format_table(records, {t.id: (t.run.train.lr, t.point) for t in expand(sweep)}))
     comparison = paper_comparison(records, sweep)
     if comparison:
         print(f"\n{comparison}")
@@ -244,15 +263,37 @@ def cmd_methods(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+VERBOSE_HELP = ("show internal event lines on the terminal: a trial's threads, ReLoRA's merges, "
+                "Q-GaLore's SVDs, Optuna's study notices (they always go to the trial's log)")
+
+
 def command(sub: Any, name: str, func: Callable, summary: str, description: str) -> Parser:
     parser = sub.add_parser(name, help=summary, description=description)
     parser.set_defaults(func=func)
+    # after the command too (`harness sweep X --verbose`); SUPPRESS keeps the global one's value
+    parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help=VERBOSE_HELP)
     return parser
+
+
+def version() -> str:
+    """The installed harness's version and torch's, read from package metadata (torch is not
+    imported: `--version` stays instant)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        torch = f"torch {installed('torch')}"
+    except PackageNotFoundError:
+        torch = "torch not installed"
+    return f"harness {installed('harness')} ({torch}, python {platform.python_version()})"
 
 
 def build_parser() -> Parser:
     p = Parser(prog="harness", description="Compare memory-efficient LLM training methods on "
                "equal model, data and token budget.")
+    p.add_argument("--version", action="version", version=version())
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     sets = {"action": "append", "default": [], "metavar": "KEY=VALUE",
             "help": "override a dotted config key, e.g. --set train.steps=20 (repeatable)"}
@@ -349,6 +390,9 @@ def quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
+    from harness.trials.events import set_verbose, verbose  # torch: every command needs it
+
+    set_verbose(args.verbose or verbose())
     try:
         return args.func(args)
     except UserError as e:

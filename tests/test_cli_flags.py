@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, micro_run, write_yaml
+from conftest import REPO, harness, harness_here, micro_run, write_yaml
 
 from harness.cli import main
 
@@ -98,3 +100,83 @@ def test_train_set_overrides_the_run_config(tmp_path: Path,
     assert f"{out}: ok" in capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["step"] == 2
+
+
+def test_version_names_the_installed_harness_torch_and_python(capsys) -> None:
+    import platform
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == (f"harness {version('harness')} (torch {version('torch')}, "
+                                       f"python {platform.python_version()})\n")
+
+
+def test_help_and_version_import_neither_torch_nor_transformers() -> None:
+    """`harness --help` answers at once: building the parser loads no heavy room (each command
+    imports its own when it runs). In a fresh interpreter, where nothing else loaded them."""
+    code = ("import sys, contextlib, io, harness.cli\n"
+            "for argv in (['--help'], ['sweep', '--help'], ['--version']):\n"
+            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+            "        harness.cli.main(argv)\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'pandas', 'optuna', 'pydantic')\n"
+            "             if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_a_finished_sweep_counts_its_trials_and_names_those_that_failed(tmp_path, capsys) -> None:
+    """The per-trial table is `harness status`'s and the results `harness report`'s: a sweep
+    ends with its outcome in one line (so `harness sweep X && harness report X` prints each
+    table once), each trial that failed named with its error. make_runs: t0, t1, t3 ok; t2
+    nan and t4 failed ("diverged"); t10 never started."""
+    sys.path.insert(0, str(REPO / "tests" / "analysis"))
+    from test_report import make_runs
+
+    from harness.cli import _show_outcome
+
+    runs = make_runs(tmp_path / "runs")
+    _show_outcome(runs)
+    assert capsys.readouterr().out.splitlines() == [
+        f"6 trials in {runs}: 3 ok, 1 pending, 1 failed, 1 nan (one row each: harness status "
+        f"{runs}; tables and figures: harness report {runs})",
+        "  t2 nan: diverged", "  t4 failed: diverged"]
+
+
+def search_sweep(tmp_path: Path) -> Path:
+    """One ReLoRA trial (a merge every 2 steps) sampled by an Optuna study."""
+    data = {k: v for k, v in micro_run(steps=4).items() if k in ("model", "task", "train")}
+    data.update(name="loud", eval={"every": 0, "tokens": 64},
+                methods={"relora": {"rank": 4, "reset_every": 2, "restart_warmup_steps": 1}},
+                search={"sampler": "random", "n_trials": 1,
+                        "space": {"train.lr": {"low": 1e-3, "high": 1e-2, "log": True}}})
+    return write_yaml(tmp_path / "loud.yaml", data)
+
+
+def test_internal_lines_reach_the_terminal_only_under_verbose(tmp_path) -> None:
+    """A trial's threads, ReLoRA's merges, Optuna's study notices and its ExperimentalWarning
+    (fail_stale_trials, called by the harness): in the trial's stderr.log, not on the terminal;
+    `--verbose` (after the command or before it) shows them. The sweep prints no per-trial
+    table, its outcome in one line."""
+    sweep = search_sweep(tmp_path)
+    quiet = harness("sweep", str(sweep), "--out", str(tmp_path / "quiet"))
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    terminal = quiet.stdout + quiet.stderr
+    for internal in ("relora_merge", "threads:", "A new study created", "ExperimentalWarning",
+                     "Using an existing study"):
+        assert internal not in terminal
+    (log,) = (tmp_path / "quiet").glob("trials/relora-*/stderr.log")
+    assert "step 2: relora_merge 1" in log.read_text() and "\nthreads: " in log.read_text()
+    out = tmp_path / "quiet"
+    assert f"1 trial in {out}: 1 ok (one row each: harness status {out}" in quiet.stdout
+    assert "| id " not in quiet.stdout and "| id " in harness_here("status", str(out)).stdout
+    for argv in (["sweep", str(sweep), "--out", str(tmp_path / "loud"), "--verbose"],
+                 ["-v", "sweep", str(sweep), "--out", str(tmp_path / "loud2")]):
+        loud = harness(*argv)
+        assert loud.returncode == 0, loud.stderr[-2000:]
+        assert re.search(r"^\[relora-\w+\] step 2: relora_merge 1", loud.stdout, re.MULTILINE)
+        assert re.search(r"^\[relora-\w+\] threads: \d+$", loud.stdout, re.MULTILINE)
+        assert "A new study created" in loud.stderr and "ExperimentalWarning" in loud.stderr

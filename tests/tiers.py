@@ -71,6 +71,8 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_the_dashboard_shows_the_study_its_trials_and_the_pareto_front",  # a server, Chromium
     "test_the_dashboard_reads_a_postgresql_storage",
     "test_a_bad_model_stops_harness_train_with_one_line",  # `harness train` in a child
+    "test_help_and_version_import_neither_torch_nor_transformers",  # a fresh interpreter
+    "test_internal_lines_reach_the_terminal_only_under_verbose",  # sweeps through the CLI
 }
 QUICK_TOOLS = {"git"}  # run by the code under test in every tier (the commit in config.yaml)
 

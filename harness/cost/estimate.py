@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import textwrap
 from collections.abc import Callable
 from functools import lru_cache
 from importlib import resources
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from harness.config import RunConfig, SweepConfig
+from harness.config import RunConfig, SweepConfig, memory_label
 from harness.config.steps import Steps
 from harness.cost.activations import activations, peak_bytes
 from harness.cost.disk import disk_bytes
@@ -116,16 +117,74 @@ def _changed(record: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in changed.items())
 
 
-def format_table(records: list[dict[str, Any]]) -> str:
-    rows = [
-        [r["trial"], r["method"], _changed(r),
-         *(human_bytes(r[k]) for k in (*BYTE_FIELDS, "total_bytes", "activation_bytes",
-                                       "peak_bytes", "checkpoints_bytes", "final_model_bytes"))]
-        for r in records
-    ]  # fmt: skip
-    headers = ["trial", "method", "set hyperparameters", "weights", "grads", "optimizer", "extra",
-               "total", "activations", "peak", "checkpoints", "final model"]  # fmt: skip
-    return tabulate(rows, headers=headers, disable_numparse=True)
+TABLE_WIDTH = 120  # a terminal's columns the table keeps to
+MEMORY_FIELDS = (*BYTE_FIELDS, "total_bytes", "activation_bytes", "peak_bytes")
+DISK_FIELDS = ("checkpoints_bytes", "final_model_bytes")
+
+
+def lr_text(lrs: list[float]) -> str:
+    """Up to three learning rates listed, more as their range and count."""
+    lrs = sorted(set(lrs))
+    if len(lrs) <= 3:
+        return ", ".join(f"{lr:g}" for lr in lrs)
+    return f"{lrs[0]:g} to {lrs[-1]:g} ({len(lrs)})"
+
+
+def format_table(records: list[dict[str, Any]], trials: dict[str, tuple[float, dict[str, Any]]]
+                 ) -> str:
+    """One row per distinct configuration: the trials of a method entry that differ only in
+    learning rate or seed (the same bytes) share a row, which lists their learning rates;
+    `trials` maps each trial id to its learning rate and its search-space point, whose other
+    keys get a column each. What a method's rows share (set hyperparameters, disk) follows."""
+    keys = list(dict.fromkeys(k for _, point in trials.values() for k in point if k != "train.lr"))
+    groups: dict[tuple[Any, ...], list[float]] = {}
+    for r in records:
+        lr, point = trials[r["trial"]]
+        values = [memory_label(point[k]) if k == "memory" else str(point.get(k, ""))
+                  for k in keys]
+        groups.setdefault((r["method"], *values, *(r[k] for k in MEMORY_FIELDS)), []).append(lr)
+    texts = 1 + len(keys)
+    rows = [[*key[:texts], lr_text(lrs), *(human_bytes(v) for v in key[texts:])]
+            for key, lrs in groups.items()]
+    headers = ["method", *keys, "lr", "weights", "grads", "states", "extra", "total",
+               "activations", "peak"]
+    return f"{fitted(rows, headers, texts + 1)}{_shared(records)}"
+
+
+def fitted(rows: list[list[str]], headers: list[str], texts: int) -> str:
+    """The table in TABLE_WIDTH columns where it can be: its widest text column (of the first
+    `texts`) wraps, then the next, down to 12 characters each."""
+    widths: list[int | None] = [None] * len(headers)
+    while True:
+        table = tabulate(rows, headers=headers, disable_numparse=True, maxcolwidths=widths)
+        over = max(map(len, table.splitlines())) - TABLE_WIDTH
+        now = {i: widths[i] or max(len(str(row[i])) for row in [headers, *rows])
+               for i in range(texts)}
+        widest = max(now, key=lambda i: now[i])
+        if over <= 0 or now[widest] <= 12:
+            return table
+        widths[widest] = max(12, now[widest] - over)
+
+
+def _shared(records: list[dict[str, Any]]) -> str:
+    """Each method entry's set hyperparameters, and the disk a trial keeps."""
+    changed: dict[str, list[str]] = {}
+    for r in records:
+        changed.setdefault(r["method"], [])
+        text = _changed(r)
+        if text and text not in changed[r["method"]]:
+            changed[r["method"]].append(text)
+    lines = [textwrap.fill(f"  {label}: {'; '.join(texts)}", TABLE_WIDTH, subsequent_indent="    ")
+             for label, texts in changed.items() if texts]
+    text = "\nset hyperparameters:\n" + "\n".join(lines) if lines else ""
+    disk = []
+    for key, name in zip(DISK_FIELDS, ("checkpoints", "final model"), strict=True):
+        low, high = min(r[key] for r in records), max(r[key] for r in records)
+        span = human_bytes(low) if low == high else f"{human_bytes(low)} to {human_bytes(high)}"
+        disk.append(f"{name} {span}")
+    return f"{text}\n" + textwrap.fill(
+        f"disk a trial keeps: {', '.join(disk)} (each trial's in --json; the sweep's total: "
+        "harness sweep --dry-run)", TABLE_WIDTH, subsequent_indent="  ")
 
 
 def to_json(records: list[dict[str, Any]]) -> str:
@@ -185,10 +244,10 @@ def paper_comparison(records: list[dict[str, Any]], sweep: SweepConfig) -> str:
     if not rows:
         return ""
     headers = ["method", "paper method", "set hyperparameters", "paper GB", "ours GB", "diff"]
-    table = tabulate(rows, headers=headers, disable_numparse=True)
+    table = fitted(rows, headers, 3)
     note = (
         f"\n! more than {PAPER_TOLERANCE:.0%} apart: a rank other than the paper's, or a "
-        "figure Table 1's formula does not give (GaLore; LoRA at 60M, 130M)"
+        "figure Table 1's formula does not give\n  (GaLore; LoRA at 60M, 130M)"
         if any(row[-1].endswith("!") for row in rows)
         else ""
     )

@@ -46,6 +46,7 @@ from harness.sweep.expand import Trial, make_trial, method_entry
 from harness.sweep.trial_state import trial_statuses
 from harness.train.prune import make_pruner, plain_storage
 from harness.trials import FAILED, FINISHED, RunsDir, Status, Summary
+from harness.trials.events import verbose
 
 DONE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 RACE_TRIES = 5
@@ -158,9 +159,22 @@ def enqueued(
     return points
 
 
+def quiet_optuna() -> None:
+    """Optuna's notices about the studies we create ("A new study created", "Using an
+    existing study") and the ExperimentalWarnings of the calls our code makes reach the
+    terminal only under --verbose; Optuna's warnings and errors always do."""
+    if verbose():
+        optuna.logging.set_verbosity(optuna.logging.INFO)
+        return
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # `module` matches where a warning points: a call in the harness, not a user's own code
+    warnings.filterwarnings("ignore", category=ExperimentalWarning, module=r"harness\.")
+
+
 def open_study(
     sweep: SweepConfig, label: str, storage: BaseStorage, worker: str = ""
 ) -> optuna.Study:
+    quiet_optuna()
     return optuna.create_study(
         storage=storage,
         study_name=f"{sweep.name}/{label}",

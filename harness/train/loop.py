@@ -29,7 +29,7 @@ from harness.modifiers.recompute import decoder_layers
 from harness.train import finetune, pretrain
 from harness.train.hooks import Hooks, Interrupted, NonFinite, Pruned, Step
 from harness.trials import Records, Status, checkpoints, rng_state, set_rng_state
-from harness.trials.events import event_text
+from harness.trials.events import event_text, say_event
 
 Prune = Callable[[int, dict[str, float]], bool]  # (step, eval metrics) -> cut the trial?
 
@@ -236,7 +236,8 @@ class Trainer:
         events = self.method.on_step(step.number, self.model, self.optimizer)
         if events:
             self.rec.log({"kind": "event", "step": step.number, **events})
-            distributed.say(f"step {step.number}: {event_text(events)}")
+            if distributed.is_main():  # an internal line: on the terminal under --verbose
+                say_event(f"step {step.number}: {event_text(events)}")
 
     def _count_costs(self, step: Step) -> None:
         if self.grad_peak is not None:  # gradients and states exist now: count them once

@@ -24,6 +24,7 @@ from harness.train.export import finish, is_finished
 from harness.train.loop import NonFinite, Prune, Pruned, Trainer
 from harness.train.prune import pruner_for
 from harness.trials import CheckpointError, Records, Status, Summary
+from harness.trials.events import say_event
 
 # torch's CPU allocator reports a failed allocation (the host out of memory, or a ulimit) as a
 # RuntimeError, not MemoryError: "DefaultCPUAllocator: can't allocate memory: you tried to..."
@@ -81,7 +82,7 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
             summary["device"] = str(trainer.device)
             # torch's intra-op pool, sized by its launcher from the allocation (OMP_NUM_THREADS)
             summary["threads"] = torch.get_num_threads()
-            print(f"threads: {summary['threads']}", flush=True)
+            say_event(f"threads: {summary['threads']}")  # also in the summary
             rec.start_wandb()
             # CPU: live tensors' peak in a steady step (one profiler at a time: not with --profile)
             with profiled(trainer, profile_steps, out), tracked(trainer, not profile_steps):

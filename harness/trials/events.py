@@ -1,11 +1,37 @@
 """A method's step event (what `Method.on_step` returns: ReLoRA's merge, Q-GaLore's or GaLore's
 SVDs, APOLLO's projections) as one readable progress line. The metrics line keeps the dict
-itself; this is only how a person reads it on the terminal or in a Slurm log."""
+itself; this is only how a person reads it on the terminal or in a Slurm log.
+
+Such internal lines (`say_event`) reach the terminal only under `harness --verbose`, which sets
+HARNESS_VERBOSE=1 for the process and every trial it starts; otherwise they go to stderr when
+that is a log (a sweep trial's stderr.log, a Slurm job's file) and nowhere on a terminal."""
 
 from __future__ import annotations
 
 import math
+import os
+import sys
 from collections.abc import Mapping
+
+VERBOSE_ENV = "HARNESS_VERBOSE"
+
+
+def set_verbose(on: bool) -> None:
+    """In the environment, so that trial processes (forked or submitted) inherit it."""
+    os.environ[VERBOSE_ENV] = "1" if on else "0"
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV) == "1"
+
+
+def say_event(text: str) -> None:
+    """An internal line (a trial's threads, a method's step event): stdout under --verbose,
+    else the log that stderr is; a terminal without --verbose does not see it."""
+    if verbose():
+        print(text, flush=True)
+    elif not sys.stderr.isatty():
+        print(text, file=sys.stderr, flush=True)
 
 
 def event_text(events: Mapping[str, object]) -> str:

@@ -39,6 +39,10 @@ def sweep_file(tmp_path, **data) -> SweepConfig:
     return load_sweep(path, {})
 
 
+def points(sweep: SweepConfig) -> dict[str, tuple[float, dict]]:
+    return {t.id: (t.run.train.lr, t.point) for t in expand(sweep)}
+
+
 def no_tokenizer(monkeypatch) -> None:
     def refuse(name):
         raise AssertionError(f"tokenizer {name} loaded")
@@ -65,7 +69,8 @@ def test_one_record_per_trial_with_every_key_and_totals_that_add_up(path, monkey
         assert r["workspace_bytes"] == 2 * 32 * 2**20  # a sweep's device is CUDA by default
     json_records = json.loads(est.to_json(records))
     assert [r["total_bytes"] for r in json_records] == [r["total_bytes"] for r in records]
-    assert "GB" in est.format_table(records) or "MB" in est.format_table(records)
+    table = est.format_table(records, points(sweep))
+    assert "GB" in table or "MB" in table
 
 
 def test_shapes_are_the_trainers_model_and_the_sample_vocab_is_its_tokenizers(
@@ -124,7 +129,51 @@ def test_7b_is_estimated_offline_in_seconds(tmp_path, monkeypatch):
     n = llama_params("llama_7b", 32100)
     assert 6.7e9 < n < 6.8e9
     assert (record["weight_bytes"], record["grad_bytes"]) == (4 * n, 4 * n)
-    assert "GB" in est.format_table([record])
+    assert "GB" in est.format_table([record], points(sweep))
+
+
+def test_one_row_per_distinct_configuration_with_its_learning_rates(capsys):
+    """c4_1b.yaml: 13 method entries, 5 learning rates each (Q-GaLore 3), one seed: 63 trials,
+    13 rows; the table, what follows it and GaLore Table 2 beside it keep to 120 columns."""
+    from harness.cli import main
+
+    assert main(["estimate", "sweeps/c4_1b.yaml"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 120
+    header = lines[0].split()
+    assert header[:2] == ["method", "lr"] and "trial" not in header
+    rows = {line.split()[0]: line for line in lines[2:lines.index("set hyperparameters:")]}
+    assert len(rows) == 13 and "-" not in "".join(rows)  # no trial ids (label-hash)
+    assert rows["full"].split()[1:6] == ["0.0001", "to", "0.01", "(5)", "5.36"]
+    assert rows["qgalore"].split()[1:4] == ["0.005,", "0.01,", "0.015"]
+    assert "  qgalore: betas=(0.9, 0.95), rank=1024, lazy_schedule=reference" in lines
+    assert "GaLore Table 2, LLaMA 1B" in out
+
+
+def test_a_space_over_more_than_the_lr_gets_a_column_per_key(capsys):
+    """memory_gpu.yaml: 6 methods x 2 models x 5 modifier sets, one LR: 60 rows, each with
+    its model and memory modifiers, wrapped to keep to 120 columns."""
+    from harness.cli import main
+
+    assert main(["estimate", "sweeps/memory_gpu.yaml"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["method", "model", "memory", "lr"]
+    assert max(map(len, lines)) <= 120
+    table = lines[2:lines.index("set hyperparameters:")]
+    rows = [line.split() for line in table if not line.startswith(" ")]  # not a wrapped line
+    assert len(rows) == 60
+    assert {(r[1], r[0]) for r in rows} == {(m, e) for m in ("llama_130m", "llama_350m") for e
+                                            in ("full", "adam8bit", "lora", "galore",
+                                                "galore_8bit", "qgalore")}
+
+
+@pytest.mark.parametrize(("lrs", "text"), [
+    ([0.001], "0.001"), ([0.003, 0.001, 0.003], "0.001, 0.003"),
+    ([0.01, 0.005, 0.015], "0.005, 0.01, 0.015"),
+    ([0.01, 0.0001, 0.005, 0.0005, 0.001], "0.0001 to 0.01 (5)")])  # fmt: skip
+def test_learning_rates_listed_up_to_three_then_as_a_range(lrs, text):
+    assert est.lr_text(lrs) == text
 
 
 def test_human_units_are_decimal():

@@ -1,9 +1,14 @@
 """A method's step event reads as one line: the first entry, then the others in brackets, with
-numbers as a person writes them (not a Python dict's repr)."""
+numbers as a person writes them (not a Python dict's repr); such internal lines reach a
+terminal only under --verbose."""
 
 from __future__ import annotations
 
-from harness.trials.events import event_text, number_text
+import io
+
+import pytest
+
+from harness.trials.events import event_text, number_text, say_event
 
 
 def test_qgalore_svd_event_is_one_readable_line() -> None:
@@ -32,3 +37,27 @@ def test_numbers_as_a_person_writes_them() -> None:
     assert number_text(float("nan")) == "nan"
     assert number_text(True) == "yes" and number_text(False) == "no"  # not 1 / 0
     assert number_text(-7) == "-7"
+
+
+class Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize(("verbose", "tty", "stdout", "stderr"), [
+    ("1", True, "threads: 2\n", ""),  # --verbose: on the terminal
+    ("0", False, "", "threads: 2\n"),  # stderr is a log (a sweep trial's stderr.log): there
+    ("0", True, "", ""),  # a terminal without --verbose: not shown (summary.json has it)
+])  # fmt: skip
+def test_an_internal_line_reaches_a_terminal_only_under_verbose(monkeypatch, verbose, tty,
+                                                                 stdout, stderr) -> None:
+    out, err = Stream(tty), Stream(tty)
+    monkeypatch.setenv("HARNESS_VERBOSE", verbose)
+    monkeypatch.setattr("sys.stdout", out)
+    monkeypatch.setattr("sys.stderr", err)
+    say_event("threads: 2")
+    assert (out.getvalue(), err.getvalue()) == (stdout, stderr)
