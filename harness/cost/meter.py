@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 from typing import Any
@@ -110,7 +111,9 @@ def breakdown(method: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 class Meter:
-    """Training time between marks; the device syncs only when a lap is read (log steps)."""
+    """Training time between marks; the device syncs only when a lap is read (log steps). Each
+    counted lap also samples the host's 1-minute load average and the wall-clock span measured,
+    so a reader can tell a tok/s measured on a busy or shared machine."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -120,6 +123,9 @@ class Meter:
         self._lap_tokens = 0
         self._lap_s = 0.0
         self._last = (0.0, 0.0)
+        self._loads: list[float] = []
+        # wall clock: the first counted lap's start, the last's end
+        self._span: tuple[float, float] | None = None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -146,6 +152,7 @@ class Meter:
         if steady:
             self.train_s += seconds
             self.tokens += tokens
+            self._sample(seconds)
         self._lap_s, self._lap_tokens = 0.0, 0
         self.resume()
         self._last = (seconds, tokens / seconds if seconds > 0 else 0.0)
@@ -154,3 +161,19 @@ class Meter:
     @property
     def tokens_per_s(self) -> float | None:
         return self.tokens / self.train_s if self.train_s > 0 else None
+
+    def _sample(self, seconds: float) -> None:
+        now = time.time()
+        self._span = (self._span[0] if self._span else now - seconds, now)
+        self._loads.append(os.getloadavg()[0])
+
+    def conditions(self) -> dict[str, float | int | None]:
+        """Where tokens_per_s was measured: the mean 1-minute load average over the counted
+        laps, the host's CPU count, and the wall-clock span (epoch seconds) of those laps."""
+        start, end = self._span or (None, None)
+        return {
+            "load_average": sum(self._loads) / len(self._loads) if self._loads else None,
+            "cpu_count": os.cpu_count(),
+            "measured_from": start,
+            "measured_to": end,
+        }

@@ -365,6 +365,8 @@ class Trainer:
             **self.best,
             "tokens_per_s": tps,
             "mfu": mfu,
+            "processes": self.steps.world,
+            **self.meter.conditions(),
             **self.precision.log(),
             **self._offloaded(),
             **self.costs,

@@ -55,6 +55,11 @@ class Summary(BaseModel):
     trainable_params: Number = _num()
     total_params: Number = _num()
     wall_s: Number = _num()
+    processes: Number = _num()  # data-parallel processes (GPUs) the trial used
+    load_average: Number = _num()  # the host's 1-minute load average while tok/s was measured
+    cpu_count: Number = _num()
+    measured_from: float | None = Field(None, json_schema_extra=_KEPT)  # tok/s's wall-clock span
+    measured_to: float | None = Field(None, json_schema_extra=_KEPT)
     device: str | None = None
     error: str | None = None
     requeues: Number = _num()

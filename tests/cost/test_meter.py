@@ -3,6 +3,8 @@ count behind MFU, the memory readings on CPU, and the training clock's laps."""
 
 from __future__ import annotations
 
+import json
+import os
 import types
 
 import pytest
@@ -113,10 +115,14 @@ class Clock:
     def perf_counter(self) -> float:
         return self.now
 
+    def time(self) -> float:  # the wall clock, 1,000,000 s ahead of the counter
+        return self.now + 1e6
+
 
 def test_meter_counts_only_steady_training_time(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(meter, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(meter, "time", types.SimpleNamespace(perf_counter=clock.perf_counter,
+                                                             time=clock.time))
     m = Meter(CPU)
     assert m.tokens_per_s is None
     m.add(100)
@@ -136,6 +142,45 @@ def test_meter_counts_only_steady_training_time(monkeypatch):
     clock.now += 4
     assert m.lap() == (4.0, 100.0)
     assert m.tokens_per_s == pytest.approx(500 / 6)
+
+
+def test_the_meter_records_the_load_and_the_span_its_tok_s_was_measured_over(monkeypatch):
+    """Each counted lap samples the 1-minute load average; a first step's lap does not. The
+    span runs from the first counted lap's start to the last one's end, pauses included."""
+    clock, loads = Clock(), iter([1.5, 2.5])  # a third sample would raise
+    monkeypatch.setattr(meter, "time", types.SimpleNamespace(perf_counter=clock.perf_counter,
+                                                             time=clock.time))
+    monkeypatch.setattr(meter, "os", types.SimpleNamespace(
+        getloadavg=lambda: (next(loads), 0.0, 0.0), cpu_count=lambda: 2))
+    m = Meter(CPU)
+    assert m.conditions() == {"load_average": None, "cpu_count": 2, "measured_from": None,
+                              "measured_to": None}
+    m.add(10)
+    clock.now += 1  # 101: the first step, not counted
+    m.lap(steady=False)
+    m.add(100)
+    clock.now += 2  # 103
+    m.lap()
+    m.pause()
+    clock.now += 7  # 110: an eval
+    m.resume()
+    m.add(100)
+    clock.now += 3  # 113
+    m.lap()
+    assert m.conditions() == {"load_average": 2.0, "cpu_count": 2,
+                              "measured_from": 1e6 + 101, "measured_to": 1e6 + 113}
+
+
+def test_a_trials_summary_says_where_its_tok_s_was_measured(finished_run):
+    """The shared finished sweep's trials (two at a time, one process each): the load, the
+    cores and the measured span, inside the trial's own lifetime."""
+    for path in sorted((finished_run / "trials").glob("*/summary.json")):
+        summary = json.loads(path.read_text())
+        assert summary["processes"] == 1 and summary["cpu_count"] == os.cpu_count()
+        assert summary["load_average"] >= 0
+        start, end = summary["measured_from"], summary["measured_to"]
+        assert summary["first_step_at"] < start < end
+        assert end <= summary["started_at"] + summary["wall_s"]
 
 
 def test_mfu_divides_every_ranks_tokens_by_every_ranks_peak(monkeypatch, tmp_path):
