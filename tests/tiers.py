@@ -70,6 +70,7 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_encoder_from_a_local_folder_fine_tunes",
     "test_the_dashboard_shows_the_study_its_trials_and_the_pareto_front",  # a server, Chromium
     "test_the_dashboard_reads_a_postgresql_storage",
+    "test_the_dashboard_names_each_objective_by_its_metric",  # a server
     "test_a_bad_model_stops_harness_train_with_one_line",  # `harness train` in a child
     "test_help_and_version_import_neither_torch_nor_transformers",  # a fresh interpreter
     "test_internal_lines_reach_the_terminal_only_under_verbose",  # sweeps through the CLI

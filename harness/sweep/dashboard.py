@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import optuna
+from optuna.storages import BaseStorage
+
 from harness.errors import UserError
-from harness.sweep.study import open_storage
+from harness.sweep.study import name_metrics, open_storage
 from harness.trials import RunsDir
 
 HOST = "127.0.0.1"
@@ -39,6 +42,25 @@ def serve(runs_dir: Path, port: int) -> None:
         raise UserError("harness dashboard needs optuna-dashboard: pip install -e "
                         "'.[dashboard]' (or pip install optuna-dashboard)") from None
     storage = open_storage(storage_of(runs_dir))
+    name_objectives(runs_dir, storage)
     print(f"dashboard of {runs_dir}: http://{HOST}:{port}/dashboard (Ctrl-C stops it)",
           flush=True)
     optuna_dashboard.run_server(storage, host=HOST, port=port)
+
+
+def name_objectives(runs_dir: Path, storage: BaseStorage) -> None:
+    """Give each of the sweep's studies its objectives' metric names where it has none (a
+    study from before sweeps named them), so the dashboard's axes read the metric, not
+    "Objective 0"."""
+    sweep = RunsDir(runs_dir).read_sweep()
+    search = sweep.get("search") or {}
+    goals = search.get("objectives") or [{"metric": search.get("metric") or "eval_ppl"}]
+    metrics = [str(goal["metric"]) for goal in goals]
+    stored = set(optuna.study.get_all_study_names(storage))
+    for label in sweep.get("methods") or {}:
+        name = f"{sweep.get('name')}/{label}"
+        if name not in stored:
+            continue
+        study = optuna.load_study(study_name=name, storage=storage)
+        if study.metric_names is None and len(study.directions) == len(metrics):
+            name_metrics(study, metrics)

@@ -175,7 +175,7 @@ def open_study(
     sweep: SweepConfig, label: str, storage: BaseStorage, worker: str = ""
 ) -> optuna.Study:
     quiet_optuna()
-    return optuna.create_study(
+    study = optuna.create_study(
         storage=storage,
         study_name=f"{sweep.name}/{label}",
         sampler=make_sampler(sweep, worker),
@@ -183,6 +183,15 @@ def open_study(
         directions=[goal.direction for goal in sweep.search.goals],
         load_if_exists=True,
     )
+    name_metrics(study, [goal.metric for goal in sweep.search.goals])
+    return study
+
+
+def name_metrics(study: optuna.Study, metrics: list[str]) -> None:
+    """The objectives' names on the study, so optuna-dashboard's axes read "eval_ppl", not
+    "Objective 0"; written only where the study lacks them (one storage write per study)."""
+    if study.metric_names != metrics:  # experimental: quiet_optuna keeps its warning quiet
+        study.set_metric_names(metrics)
 
 
 def tell(

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import free_port, write_yaml
+from conftest import free_port, micro_run, write_yaml
 from services import chromium, headless, require_service
 
 from harness.errors import UserError
-from harness.sweep.dashboard import storage_of
-from harness.sweep.study import open_storage
+from harness.sweep.dashboard import name_objectives, storage_of
+from harness.sweep.expand import load_sweep
+from harness.sweep.study import open_storage, open_study
 
 VALUES = [(310.0, 2.0e7), (290.0, 2.6e7), (330.0, 1.8e7), (320.0, 2.7e7)]  # the last: dominated
 
@@ -47,6 +48,32 @@ def test_grid_sweeps_and_empty_folders_are_one_line_errors(tmp_path):
                                          "search": {"sampler": "tpe"}})
     with pytest.raises(UserError, match=r"optuna\.journal does not exist yet"):
         storage_of(tmp_path)
+
+
+OBJECTIVES = [{"metric": "eval_ppl"}, {"metric": "peak_memory_bytes"}]
+
+
+def test_a_studys_objectives_carry_their_metric_names(tmp_path):
+    """optuna-dashboard titles an axis by the study's metric names, "Objective 0" without them:
+    a sweep names them as it opens its study, and the dashboard names those of older studies."""
+    run = micro_run(steps=2)
+    path = write_yaml(tmp_path / "mo.yaml", {
+        **{k: run[k] for k in ("model", "task", "train")}, "name": "mo",
+        "methods": {"full": {}}, "search": {"sampler": "tpe", "n_trials": 2,
+                                            "objectives": OBJECTIVES}})
+    storage = open_storage(str(tmp_path / "new.journal"))
+    opened = open_study(load_sweep(path, {}), "full", storage)
+    assert opened.metric_names == ["eval_ppl", "peak_memory_bytes"]
+    assert optuna.load_study(study_name="mo/full", storage=storage).metric_names == [
+        "eval_ppl", "peak_memory_bytes"]
+    runs = search_runs(tmp_path / "runs")  # a study created without names
+    write_yaml(runs / "sweep.yaml", {"name": "mo", "methods": {"full": {}},
+                                     "search": {"sampler": "tpe", "objectives": OBJECTIVES}})
+    storage = open_storage(str(runs / "optuna.journal"))
+    assert optuna.load_study(study_name="mo/full", storage=storage).metric_names is None
+    name_objectives(runs, storage)
+    assert optuna.load_study(study_name="mo/full", storage=storage).metric_names == [
+        "eval_ppl", "peak_memory_bytes"]
 
 
 def start(runs: Path) -> tuple[subprocess.Popen, str]:
@@ -88,6 +115,21 @@ def test_the_dashboard_shows_the_study_its_trials_and_the_pareto_front(tmp_path)
         server.terminate()
         output, _ = server.communicate(timeout=30)
     assert base in output
+
+
+def test_the_dashboard_names_each_objective_by_its_metric(tmp_path):
+    """What the dashboard's pages read (its study API): the metric names, not "Objective 0"."""
+    runs = search_runs(tmp_path / "runs")  # a study created without names
+    write_yaml(runs / "sweep.yaml", {"name": "mo", "methods": {"full": {}},
+                                     "search": {"sampler": "tpe", "objectives": OBJECTIVES}})
+    server, base = start(runs)
+    try:
+        study_id = open_storage(str(runs / "optuna.journal")).get_study_id_from_name("mo/full")
+        detail = json.load(urllib.request.urlopen(f"{base}/api/studies/{study_id}", timeout=30))
+    finally:
+        server.terminate()
+        server.communicate(timeout=30)
+    assert detail["objective_names"] == ["eval_ppl", "peak_memory_bytes"]
 
 
 def test_the_dashboard_reads_a_postgresql_storage(tmp_path):
