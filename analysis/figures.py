@@ -21,11 +21,13 @@ from scipy import stats
 
 from harness.trials import RunsDir, Status
 
+from .caveats import SHARED, shared
 from .format import VARIANT_DEFAULTS, fill_variants, variant_label
 from .front import hypervolume_plot
 from .load import PathArg, read_sweep
 from .plots import logged_points, plain_log_y
 from .stats import at_best_lr
+from .styles import legend_outside, method_colors, setting_styles
 
 if TYPE_CHECKING:
     import optuna
@@ -58,9 +60,19 @@ def best_lr_trials(trials: pd.DataFrame, order: Sequence[str] = ()) -> pd.DataFr
     return ordered.drop(columns="_rank").reset_index(drop=True)
 
 
-def variant_colors(best: pd.DataFrame) -> dict[str, str]:
-    """One colour per variant, in `best` order, so a method looks the same in every figure."""
-    return {v: f"C{i % 10}" for i, v in enumerate(best["variant"].unique())}
+def variant_colors(best: pd.DataFrame) -> dict[str, Any]:
+    """Each variant in its method's colour (one per method, in `best` order), so a method looks
+    the same in every figure; its settings differ by line style (`variant_styles`)."""
+    colors = method_colors(best["method"].astype(str))
+    return dict(zip(best["variant"], best["method"].astype(str).map(colors), strict=True))
+
+
+def variant_styles(best: pd.DataFrame) -> dict[str, dict[str, Any]]:
+    """A line style per setting (memory modifiers, precision) shared across methods."""
+    settings = {v: v.removeprefix(str(m)).strip()
+                for v, m in zip(best["variant"], best["method"], strict=True)}
+    styles = setting_styles(settings.values())
+    return {v: styles[s] for v, s in settings.items()}
 
 
 def half_width(std: pd.Series, count: pd.Series) -> pd.Series:
@@ -120,12 +132,14 @@ def loss_curves(steps: pd.DataFrame, best: pd.DataFrame, name: str) -> tuple[Fig
 def _method_curves(
     steps: pd.DataFrame, best: pd.DataFrame, name: str, kind: str
 ) -> tuple[Figure, str]:
-    """The mean over seeds, shaded with its 95% interval where two or more seeds logged."""
+    """The mean over seeds, shaded with its 95% interval where two or more seeds logged; a
+    colour per method, a line style per memory/precision setting, the legend outside."""
     column, quantity, log = CURVES[kind]
     figure, ax = _figure((8, 5))
     points = logged_points(steps, kind, column).drop(columns=["lr"], errors="ignore").merge(
         best[["run_dir", "trial", "variant", "lr"]], on=["run_dir", "trial"])  # the trial's LR
     banded = False
+    styles = variant_styles(best)
     for variant, color in variant_colors(best).items():
         curve = points[points["variant"] == variant]
         if curve.empty:
@@ -133,7 +147,8 @@ def _method_curves(
         band = seed_band(curve, "tokens", column)
         seeds = curve["trial"].nunique()
         label = f"{variant} lr={curve['lr'].iloc[0]:g}" + (f" ({seeds} seeds)" if seeds > 1 else "")
-        ax.plot(band["tokens"], band["mean"], marker="o", markersize=3, color=color, label=label)
+        ax.plot(band["tokens"], band["mean"], markersize=3, color=color, label=label,
+                **styles[variant])
         if seeds > 1:
             ax.fill_between(band["tokens"], band["low"], band["high"], where=band["n"] > 1,
                             color=color, alpha=0.2, linewidth=0)
@@ -149,7 +164,7 @@ def _method_curves(
         return figure, caption
     if log:
         plain_log_y(ax)
-    ax.legend(fontsize="small")
+    legend_outside(ax)
     ax.grid(True, which="both", alpha=0.3)
     return figure, caption
 
@@ -199,8 +214,8 @@ def label_points(ax: Axes, xs: pd.Series, ys: pd.Series, labels: pd.Series) -> N
             note = ax.annotate(str(text), (x, y), xytext=(6, 4 + lines * step),
                                textcoords="offset points", fontsize="small")
             box = note.get_window_extent(renderer).expanded(1.02, 1.1)
-            if not any(box.overlaps(other) for other in placed):
-                break
+            if lines == MAX_RISE - 1 or not any(box.overlaps(other) for other in placed):
+                break  # clear, or as high as it goes: left there
             note.remove()
         placed.append(box)
         if lines:  # moved: a leader line back to its point
@@ -212,7 +227,7 @@ def label_points(ax: Axes, xs: pd.Series, ys: pd.Series, labels: pd.Series) -> N
 
 def throughput_chart(best: pd.DataFrame, name: str) -> tuple[Figure, str]:
     """Training tokens per second per method at its best LR, with the 95% interval over seeds
-    where there are several."""
+    where there are several; † after a method measured on a shared or loaded machine."""
     points = method_points(best).dropna(subset=["tokens_per_s"])
     figure, ax = _figure((8, 1.6 + 0.45 * max(1, len(points))))
     caption = "Training throughput, each method at its best LR"
@@ -229,7 +244,11 @@ def throughput_chart(best: pd.DataFrame, name: str) -> tuple[Figure, str]:
         ax.errorbar(points["tokens_per_s"][spread], y[spread], xerr=points["rate_half"][spread],
                     fmt="none", ecolor="black", capsize=4)
         caption += f" (mean over seeds, {CONFIDENCE:.0%} CI)"
-    ax.set_yticks(y, points["variant"], fontsize="small")
+    marked = set(best.loc[shared(best).to_numpy(), "variant"])
+    if marked:
+        caption += f"; {SHARED} measured on a shared or loaded machine, not comparable"
+    ax.set_yticks(y, [f"{v} {SHARED}" if v in marked else v for v in points["variant"]],
+                  fontsize="small")
     ax.invert_yaxis()
     ax.xaxis.set_major_formatter(EngFormatter())
     ax.grid(True, axis="x", alpha=0.3)

@@ -15,6 +15,7 @@ from matplotlib.ticker import EngFormatter, LogFormatter
 from harness.trials import atomic_write
 
 from .format import VARIANT_DEFAULTS, fill_variants, variant_label, whole
+from .styles import legend_outside, method_colors, setting_styles
 
 # Past this many trials a figure draws one mark per method setting, not one per trial (2,000
 # bars made a 7.4 MB memory.png no one could read, and 53 of a 58 s report)
@@ -36,7 +37,8 @@ def save_png(figure: Figure, caption: str, path: Path) -> str:
 
 
 def curves_plot(steps: pd.DataFrame, trials: pd.DataFrame, name: str) -> tuple[Figure, str]:
-    """Eval perplexity per trial; training loss when no eval has run yet, so early runs plot."""
+    """Eval perplexity per trial; training loss when no eval has run yet, so early runs plot.
+    One colour per method, a line style per setting (LR, memory, seed), the legend outside."""
     column, quantity = "eval_ppl", "Eval perplexity"
     points = logged_points(steps, "eval", column)
     if points.empty:
@@ -45,14 +47,19 @@ def curves_plot(steps: pd.DataFrame, trials: pd.DataFrame, name: str) -> tuple[F
     FigureCanvasAgg(figure)
     ax = figure.add_subplot()
     labels = trial_labels(trials)
+    keys = zip(trials["run_dir"], trials["trial"], strict=True)
+    methods = dict(zip(keys, trials["method"].astype(str), strict=True))
+    settings = {key: label.removeprefix(methods[key]).strip() for key, label in labels.items()}
+    colors, styles = method_colors(methods.values()), setting_styles(settings.values())
     for key, curve in points.groupby(["run_dir", "trial"], sort=False):
         curve = curve.sort_values("tokens")
-        ax.plot(curve["tokens"], curve[column], marker="o", markersize=3, label=labels[key])
+        ax.plot(curve["tokens"], curve[column], markersize=3, label=labels[key],
+                color=colors[methods[key]], **styles[settings[key]])
     if points.empty:
         ax.text(0.5, 0.5, "no metrics yet", ha="center", va="center", transform=ax.transAxes)
     else:
         plain_log_y(ax)
-        ax.legend(fontsize="small")
+        legend_outside(ax)
     caption = f"{quantity} vs tokens seen"
     ax.set_title(f"{name}: {caption.lower()}")
     ax.set_xlabel("tokens seen")

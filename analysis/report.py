@@ -16,6 +16,8 @@ import yaml
 from harness.cost.estimate import human_bytes
 from harness.trials import RunsDir, Status, atomic_write
 
+from .caveats import annotate, conditions_line, with_conditions
+from .cost_front import cost_section
 from .figures import (
     best_lr_trials,
     eval_curves,
@@ -65,7 +67,7 @@ def write_report(paths: Paths, out: PathArg | None = None) -> str:
     table as csv and md, the figures as png, report.md and report.html (one self-contained
     file); return the tables for the terminal."""
     dirs = run_dirs(paths)
-    trials = load_runs(dirs)
+    trials = with_conditions(load_runs(dirs))  # who shared the machine, for tok/s and hours
     steps = load_steps(dirs, trials)
     sweep = read_sweep(dirs[0])
     name = str(sweep.get("name") or dirs[0].resolve().name)
@@ -80,14 +82,19 @@ def write_report(paths: Paths, out: PathArg | None = None) -> str:
     terminal = list(note)
     if not pretraining.empty or len(trials) == 0:
         table = summary_table(pretraining, order=order)
-        blocks += [Heading("Methods at their best learning rate"), Table(table),
-                   Paragraph(best_lr_line(table))]
-        terminal.append(text_table(table))
+        marked, caveats = annotate(table, pretraining)  # †, ‡, § and the notes saying why
+        caveats.append(conditions_line(pretraining))
+        blocks += [Heading("Methods at their best learning rate"), Table(marked),
+                   Paragraph(best_lr_line(table)), *map(Paragraph, caveats)]
+        terminal.append("\n".join([text_table(marked), *caveats]))
         objectives = objectives_of(sweep, pretraining)
         front = front_table(pretraining, objectives)
         blocks += [Heading("Pareto front"), Table(front),
                    Paragraph(front_line(pretraining, front, objectives))]
         terminal.append(f"Pareto front\n{text_table(front)}")
+        cost_blocks, cost_text = cost_section(pretraining, order, name, out)
+        blocks += cost_blocks
+        terminal += [cost_text] if cost_text else []
     for title, note, table in write_tables(trials, out, order):
         blocks += [Heading(title), Paragraph(note), Table(table, flag="differs")]
         terminal.append(f"{title}\n{text_table(table)}")

@@ -16,6 +16,7 @@ import pandas as pd
 
 from harness.trials import atomic_write
 
+from .caveats import SHARED, shared
 from .format import cell, text_table
 from .glue import GLUE_NOTE, GLUE_TITLE, glue_table, has_glue
 from .paper import (
@@ -43,7 +44,9 @@ THROUGHPUT_TITLE = "Throughput (GaLore Table 11 format)"
 THROUGHPUT_NOTE = (
     "At each method's best LR: highest peak memory (1 GB = 10^9 bytes) and mean training "
     "tokens/s, without and with layer-wise weight updates (`memory.layerwise`); blank where "
-    "no such trial finished."
+    f"no such trial finished. {SHARED}: measured on a shared or loaded machine (another trial "
+    "ran on the same host, or its load average exceeded the cores), not comparable with a "
+    "tok/s measured alone."
 )
 COMPARE_NOTE = (
     "Ours at each configuration's best LR (mean ± 95% CI over seeds where several); "
@@ -79,7 +82,10 @@ def throughput_table(trials: pd.DataFrame, order: Sequence[str] = ()) -> pd.Data
     picks = best_lr(ours, keys)
     picks["peak"] = at_best(ours, picks, keys, "peak_memory_bytes", "max")
     picks["rate"] = at_best(ours, picks, keys, "tokens_per_s", "mean")
-    cells = {(*pick[keys],): (gigabytes(pick["peak"]), cell(pick["rate"], ",.0f"))
+    flags = ours.assign(shared=shared(ours).astype(float))
+    picks["shared"] = at_best(flags, picks, keys, "shared", "max")  # 1: a seed ran shared
+    cells = {(*pick[keys],): (gigabytes(pick["peak"]), cell(pick["rate"], ",.0f")
+                              + (f" {SHARED}" if pick["shared"] == 1 else ""))
              for _, pick in picks.iterrows()}
     rows = _rows(ours[[*ROW, "model"]], order)
     table = pd.DataFrame({"method": _names([row[:3] for row in rows])})

@@ -244,7 +244,8 @@ def test_write_report_writes_csv_markdown_and_png(runs: Path) -> None:
     text = write_report(runs)
     out = runs / "report"
     assert sorted(p.name for p in out.iterdir()) == [
-        "eval.png", "loss.png", "memory.png", "pareto.png", "pretrain.csv", "pretrain.md",
+        "cost.png", "eval.png", "loss.png", "memory.png", "pareto.png", "pretrain.csv",
+        "pretrain.md",
         "report.html", "report.md", "throughput.csv", "throughput.md", "throughput.png",
         "train_loss.png", "trials.csv"]
     assert "| full " in text and "25.00" in text
