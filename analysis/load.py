@@ -1,7 +1,9 @@
 """Read run directories written by the trainer into pandas tables.
 
 The trainer may still be running, or may have crashed, while we read: a missing file means a
-trial that has not started, and an unparsable line or file is skipped instead of raised on.
+trial that has not started, and an unparsable metrics line is skipped instead of raised on. A
+summary.json that is there but cannot be read makes its row `unreadable`, `error` the file and
+why (never `pending`: it may hide a result).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from .paper import task_kind
 from .plots import PER_TRIAL, curves_plot, memory_chart, save_png
 from .stats import at_best_lr
 from .tables import write_tables
+from .unreadable import unreadable_note, with_mark
 
 SUMMARY_COLUMNS = (
     "method", "memory", "precision", "best lr", "eval ppl", "tok/s", "peak memory",
@@ -58,7 +59,8 @@ def summary_table(trials: pd.DataFrame, order: Sequence[str] = ()) -> pd.DataFra
     for label in ordered(trials["method"].astype(str), order):
         own = trials[trials["method"].astype(str) == label]
         for key, group in own.groupby(VARIANT, sort=False):
-            rows.append(_method_row(dict(zip(VARIANT, key, strict=True)), group))
+            row = _method_row(dict(zip(VARIANT, key, strict=True)), group)
+            rows.append({**row, "best lr": with_mark(row["best lr"], group)})  # may be wrong
     return pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
 
 
@@ -77,9 +79,11 @@ def write_report(paths: Paths, out: PathArg | None = None) -> str:
     atomic_write(out / "trials.csv", trials.to_csv(index=False))
     pretraining = trials[task_kind(trials) != "glue"]
     note = [str(sweep["note"])] if sweep.get("note") else []
+    damaged = unreadable_note(trials)  # every record that cannot be read, before any table
     blocks: list[Block] = [*map(Paragraph, note), Paragraph(
-        f"{len(trials)} trials in {', '.join(map(str, dirs))}. {MEMORY_NOTE}")]
-    terminal = list(note)
+        f"{len(trials)} trials in {', '.join(map(str, dirs))}. {MEMORY_NOTE}"),
+        *map(Paragraph, damaged)]
+    terminal = [*note, *damaged]
     if not pretraining.empty or len(trials) == 0:
         table = summary_table(pretraining, order=order)
         marked, caveats = annotate(table, pretraining)  # †, ‡, § and the notes saying why

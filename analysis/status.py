@@ -8,10 +8,12 @@ import pandas as pd
 from harness.cost.estimate import human_bytes
 
 from .format import cell, text_table, whole
+from .unreadable import unreadable_lines
 
 
 def status_table(trials: pd.DataFrame) -> str:
-    """Per-trial progress for `harness status`, readable while a sweep is still running."""
+    """Per-trial progress for `harness status`, readable while a sweep is still running; then
+    one line for each trial whose summary.json cannot be read, naming the file and why."""
     table = pd.DataFrame(
         {
             "id": trials["trial"],
@@ -31,4 +33,4 @@ def status_table(trials: pd.DataFrame) -> str:
             "final model": trials["final_model_bytes"].map(human_bytes),
         }
     )
-    return text_table(table)
+    return "\n".join([text_table(table), *unreadable_lines(trials)])

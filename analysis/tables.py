@@ -29,6 +29,7 @@ from .paper import (
     variants,
 )
 from .stats import at_best, best_lr, format_ci
+from .unreadable import mark_methods
 
 MODEL_ORDER = ("llama_micro", "llama_tiny", "llama_60m", "llama_130m", "llama_350m",
                "llama_1b", "llama_7b")  # fmt: skip
@@ -155,7 +156,7 @@ def write_tables(
     for the report to show; a comparison's note starts with its flag."""
     written = []
     for slug, title, note, build in TABLES:
-        table = build(trials, order)
+        table = mark_methods(build(trials, order), trials)  # rows missing a result: ⚠
         if table.empty:
             continue
         if "differs" in table:

@@ -139,7 +139,7 @@ def _load(runs_dir: str):
 
 
 STATUS_KEYS = ["trial", "method", "memory", "status", "step", "steps", "last_loss", "eval_ppl",
-               "tokens_per_s", "peak_memory_bytes", "peak_rss_bytes", "requeues"]
+               "tokens_per_s", "peak_memory_bytes", "peak_rss_bytes", "requeues", "error"]
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ source that resumes the trial the job was running.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 
 from harness.config import RunConfig, SweepConfig
 from harness.sweep.expand import expand
-from harness.sweep.trial_state import trial_statuses
+from harness.sweep.trial_state import trial_states
 from harness.trials import FAILED, FINISHED, RunsDir, Status, TrialDir
 
 Assigned = list[tuple[str, Path]]
@@ -78,6 +79,17 @@ def runs_again(status: str, retry_failed: bool) -> bool:
     return status not in settled and status not in HELD
 
 
+def unreadable_line(trial: TrialDir, error: str, retry_failed: bool) -> str:
+    """What a sweep does with a trial whose summary.json cannot be read: it may hold a result,
+    so the trial counts as failed and is not trained over unless `--retry-failed` asks."""
+    if retry_failed:
+        return (f"unreadable: {trial.name} ({error}): running it again (--retry-failed), from "
+                f"its newest checkpoint if it has one; the file goes to "
+                f"{trial.corrupt_summary.name}")
+    return (f"unreadable: {trial.name} ({error}): counted as failed and not run again; fix the "
+            "file, or pass --retry-failed to train the trial again")
+
+
 class GridSource:
     """A fixed list of trials whose configs are written, handed out one at a time to any
     number of worker loops; each trial records its own end (or its launcher records a crash)."""
@@ -92,12 +104,16 @@ class GridSource:
                    retry_failed: bool) -> tuple[GridSource, list[TrialDir], int]:
         """The grid's trials to run (not finished; with `retry_failed` the failed ones too; not
         held by a live job or process), their configs written; every trial's folder, for the
-        retries; how many are held."""
+        retries; how many are held. Each trial whose summary cannot be read is named on
+        stderr (`unreadable_line`)."""
         trials = expand(sweep)
         todo, live = [], 0
         dirs = [RunsDir(out).trial(t.id) for t in trials]
-        for t, trial, status in zip(trials, dirs, trial_statuses(dirs), strict=True):
+        for t, trial, (status, summary) in zip(trials, dirs, trial_states(dirs), strict=True):
             live += status in HELD
+            if status == Status.UNREADABLE:
+                print(unreadable_line(trial, summary.error or "", retry_failed), file=sys.stderr,
+                      flush=True)
             if not runs_again(status, retry_failed):
                 continue
             trial.write_config(t.run)

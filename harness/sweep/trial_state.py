@@ -13,8 +13,9 @@ from pathlib import Path
 
 from harness.trials import Status, Summary, TrialDir
 
-# A live Slurm job says more than these; it is `queued` while Slurm lists it in these states.
-UNSETTLED = (Status.PENDING, Status.RUNNING, Status.INTERRUPTED)
+# A live Slurm job says more than these (its trial writes a new summary over an unreadable
+# one); it is `queued` while Slurm lists it in these states.
+UNSETTLED = (Status.PENDING, Status.RUNNING, Status.INTERRUPTED, Status.UNREADABLE)
 WAITING = ("PENDING", "REQUEUED", "REQUEUE_HOLD")
 
 
@@ -25,13 +26,19 @@ def trial_status(trial_dir: Path | TrialDir) -> str:
 def trial_statuses(trial_dirs: list[Path | TrialDir]) -> list[str]:
     """Each trial's status. A `running` summary whose process is gone is an interrupted
     trial; a trial whose Slurm job is still queued or running is that, whatever its folder
-    says."""
+    says; a summary.json that cannot be read is `unreadable`, never `pending`."""
+    return [status for status, _ in trial_states(trial_dirs)]
+
+
+def trial_states(trial_dirs: list[Path | TrialDir]) -> list[tuple[str, Summary]]:
+    """Each trial's status (as `trial_statuses`) and the summary it was read from: an
+    `unreadable` one's `error` names the file and why."""
     trials = [TrialDir(d) for d in trial_dirs]
     summaries = [t.read_summary() or Summary() for t in trials]
     jobs = [slurm_job(t) if s.status in UNSETTLED else None
             for t, s in zip(trials, summaries, strict=True)]
     states = slurm_states([j for j in jobs if j])
-    return [str(_status(s, states.get(j) if j else None))  # plain strings, as summaries hold
+    return [(str(_status(s, states.get(j) if j else None)), s)  # plain strings, as summaries
             for s, j in zip(summaries, jobs, strict=True)]
 
 

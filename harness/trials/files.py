@@ -2,7 +2,9 @@
 
 A trial may be killed at any instant and `harness status` reads folders while trials write
 them, so a write is all-or-nothing (temp file, fsync, rename, fsync of the folder) and a read
-takes a missing or half-written file as absent rather than raising.
+takes a missing or half-written file as absent rather than raising. A record that a reader
+must not take for absent (a trial's summary) is read with `read_json_record`: a file that is
+there but cannot be read raises `UnreadableFile`, naming it and why.
 """
 
 from __future__ import annotations
@@ -67,6 +69,37 @@ def read_json(path: Path) -> dict[str, Any] | None:
     except (FileNotFoundError, json.JSONDecodeError):
         return None
     return data if isinstance(data, dict) else None
+
+
+class UnreadableFile(Exception):
+    """A run-folder file that is there but cannot be read: damaged, not missing."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = Path(path), reason
+
+
+def read_json_record(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`; None only when there is no file. Written atomically, a file
+    that is there is whole, so one that does not parse is damaged: UnreadableFile says why."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise UnreadableFile(path, e.strerror or str(e)) from None
+    if not raw.strip():
+        raise UnreadableFile(path, f"empty ({len(raw)} bytes)")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UnreadableFile(path, f"not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise UnreadableFile(path, f"not JSON ({e.msg}: line {e.lineno} column {e.colno}, "
+                                   f"{len(raw)} bytes)") from None
+    if not isinstance(data, dict):
+        raise UnreadableFile(path, f"not a JSON object: {json.dumps(data)[:40]}")
+    return data
 
 
 def write_yaml(path: Path, obj: Any) -> None:

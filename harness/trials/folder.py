@@ -8,6 +8,8 @@
       trials/<id>/          TrialDir: one trial
         config.yaml         its resolved run config (and provenance, once it ran)
         summary.json        how it stands or ended (Summary)
+        summary.json.corrupt  a summary that could not be read, moved aside by the run that
+                            trained the trial again (`--retry-failed`)
         metrics.jsonl       one line per logged step, evaluation and event
         checkpoint/         what it resumes from: state.pt, the newest, and older ones
                             (checkpoints.py); removed once the final model is written, unless
@@ -31,7 +33,14 @@ from typing import IO, Any
 
 from harness.config import RunConfig
 from harness.trials.checkpoints import NEWEST
-from harness.trials.files import read_json, read_yaml_or_empty, write_json, write_yaml
+from harness.trials.files import (
+    UnreadableFile,
+    read_json,
+    read_json_record,
+    read_yaml_or_empty,
+    write_json,
+    write_yaml,
+)
 from harness.trials.status import Status
 from harness.trials.summary import Summary
 
@@ -74,6 +83,7 @@ class TrialDir(Folder):
 
     config = Entry("config.yaml")
     summary = Entry("summary.json")
+    corrupt_summary = Entry("summary.json.corrupt")
     metrics = Entry("metrics.jsonl")
     checkpoints = Entry("checkpoint")
     checkpoint = Entry("checkpoint", NEWEST)
@@ -98,9 +108,28 @@ class TrialDir(Folder):
         return read_yaml_or_empty(self.config)
 
     def read_summary(self) -> Summary | None:
-        """None for a trial without a (whole) summary yet."""
-        data = read_json(self.summary)
-        return None if data is None else Summary.parse(data)
+        """None for a trial without a summary yet. A summary.json that is there but cannot be
+        read (not JSON, not an object, no `status`) is never taken for that: it is status
+        `unreadable`, its `error` the file and why. Such a summary is never written back."""
+        try:
+            data = read_json_record(self.summary)
+        except UnreadableFile as e:
+            return self._unreadable(str(e))
+        if data is None:
+            return None
+        if not isinstance(data.get("status"), str):
+            status = data.get("status")
+            why = "no status" if status is None else f"status {status!r} is not a string"
+            return self._unreadable(f"{self.summary}: {why}")
+        return Summary.parse(data)
+
+    def _unreadable(self, error: str) -> Summary:
+        return Summary(trial=self.name, status=Status.UNREADABLE, error=error)
+
+    def set_aside_summary(self) -> Path:
+        """Move a summary that cannot be read out of the way of a new one, kept for a look."""
+        os.replace(self.summary, self.corrupt_summary)
+        return self.corrupt_summary
 
     def write_summary(self, summary: Summary | dict[str, Any]) -> None:
         write_json(self.summary, summary.to_dict() if isinstance(summary, Summary) else summary)
@@ -108,8 +137,11 @@ class TrialDir(Folder):
     def mark_end(self, status: Status, error: str) -> None:
         """Record an end the trial could not record itself (failed, killed, oom) with its
         reason; a final status already written (ok, interrupted, failed, ...) came first and
-        is left as it is."""
+        is left as it is. A summary that cannot be read is moved aside for this one."""
         summary = self.read_summary() or Summary.parse({"trial": self.name})
+        if summary.status == Status.UNREADABLE:
+            self.set_aside_summary()
+            summary = Summary.parse({"trial": self.name})
         if summary.get("status") in (None, Status.PENDING, Status.RUNNING):
             self.write_summary(summary.update(status=status, error=error))
 
@@ -122,7 +154,7 @@ class TrialDir(Folder):
     def count_requeue(self) -> None:
         """One more preemption or time limit survived (Slurm requeued the trial's job)."""
         summary = self.read_summary()
-        if summary is not None:
+        if summary is not None and summary.status != Status.UNREADABLE:
             self.write_summary(summary.update(requeues=summary.get("requeues", 0) + 1))
 
     def record_launch(self, launcher: str, job_id: str | None = None) -> None:

@@ -20,6 +20,7 @@ from harness.errors import UserError
 from harness.trials import checkpoints
 from harness.trials.files import append_jsonl, atomic_write, read_jsonl
 from harness.trials.folder import TrialDir
+from harness.trials.status import Status
 from harness.trials.summary import Summary
 
 LIBRARIES = ("torch", "transformers", "bitsandbytes", "datasets", "tokenizers", "harness")
@@ -83,15 +84,27 @@ class Records:
         self.ckpt_dir = self.dir.checkpoints
         self.loaded: Path | None = None  # the checkpoint the run resumed from
         self.skipped: list[tuple[Path, str]] = []  # newer ones that did not load, and why
+        self.unreadable: str | None = None  # an earlier summary that could not be read: why
         self.wandb: Any = None
 
     def write_config(self) -> None:
         self.dir.write_config(self.run, provenance())
 
     def summary(self) -> Summary | None:
-        return self.dir.read_summary()
+        """The summary an earlier run left; None if there is none or it cannot be read (then
+        the first `write_summary` moves that file aside and says so)."""
+        summary = self.dir.read_summary()
+        if summary is not None and summary.status == Status.UNREADABLE:
+            self.unreadable = summary.error
+            return None
+        return summary
 
     def write_summary(self, summary: Summary | dict[str, Any]) -> None:
+        if self.unreadable is not None and self.dir.summary.exists():
+            moved = self.dir.set_aside_summary()
+            print(f"warning: {self.unreadable}; moved to {moved.name}, this run writes a new "
+                  "summary", file=sys.stderr, flush=True)
+        self.unreadable = None
         self.dir.write_summary(summary)
 
     def log(self, row: dict[str, Any]) -> None:

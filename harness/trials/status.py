@@ -19,6 +19,7 @@ class Status(str, Enum):
     NAN = "nan"  # a non-finite loss
     KILLED = "killed"  # its process was killed (SIGKILL: the kernel's OOM killer, an admin)
     PRUNED = "pruned"  # stopped early by the Optuna study
+    UNREADABLE = "unreadable"  # its summary.json is there but cannot be read: never written
 
     def __str__(self) -> str:
         return self.value
@@ -28,5 +29,7 @@ class Status(str, Enum):
 
 
 # A trial that will not run again unless asked; of those, the ones `--retry-failed` re-runs.
-FINISHED = (Status.OK, Status.NAN, Status.OOM, Status.KILLED, Status.FAILED, Status.PRUNED)
-FAILED = (Status.FAILED, Status.OOM, Status.NAN, Status.KILLED)
+# An unreadable record may hide a result, so it is not trained over unless asked either.
+FINISHED = (Status.OK, Status.NAN, Status.OOM, Status.KILLED, Status.FAILED, Status.PRUNED,
+            Status.UNREADABLE)
+FAILED = (Status.FAILED, Status.OOM, Status.NAN, Status.KILLED, Status.UNREADABLE)

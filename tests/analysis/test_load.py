@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FINISHED_SWEEP, SAMPLE_VOCAB
+from test_report import make_runs
 
 from harness.analysis import load_runs, load_steps, status_table
 from harness.analysis.load import flatten, run_dirs
@@ -77,3 +78,20 @@ def test_run_dirs_takes_one_or_many_and_checks_all_first(finished_run: Path, tmp
         run_dirs([finished_run, tmp_path / "missing"])
     with pytest.raises(FileNotFoundError, match="no trials/ folder in"):
         run_dirs(tmp_path)
+
+
+def test_an_unreadable_summary_is_a_row_that_says_so(tmp_path: Path):
+    """t1 (full, lr 0.003) has a summary.json cut short: its row is `unreadable`, never
+    `pending`, with `error` naming the file and why; what its config says is still there."""
+    runs = make_runs(tmp_path / "runs")
+    summary = runs / "trials" / "t1" / "summary.json"
+    summary.write_text('{"trial": "t1", "status": "ok"')
+    trials = load_runs(runs).set_index("trial")
+    assert trials.loc["t1", "status"] == "unreadable"
+    assert trials.loc["t1", "error"] == (
+        f"{summary}: not JSON (Expecting ',' delimiter: line 1 column 31, 30 bytes)")
+    assert (trials.loc["t1", "method"], trials.loc["t1", "lr"]) == ("full", 0.003)
+    assert math.isnan(trials.loc["t1", "eval_ppl"])
+    assert trials.loc["t10", "status"] == "pending"  # no summary at all: not started
+    lines = status_table(load_runs(runs)).splitlines()
+    assert lines[-1] == f"unreadable: t1 ({trials.loc['t1', 'error']})"

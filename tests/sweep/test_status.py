@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from harness.config import SweepConfig
 from harness.sweep import trial_state as status_module
+from harness.sweep.expand import expand, load_sweep
+from harness.sweep.source import GridSource
 from harness.sweep.trial_state import slurm_states, trial_statuses
 from harness.trials import RunsDir, TrialDir
 
@@ -88,3 +92,78 @@ def test_harness_status_loads_all_trials_with_one_squeue(tmp_path, monkeypatch):
     table = cli._load(str(runs.path))
     assert len(squeue.calls) == 1
     assert list(table["status"]) == ["queued"] * 5
+
+
+DAMAGED = '{"trial": "full-x", "status": "ok", "eval_'  # cut short: the string opens at 37
+WHY = "not JSON (Unterminated string starting at: line 1 column 37, 42 bytes)"
+
+
+def test_an_unreadable_summary_is_not_pending_unless_its_job_lives(tmp_path, monkeypatch):
+    """A damaged summary.json is `unreadable`; a live Slurm job says more (its trial writes a
+    new summary), so Slurm is asked about it as about a pending one."""
+    squeue = FakeSqueue({"900_1": "PENDING"})
+    monkeypatch.setattr(status_module.subprocess, "run", squeue)
+    runs = RunsDir(tmp_path)
+    gone, queued = slurm_trial(runs, "gone", "900_0", None), slurm_trial(runs, "q", "900_1", None)
+    for trial in (gone, queued):
+        trial.summary.write_text(DAMAGED)
+    assert trial_statuses([gone, queued]) == ["unreadable", "queued"]
+    assert sorted(squeue.calls[0][squeue.calls[0].index("-j") + 1].split(",")) == [
+        "900_0", "900_1"]
+
+
+def test_harness_status_names_each_unreadable_record(tmp_path, monkeypatch, capsys):
+    """`harness status`: the row says `unreadable`, a line after the table names the file and
+    why; `--json` carries it in `error`."""
+    from harness import cli
+
+    monkeypatch.setattr(status_module.subprocess, "run", FakeSqueue({}))
+    runs = RunsDir(tmp_path / "runs")
+    for name, summary in (("full-a", '{"trial": "full-a", "status": "ok"}'), ("full-x", DAMAGED)):
+        trial = runs.trial(name)
+        trial.path.mkdir(parents=True)
+        trial.config.write_text("name: s\nlabel: full\nmethod: {name: full}\ntrain: {steps: 4}\n")
+        trial.summary.write_text(summary)
+    assert cli.main(["status", str(runs.path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    (row,) = [line for line in out if line.startswith("| full-x ")]
+    assert row.split("|")[4].strip() == "unreadable"
+    assert out[-1] == f"unreadable: full-x ({runs.trial('full-x').summary}: {WHY})"
+    assert cli.main(["status", str(runs.path), "--json"]) == 0
+    records = {r["trial"]: r for r in json.loads(capsys.readouterr().out)}
+    assert records["full-x"]["status"] == "unreadable"
+    assert records["full-x"]["error"] == f"{runs.trial('full-x').summary}: {WHY}"
+    assert records["full-a"]["status"] == "ok" and records["full-a"]["error"] is None
+
+
+def grid(tmp_path: Path) -> tuple[SweepConfig, list]:
+    """Two trials of a grid, both with an `ok` summary written by hand: nothing trains."""
+    path = tmp_path / "grid.yaml"
+    path.write_text("name: g\nmodel: llama_micro\ntask: {dataset: sample, tokenizer: sample}\n"
+                    "methods: {full: {}}\nsearch: {space: {train.lr: [0.001, 0.003]}}\n")
+    sweep = load_sweep(path, {})
+    trials = expand(sweep)
+    for t in trials:
+        RunsDir(tmp_path / "runs").trial(t.id).write_summary({"trial": t.id, "status": "ok"})
+    return sweep, trials
+
+
+def test_a_sweep_names_an_unreadable_trial_and_reruns_it_only_when_asked(tmp_path, capsys):
+    """The sweep's trial list (GridSource.unfinished): a trial whose summary cannot be read
+    may hold a result, so it counts as failed, is not trained over, and the sweep names it;
+    with --retry-failed it runs again."""
+    sweep, (_, damaged) = grid(tmp_path)
+    out = tmp_path / "runs"
+    trial = RunsDir(out).trial(damaged.id)
+    trial.summary.write_text(DAMAGED)
+    source, dirs, live = GridSource.unfinished(sweep, out, retry_failed=False)
+    assert len(source) == 0 and live == 0 and len(dirs) == 2
+    assert capsys.readouterr().err == (
+        f"unreadable: {damaged.id} ({trial.summary}: {WHY}): counted as failed and not run "
+        "again; fix the file, or pass --retry-failed to train the trial again\n")
+    assert trial.summary.read_text() == DAMAGED  # nothing written over it
+    source, _, _ = GridSource.unfinished(sweep, out, retry_failed=True)
+    assert [pick_id for pick_id, _ in source.assigned] == [damaged.id]
+    assert capsys.readouterr().err == (
+        f"unreadable: {damaged.id} ({trial.summary}: {WHY}): running it again (--retry-failed), "
+        "from its newest checkpoint if it has one; the file goes to summary.json.corrupt\n")

@@ -91,19 +91,20 @@ def test_reads_take_a_half_written_file_as_absent(tmp_path):
     trial = TrialDir(tmp_path)
     trial.config.write_text("a: [1,")
     assert trial.read_config() == {}
-    assert trial.read_summary() is None
+    # written atomically, a summary.json that is there is whole: "[1, 2]" is damaged, not absent
+    assert trial.read_summary().status == "unreadable"
 
 
 def test_status_is_its_string():
     assert [s.value for s in Status] == [
         "pending", "running", "interrupted", "queued", "ok", "failed", "oom", "nan", "killed",
-        "pruned",
+        "pruned", "unreadable",
     ]  # fmt: skip
     assert Status.OK == "ok" and "ok" in {Status.OK} and Status("nan") is Status.NAN
     assert f"{Status.OOM}" == str(Status.OOM) == "oom"
     assert json.dumps({"status": Status.PRUNED}) == '{"status": "pruned"}'
-    assert FINISHED == ("ok", "nan", "oom", "killed", "failed", "pruned")
-    assert FAILED == ("failed", "oom", "nan", "killed")
+    assert FINISHED == ("ok", "nan", "oom", "killed", "failed", "pruned", "unreadable")
+    assert FAILED == ("failed", "oom", "nan", "killed", "unreadable")
     assert "failed" in FAILED and "interrupted" not in FINISHED
     assert pd.Series(["ok", "running"]).isin(FINISHED).tolist() == [True, False]
 
