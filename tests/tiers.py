@@ -64,10 +64,9 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_the_lease_script_runs_its_parts_each_in_its_folder",
     "test_bench_report_times_the_report_and_says_met_or_missed",  # `harness report` in a child
     "test_the_script_prepares_the_locked_kit",  # scripts/gpu_wheels.sh through pip
-    # a benchmark or a real pretrained model in one test: a sweep's worth of training
+    # a benchmark in one test: a sweep's worth of training
     "test_bench_syncs_json", "test_bench_memory_counts_what_it_estimates",
     "test_bench_loop_precision_trains_in_that_precision",
-    "test_encoder_from_a_local_folder_fine_tunes",
     "test_the_dashboard_shows_the_study_its_trials_and_the_pareto_front",  # a server, Chromium
     "test_the_dashboard_reads_a_postgresql_storage",
     "test_the_dashboard_names_each_objective_by_its_metric",  # a server
