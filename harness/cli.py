@@ -335,7 +335,9 @@ def build_parser() -> Parser:
                 "a trial's model as transformers loads it: its final model, or (an unfinished "
                 "trial, or one kept without) the model of its newest checkpoint, exported by "
                 "its method (adapters merged, INT8 and NF4 weights dequantized, W = BA).")
-    x.add_argument("trial", help="a trial folder, e.g. runs/quickstart/trials/t0")
+    x.add_argument("trial", help="a trial folder, e.g. runs/quickstart/trials/full-3e75ede2 "
+                   "(a trial's id is its method and a hash of its config; `harness status "
+                   "RUNS_DIR` lists them)")
     x.add_argument("--out", required=True, help="folder to write the model into")
     d = command(sub, "dashboard", cmd_dashboard, "watch a search sweep's studies",
                 "optuna-dashboard on the sweep's own study storage, on 127.0.0.1.")

@@ -271,6 +271,29 @@ def _build_hf(hf: HFModel, name: str, vocab_size: int, seq_len: int,
                                                 attn_implementation=attention)
 
 
+def generation_ids(tok: Any) -> dict[str, Any]:
+    """What `generate()` reads of a causal LM's generation config: the tokenizer's special ids
+    and the KV cache on. Training puts the tokenizer's EOS between documents
+    (harness/data/c4.py), so generation stops there; with no pad token, EOS pads, as in
+    training. The model's config takes the same but `pad_token_id`: the embedding's, set at
+    build."""
+    eos = tok.eos_token_id
+    pad = eos if tok.pad_token_id is None else tok.pad_token_id
+    return {"bos_token_id": tok.bos_token_id, "eos_token_id": eos, "pad_token_id": pad,
+            "use_cache": True}
+
+
+def generation_ready(model: PreTrainedModel, tok: Any) -> None:
+    """`generation_ids` in a causal LM's config and generation config; a model that does not
+    generate (a GLUE classifier) is left as it is."""
+    if not model.can_generate():
+        return
+    for key, value in generation_ids(tok).items():
+        setattr(model.generation_config, key, value)
+        if key != "pad_token_id":
+            setattr(model.config, key, value)
+
+
 def describe(model: PreTrainedModel) -> str:
     total = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings().weight.numel()

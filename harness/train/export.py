@@ -7,12 +7,14 @@ finished once that is done, and is never trained again for want of the state.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from harness.config import RunConfig, read_yaml
 from harness.errors import UserError
 from harness.methods.resolve import load_run
+from harness.models import generation_ids, generation_ready
 from harness.train import finetune, pretrain
 from harness.train.plain import Build, newest_state, plain_model, save_plain
 from harness.trials import Summary, TrialDir, final_model
@@ -21,6 +23,14 @@ from harness.trials import Summary, TrialDir, final_model
 def builder(run: RunConfig) -> Build:
     """The task's model builder, as the trainer picks it."""
     return finetune.build if run.task.kind == "glue" else pretrain.build
+
+
+def generating(run: RunConfig, state: dict[str, Any]) -> tuple[Any, Any]:
+    """The trial's plain model and tokenizer, its config's special ids the tokenizer's (the
+    EOS training put between documents), ready for `generate()`."""
+    model, tok = plain_model(run, state, builder(run))
+    generation_ready(model, tok)
+    return model, tok
 
 
 def finish(run: RunConfig, trial: TrialDir, summary: dict[str, Any],
@@ -33,7 +43,7 @@ def finish(run: RunConfig, trial: TrialDir, summary: dict[str, Any],
     if keep != "none":
         size = final_model.verified(trial.final_model)  # written before a kill: kept
         if size is None:
-            model, tok = plain_model(run, state or newest_state(trial), builder(run))
+            model, tok = generating(run, state or newest_state(trial))
             size = save_plain(model, tok, trial.final_model, summary["step"])
         kept["final_model_bytes"] = size
     if keep != "full":
@@ -67,8 +77,24 @@ def export_trial(folder: Path, out: Path) -> int:
     have = final_model.verified(trial.final_model)
     if have is not None:
         final_model.copy(trial.final_model, out)
+        _generation_ids_into(out)
         return have
     state = newest_state(trial)
     run = load_run(read_yaml(trial.config))
-    model, tok = plain_model(run, state, builder(run))
+    model, tok = generating(run, state)
     return save_plain(model, tok, out, state["step"], record=False)
+
+
+def _generation_ids_into(folder: Path) -> None:
+    """A copied final model's configs given the tokenizer's ids as `generating` gives them:
+    one written by an earlier version has LLaMA's defaults (EOS 2, the sample's `<unk>`)."""
+    from transformers import AutoTokenizer
+
+    if not (folder / "generation_config.json").is_file():
+        return  # a classifier: nothing generates
+    ids = generation_ids(AutoTokenizer.from_pretrained(folder))
+    for name, keys in (("config.json", ids.keys() - {"pad_token_id"}),
+                       ("generation_config.json", ids.keys())):
+        data = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**data, **{k: ids[k] for k in keys}}, indent=2,
+                                              sort_keys=True) + "\n")

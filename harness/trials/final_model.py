@@ -41,6 +41,7 @@ def write(folder: Path, save: Save, tensors: dict[str, torch.Tensor], step: int,
         for stale in folder.parent.glob(f".{folder.name}.tmp*"):  # a writer killed mid-save
             shutil.rmtree(stale, ignore_errors=True)
         save(tmp)
+        _readable(tmp)
         files = {p.name: _fsynced(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         fsync_dir(tmp)
         _verify_tensors(tmp, tensors)
@@ -57,6 +58,16 @@ def write(folder: Path, save: Save, tensors: dict[str, torch.Tensor], step: int,
         raise CheckpointError(f"final model {folder} not written: {brief(e)}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _readable(folder: Path) -> None:
+    """Every file with the mode a new file gets (0666 less the umask): a library that writes
+    through a temporary file leaves it 0600, unreadable to the group that shares the runs."""
+    mask = os.umask(0o022)  # read, then restored: Python has no umask getter
+    os.umask(mask)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~mask)
 
 
 def _fsynced(path: Path) -> dict[str, Any]:
@@ -106,5 +117,6 @@ def remove_state(checkpoints: Path) -> None:
 
 
 def copy(folder: Path, out: Path) -> None:
-    """A verified final model copied to `out` (`harness export` of a finished trial)."""
-    shutil.copytree(folder, out, dirs_exist_ok=True)
+    """A verified final model copied to `out` (`harness export` of a finished trial), each
+    file with the mode a new file gets, not its source's."""
+    shutil.copytree(folder, out, dirs_exist_ok=True, copy_function=shutil.copyfile)

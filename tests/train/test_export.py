@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 
 import pytest
@@ -199,3 +200,97 @@ def test_a_full_disk_while_the_model_is_written_keeps_the_checkpoint(small_disk,
     done = train(load_run(micro_run(steps=3)), trial)
     assert done["final_model_bytes"] == summary["final_model_bytes"]
     assert not (trial / "checkpoint").exists()
+
+
+def end_of_document_id(folder) -> int:
+    """The id of '</s>', the token the sample tokenizer names EOS, read from tokenizer.json
+    (the sample's is 1; 2 is '<unk>')."""
+    added = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    return next(t["id"] for t in added if t["content"] == "</s>")
+
+
+def test_an_export_generates_until_the_end_of_document_token_training_inserts(tmp_path):
+    """`generate()` stops at the EOS id the packer put between documents: a logits script
+    makes the loaded model emit one word 3 times, then '</s>', then the word again; generation
+    stops after prompt + 4 tokens, not at max_new_tokens (12). AutoTokenizer loads the export
+    folder and names the same EOS; the config keeps the KV cache on for generation."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        LogitsProcessor,
+        LogitsProcessorList,
+    )
+
+    _, trial = finished(tmp_path, {"name": "full"})
+    export_trial(trial, tmp_path / "out")
+    eos = end_of_document_id(tmp_path / "out")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert tok.eos_token_id == eos == 1
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == eos
+    assert model.config.bos_token_id == tok.bos_token_id
+    assert model.generation_config.pad_token_id == tok.pad_token_id == 0
+    assert model.config.use_cache is True and model.generation_config.use_cache is True
+    prompt = tok("The weather", return_tensors="pt").input_ids
+    word = tok.convert_tokens_to_ids(tok.tokenize(" day"))[0]
+
+    class Script(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            made = input_ids.shape[1] - prompt.shape[1]
+            forced = torch.full_like(scores, -1e9)
+            forced[:, eos if made == 3 else word] = 0.0
+            return forced
+
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=12, do_sample=False,
+                             logits_processor=LogitsProcessorList([Script()]))
+    assert out[0, prompt.shape[1]:].tolist() == [word, word, word, eos]
+
+
+def test_an_earlier_versions_final_model_exports_with_the_tokenizers_ids(tmp_path):
+    """A final model written before its configs took the tokenizer's ids (LLaMA's defaults:
+    EOS 2, the KV cache off), with its record: its export gets EOS 1 and the cache on, and
+    keeps every other key."""
+    import hashlib
+
+    _, trial = finished(tmp_path, {"name": "full"})
+    record = json.loads((trial / "model.json").read_text())
+    for name in ("config.json", "generation_config.json"):
+        path = trial / "model" / name
+        text = path.read_text().replace('"eos_token_id": 1', '"eos_token_id": 2')
+        path.write_text(text.replace('"use_cache": true', '"use_cache": false'))
+        record["files"][name] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                                 "bytes": path.stat().st_size}
+    (trial / "model.json").write_text(json.dumps(record))
+    export_trial(trial, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert (config["eos_token_id"], generation["eos_token_id"]) == (1, 1)
+    assert config["use_cache"] is True and generation["use_cache"] is True
+    assert generation["pad_token_id"] == config["pad_token_id"] == 0
+    assert config["hidden_size"] == 64 and config["vocab_size"] == 8192
+
+
+def test_a_final_model_and_its_export_have_the_modes_of_every_other_file(tmp_path):
+    """Under umask 022 every file of the trial's model folder and of its export is 0644
+    (model.safetensors came out 0600 from its temporary file)."""
+    old = os.umask(0o022)
+    try:
+        _, trial = finished(tmp_path, {"name": "full"})
+        export_trial(trial, tmp_path / "out")
+    finally:
+        os.umask(old)
+    modes = {f"{p.parent.name}/{p.name}": oct(p.stat().st_mode & 0o777)
+             for folder in (trial / "model", tmp_path / "out") for p in folder.iterdir()}
+    assert set(modes.values()) == {"0o644"}, modes
+
+
+def test_export_help_names_a_trial_folder_the_quickstart_writes(capsys):
+    from harness.cli import main
+    from harness.sweep.expand import expand, load_sweep
+
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    named = re.search(r"runs/quickstart/trials/([\w-]+)", capsys.readouterr().out)
+    assert named, "no example trial folder"
+    assert named.group(1) in {t.id for t in expand(load_sweep("sweeps/quickstart.yaml", {}))}
