@@ -32,14 +32,18 @@ from harness.errors import UserError, render
 def cmd_train(args: argparse.Namespace) -> int:
     from harness.config import parse_overrides, read_yaml
     from harness.cost.profile import SKIPPED
+    from harness.distributed import pick_device
     from harness.distributed.allocation import follow_allocation
     from harness.methods.resolve import load_run
     from harness.train import train
     from harness.trials import Status
+    from harness.trials.writable import check_writable
 
     follow_allocation()
     run = load_run(read_yaml(args.config), parse_overrides(args.set))
     out = Path(args.out) if args.out else Path("runs") / run.name
+    pick_device(run.device)  # before the run folder: a trial that cannot start is not written
+    check_writable(out)
     steps = run.train.steps
     if args.profile and steps and args.profile + SKIPPED > steps:
         raise UserError(f"--profile {args.profile}: the run has {steps} steps and the profile "

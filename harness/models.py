@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from harness.config import Common, ModelFrom
+from harness.config.hub import in_cache, offline
 from harness.errors import UserError, brief, suggest
 
 if TYPE_CHECKING:
@@ -152,15 +153,20 @@ def _local_weights(path: Path) -> str | None:
 
 def _hub_config(name: str) -> Any:
     """A hub model's config (its weights are loaded at build); offline, one line saying so."""
+    local = "a local model is a folder holding config.json or a config.json file"
+    reason = offline()  # before transformers is imported: offline, a name not cached fails now
+    if reason and not in_cache(name, ("config.json",)):
+        preset = suggest(name, list(PRESETS), "model preset", "model")
+        raise UserError(f"{preset}; '{name}' is not in the local Hugging Face cache and the hub "
+                        f"cannot be reached ({reason}); {local}")
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(name, local_files_only=reason is not None)
     except Exception as e:  # hub, network and file errors all mean "not loadable here"
         preset = suggest(name, list(PRESETS), "model preset", "model")
         raise UserError(f"{preset}, nor a model transformers can load from the hub "
-                        f"({brief(e)}); a local model is a folder holding config.json or a "
-                        "config.json file") from None
+                        f"({brief(e)}); {local}") from None
 
 
 def _meta_shapes(name: str, config: Any) -> dict[str, torch.Size]:
@@ -268,7 +274,8 @@ def _build_hf(hf: HFModel, name: str, vocab_size: int, seq_len: int,
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                 attn_implementation=attention)
     return AutoModelForCausalLM.from_pretrained(hf.weights, config=config, dtype=torch.float32,
-                                                attn_implementation=attention)
+                                                attn_implementation=attention,
+                                                local_files_only=offline() is not None)
 
 
 def generation_ids(tok: Any) -> dict[str, Any]:

@@ -234,7 +234,8 @@ def test_a_bad_model_is_one_line_naming_it_and_what_is_allowed(tmp_path):
         str(tmp_path / "nope"): f"model: no such file or folder '{tmp_path / 'nope'}'; {allowed}",
         str(tmp_path): f"model: the folder '{tmp_path}' holds no config.json; {allowed}",
         "some-org/some-model": "model: unknown model preset 'some-org/some-model' (allowed: "
-        f"{', '.join(PRESETS)}), nor a model transformers can load from the hub (",  # offline
+        f"{', '.join(PRESETS)}); 'some-org/some-model' is not in the local Hugging Face cache "
+        "and the hub cannot be reached (offline: ",  # offline here
     }
     GPT2Config(n_embd=64, n_layer=2, n_head=4).save_pretrained(tmp_path / "gpt2")
     cases[str(tmp_path / "gpt2")] = f"model: '{tmp_path / 'gpt2'}' is a gpt2 without LLaMA's layout"

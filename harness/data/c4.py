@@ -18,28 +18,37 @@ from typing import Any
 import numpy as np
 
 from harness.config import TaskConfig
+from harness.config.hub import cache_only, offline
 from harness.errors import UserError, brief
 
 SAMPLE = Path(__file__).parent / "sample"
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "config.json")  # any one: cached
+LOCAL_TOKENIZER = "set task.tokenizer to a folder holding tokenizer.json, or 'sample'"
+LOCAL_C4 = ("for local C4 set task.dataset to the folder of c4-train.*.json.gz shards, or use "
+            "'sample' (the embedded corpus)")
 READ_CHUNK = 64  # documents read from the source per call
 
 
 def load_tokenizer(name: str) -> Any:
-    from transformers import AutoTokenizer
-
     source = str(SAMPLE / "tokenizer") if name == "sample" else name
-    if _looks_like_path(name) and not Path(name).expanduser().is_dir():
+    folder = Path(source).expanduser().is_dir()
+    if _looks_like_path(name) and not folder:
         raise UserError(
             f"task.tokenizer: no folder '{name}' (expected a folder with tokenizer.json, "
             "a hub name such as t5-base, or 'sample')"
         )
+    # before transformers is imported: offline, a name not cached fails at once
+    cached_only = not folder and cache_only("task.tokenizer", name, TOKENIZER_FILES,
+                                            f"{LOCAL_TOKENIZER} (the embedded tokenizer)")
+    from transformers import AutoTokenizer
+
     try:
-        tok = AutoTokenizer.from_pretrained(source)
+        tok = AutoTokenizer.from_pretrained(source, local_files_only=cached_only)
     except Exception as e:  # hub, network and file errors all mean "not loadable here"
         reason = brief(e)
         raise UserError(
             f"task.tokenizer: cannot load '{name}' from a local folder or the Hugging Face hub "
-            f"({reason}); set task.tokenizer to a folder holding tokenizer.json, or 'sample'"
+            f"({reason}); {LOCAL_TOKENIZER}"
         ) from None
     if tok.eos_token_id is None:
         raise UserError(
@@ -77,6 +86,10 @@ def open_documents(task: TaskConfig, split: str) -> Any:
     from datasets import load_dataset
 
     if task.dataset == "c4":
+        reason = offline()
+        if reason:  # a stream is read from the hub as it goes: a cache cannot stand in
+            raise UserError(f"task.dataset: 'c4' streams allenai/c4 from the Hugging Face hub, "
+                            f"which cannot be reached ({reason}); {LOCAL_C4}")
         args: dict[str, Any] = {"path": "allenai/c4", "name": "en", "split": split}
     else:
         if task.dataset == "sample":
@@ -89,8 +102,7 @@ def open_documents(task: TaskConfig, split: str) -> Any:
     except Exception as e:  # unreachable hub, bad files: the user must point at local data
         reason = brief(e)
         raise UserError(
-            f"task.dataset: cannot open '{task.dataset}' {split} split ({reason}); for local C4 "
-            "set task.dataset to the folder of c4-train.*.json.gz shards, or use 'sample'"
+            f"task.dataset: cannot open '{task.dataset}' {split} split ({reason}); {LOCAL_C4}"
         ) from None
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.config.hub import not_cached, offline
 from harness.data.c4 import SAMPLE
 from harness.errors import UserError, brief
 
@@ -84,6 +85,7 @@ def load_split(task: GlueTask, source: str, split: str) -> Any:
 
         return Dataset.from_list(sample_examples(split))
     if source == "hub":
+        _check_reachable(task)
         try:
             data = load_dataset(HUB, task.name, split=split)
         except Exception as e:  # no network, unknown split: the user must point at local files
@@ -99,6 +101,19 @@ def load_split(task: GlueTask, source: str, split: str) -> Any:
         raise UserError(f"task.dataset: {task.name} {split} has no column {', '.join(missing)} "
                         f"(GLUE schema for {task.name}: {', '.join(task.columns)}, label)")
     return data.select_columns([*task.columns, "label"])
+
+
+def _check_reachable(task: GlueTask) -> None:
+    """Offline, a task `datasets` has not cached (its arrow files) is one line at once, not
+    tens of seconds of retries; a cached one loads from there."""
+    from datasets import config
+
+    reason = offline()
+    cached = Path(config.HF_DATASETS_CACHE) / HUB.replace("/", "___") / task.name
+    if reason and not cached.is_dir():
+        raise not_cached("task.dataset", f"{HUB}/{task.name}", reason,
+                         "set task.dataset to a folder of GLUE-schema files, or glue_task: "
+                         "sample (the embedded task)")
 
 
 def _split_file(folder: Path, split: str) -> Path:

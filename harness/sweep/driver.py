@@ -33,9 +33,9 @@ def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False,
     """Run every unfinished trial; 0 if all are ok, 1 if any failed (all are still recorded),
     UNFINISHED if some trial is still unfinished (`unfinished` names them). `show` is called
     on the runs directory at the end (the sweep room sits below analysis)."""
+    preflight(sweep, out)
     pretrain_first(sweep, show)
     if sweep.task.kind == "pretrain":
-        preflight(sweep)
         check_disk(sweep, out, retry_failed)
     out.mkdir(parents=True, exist_ok=True)
     RunsDir(out).write_sweep(sweep.model_dump())

@@ -24,10 +24,12 @@ from harness.config import (
 from harness.config.space import check_space
 from harness.config.steps import Steps
 from harness.cost.estimate import estimate_run
+from harness.distributed import pick_device
 from harness.errors import UserError, suggest
 from harness.methods.base import changed_params
 from harness.methods.resolve import load_run, resolve_method
 from harness.models import check_model, fit_vocab
+from harness.trials.writable import check_writable
 
 
 @dataclass
@@ -151,11 +153,17 @@ def plan_table(trials: list[Trial], more: dict[str, list[str]] | None = None) ->
     return tabulate(rows, headers=headers, disable_numparse=True)
 
 
-def preflight(sweep: SweepConfig) -> None:
-    """Fail once, before any trial starts, when the tokenizer or data cannot be reached, or
-    the tokenizer does not fit a Hugging Face config's vocabulary."""
+def preflight(sweep: SweepConfig, out: Path) -> None:
+    """Fail once, before any trial starts, when trials that run on this machine ask for CUDA
+    and it has none, `out` cannot be written, or (pretraining) the tokenizer or data cannot
+    be reached, or the tokenizer does not fit a Hugging Face config's vocabulary."""
     from harness.data.c4 import load_tokenizer, open_documents
 
+    if sweep.launcher.kind != "slurm":  # Slurm's trials run on its nodes, not this one
+        pick_device(sweep.device)
+    check_writable(out)
+    if sweep.task.kind != "pretrain":
+        return
     fit_vocab(str(sweep.model), len(load_tokenizer(sweep.task.tokenizer)))
     for split in ("train", "validation"):
         open_documents(sweep.task, split)

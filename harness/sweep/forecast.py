@@ -25,6 +25,7 @@ from harness.sweep.expand import Trial, expand
 from harness.sweep.source import runs_again
 from harness.sweep.trial_state import trial_statuses
 from harness.trials import RunsDir, Status
+from harness.trials.writable import check_writable
 
 DISK_FIELDS = ("checkpoints_bytes", "final_model_bytes", "disk_peak_bytes", "disk_kept_bytes")
 
@@ -112,7 +113,9 @@ def trials_left(sweep: SweepConfig, out: Path, retry_failed: bool) -> list[Trial
 def check_disk(sweep: SweepConfig, out: Path, retry_failed: bool) -> None:
     """Refuse, before the first trial starts, a sweep whose trials left cannot fit the runs
     folder's file system: what each keeps once ended, plus what the trials running at once
-    hold beyond that (harness/cost/disk.py)."""
+    hold beyond that (harness/cost/disk.py). A folder it cannot write is refused for that
+    (its free bytes are not the cause)."""
+    check_writable(out)
     left = trials_left(sweep, out, retry_failed)
     if not left:
         return

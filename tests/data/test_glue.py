@@ -66,7 +66,8 @@ def test_local_file_errors_name_what_is_missing(tmp_path):
 
 
 def test_hub_unreachable_is_one_clear_line():
-    with pytest.raises(UserError, match="cannot load nyu-mll/glue/cola validation"):
+    with pytest.raises(UserError, match=r"task.dataset: 'nyu-mll/glue/cola' is not in the local "
+                       r"Hugging Face cache and the hub cannot be reached \(offline: "):
         load_split(get_task("cola"), "hub", "validation")
 
 
