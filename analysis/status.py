@@ -1,5 +1,6 @@
-"""The trials table `harness status` prints, and a finished sweep: it needs no figure, so a
-sweep or status process loads neither matplotlib nor scipy for it (~2 CPU-s, 2 cores)."""
+"""The trials table `harness status` prints: it needs no figure, so a status process (and a
+sweep, which counts its trials' statuses at its end) loads neither matplotlib nor scipy for
+it (~2 CPU-s, 2 cores)."""
 
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ print(sorted(m for m in sys.modules if m.split(".")[0] == "transformers"))
 
 
 def test_the_tables_status_and_estimate_print_leave_matplotlib_and_scipy_unloaded(finished_run):
-    """The trials table a sweep ends with and `harness status` prints (analysis/status.py), and
+    """The trials table `harness status` prints (analysis/status.py), and
     `harness estimate` beside GaLore's Table 2 (its CSV in harness.analysis): the package loads
     the report's figures only when they are asked for, ~2 CPU-s a process on the 2-core VM."""
     code = f"""
