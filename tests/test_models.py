@@ -16,6 +16,7 @@ from harness.models import (
     check_model,
     check_preset,
     describe,
+    generation_ready,
     llama_config,
     param_shapes,
 )
@@ -116,3 +117,26 @@ def test_check_model_pretraining_needs_a_decoder_and_glue_takes_a_checkpoint():
         check_model(RunConfig(model=source))
     check_model(RunConfig(model=source, task=TaskConfig(kind="glue")))  # resolved later
     check_model(RunConfig(model="roberta-base", task=TaskConfig(kind="glue")))
+
+
+def test_a_tokenizer_without_bos_or_pad_generates_with_eos_padding():
+    """t5-base's layout: no BOS, pad 0, EOS 1; and one with no pad at all (GPT-2's): the
+    generation config pads with EOS, as training's packer does; the model's own pad id (its
+    embedding's padding row, set at build) is left as built. A classifier is left alone."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaForSequenceClassification
+
+    t5 = SimpleNamespace(bos_token_id=None, eos_token_id=1, pad_token_id=0)
+    gpt2 = SimpleNamespace(bos_token_id=50256, eos_token_id=50256, pad_token_id=None)
+    for tok, pad in ((t5, 0), (gpt2, 50256)):
+        model = build_model("llama_micro", 60_000, 16, tok.pad_token_id)
+        generation_ready(model, tok)
+        g, c = model.generation_config, model.config
+        assert (g.bos_token_id, g.eos_token_id, g.pad_token_id, g.use_cache) == (
+            tok.bos_token_id, tok.eos_token_id, pad, True)
+        assert (c.bos_token_id, c.eos_token_id, c.pad_token_id, c.use_cache) == (
+            tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, True)
+    classifier = LlamaForSequenceClassification(llama_config("llama_micro", 100, 16, 0))
+    generation_ready(classifier, t5)
+    assert classifier.config.eos_token_id == 2 and classifier.config.use_cache is False
