@@ -94,7 +94,10 @@ def test_the_comparison_prints_every_row_and_flags_what_is_more_than_10_percent_
                for ours in (parts_bytes(records[label]), records[label]["peak_bytes"])]
         assert lines[label].count("!") == sum(off), lines[label]
     assert "!" not in lines["full"]  # -4.2% summed, -7.0% as a peak
-    assert "activations" in est.format_table(list(records.values()))
+    assert max(map(len, text.splitlines())) <= 120  # a terminal's width, as the estimate's table
+    assert f"  Q-GaLore: {PAPER_7B['Q-GaLore'][1]}" in text.splitlines()  # each source below
+    points = {t.id: (t.run.train.lr, t.point) for t in expand(load_sweep(SWEEP, {}))}
+    assert "activations" in est.format_table(list(records.values()), points)
 
 
 def test_the_comparison_is_left_out_off_the_papers_setting():
