@@ -235,6 +235,7 @@ def open_studies(sweep: SweepConfig, out: Path, retry_failed: bool) -> BaseStora
     left running by a dead sweep recovered (a database's heartbeats find them), failed ones
     queued again with `retry_failed`, the sweep's enqueued points added once."""
     storage = open_storage(storage_target(sweep, out), sweep.search.heartbeat_s)
+    name_unreadable(out)
     points = enqueued(sweep, {label: method_space(sweep, label) for label in sweep.methods})
     for label in sweep.methods:
         study = open_study(sweep, label, storage)
@@ -247,6 +248,19 @@ def open_studies(sweep: SweepConfig, out: Path, retry_failed: bool) -> BaseStora
         done = sum(t.state in DONE for t in counted(study.get_trials(deepcopy=False)))
         print(f"{study.study_name}: {done} of {sweep.search.n_trials} trials finished", flush=True)
     return storage
+
+
+def name_unreadable(out: Path) -> None:
+    """Each trial folder whose summary.json cannot be read, named on stderr: its study still
+    holds the trial's state and value (a finished one is not asked again), but status and the
+    report cannot use the trial until the file is fixed."""
+    for trial in RunsDir(out).trial_dirs():
+        summary = trial.read_summary()
+        if summary is not None and summary.status == Status.UNREADABLE:
+            print(f"unreadable: {trial.name} ({summary.error}): its study keeps the trial's "
+                  "state and value; status and the report show it unreadable until the file "
+                  "is fixed",
+                  file=sys.stderr, flush=True)
 
 
 def recover_studies(sweep: SweepConfig, out: Path, storage: BaseStorage) -> None:

@@ -12,6 +12,7 @@ from harness.config import SweepConfig
 from harness.sweep import trial_state as status_module
 from harness.sweep.expand import expand, load_sweep
 from harness.sweep.source import GridSource
+from harness.sweep.study_source import open_studies
 from harness.sweep.trial_state import slurm_states, trial_statuses
 from harness.trials import RunsDir, TrialDir
 
@@ -167,3 +168,19 @@ def test_a_sweep_names_an_unreadable_trial_and_reruns_it_only_when_asked(tmp_pat
     assert capsys.readouterr().err == (
         f"unreadable: {damaged.id} ({trial.summary}: {WHY}): running it again (--retry-failed), "
         "from its newest checkpoint if it has one; the file goes to summary.json.corrupt\n")
+
+
+def test_a_search_sweep_names_an_unreadable_trial_as_it_opens_its_studies(tmp_path, capsys):
+    """A search's trials come from its studies, not a grid: the sweep still names each trial
+    folder whose summary cannot be read, and writes nothing over it."""
+    path = tmp_path / "search.yaml"
+    path.write_text("name: s\nmodel: llama_micro\ntask: {dataset: sample, tokenizer: sample}\n"
+                    "methods: {full: {}}\nsearch: {sampler: tpe, n_trials: 2}\n")
+    out = tmp_path / "runs"
+    trial = RunsDir(out).trial("full-x")
+    trial.summary.parent.mkdir(parents=True)
+    trial.summary.write_text(DAMAGED)
+    open_studies(load_sweep(path, {}), out, retry_failed=False)
+    err = capsys.readouterr().err
+    assert f"unreadable: full-x ({trial.summary}: {WHY}): its study keeps" in err
+    assert trial.summary.read_text() == DAMAGED
