@@ -12,6 +12,7 @@ from torch import nn
 
 from harness import distributed
 from harness.config import ModelFrom, RunConfig, read_yaml
+from harness.config.hub import cache_only
 from harness.data.c4 import load_tokenizer
 from harness.errors import UserError, brief
 from harness.methods.resolve import load_run
@@ -44,13 +45,17 @@ def llama_classifier(preset: str, tok: Any, num_labels: int, seq_len: int) -> nn
 
 
 def pretrained(name: str, num_labels: int, dropout: float | None) -> tuple[nn.Module, Any]:
+    # before transformers is imported: offline, a hub name not cached fails at once
+    cached_only = not Path(name).expanduser().is_dir() and cache_only(
+        "model", name, ("config.json",), "give a local model folder, a preset, or "
+        "{from: runs/<sweep>}")
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     extra = {} if dropout is None else {"classifier_dropout": dropout}
     try:
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = AutoTokenizer.from_pretrained(name, local_files_only=cached_only)
         model = AutoModelForSequenceClassification.from_pretrained(
-            name, num_labels=num_labels, **extra)
+            name, num_labels=num_labels, local_files_only=cached_only, **extra)
     except (OSError, ValueError) as e:
         reason = brief(e)
         raise UserError(f"model: cannot load '{name}' ({reason}); give a preset, a local "
@@ -68,6 +73,9 @@ def resolve_trial(path: str) -> Path:
         raise UserError(f"model.from: {folder} is neither a trial folder (config.yaml) nor a "
                         "runs directory (trials/); pretrain it first")
     summaries = [s for t in runs.trial_dirs() if (s := t.read_summary()) is not None]
+    for s in summaries:  # it may have been the best: say so rather than pass over it unseen
+        if s.status == Status.UNREADABLE:
+            distributed.say(f"model.from: {s.trial} left out: {s.error}")
     done = [s for s in summaries if s.status == Status.OK
             and not math.isnan(s.eval_ppl or math.nan)]
     if not done:

@@ -19,6 +19,7 @@ from harness.data.c4 import SAMPLE, load_tokenizer, open_documents
 from harness.data.glue import get_task, load_split
 from harness.errors import UserError
 from harness.models import architecture
+from harness.train.classifier import pretrained
 
 CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens there
 QUICK_S = 5.0  # the retries it replaces took 27-52 s; loading from the cache takes ~0.1 s
@@ -123,3 +124,12 @@ def test_a_local_folder_never_asks_the_hub(unreachable, tmp_path):
     shutil.copytree(SAMPLE / "tokenizer", tmp_path / "tok")
     assert load_tokenizer(str(tmp_path / "tok")).eos_token_id == 1
     assert hub_module.offline.cache_info().misses == 0
+
+
+def test_a_glue_encoder_not_in_the_cache_fails_at_once(unreachable):
+    """A fine-tuning run's hub encoder (`model: someone/encoder`) goes the same way."""
+    message = quick(lambda: pretrained("someone/absent-encoder", 2, None))
+    assert message.startswith("model: 'someone/absent-encoder' is not in the local Hugging Face "
+                              f"cache and the hub cannot be reached (offline: no connection to "
+                              f"{CLOSED}")
+    assert message.endswith("give a local model folder, a preset, or {from: runs/<sweep>}")

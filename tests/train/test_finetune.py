@@ -15,6 +15,7 @@ from harness.errors import UserError
 from harness.methods.resolve import load_run
 from harness.train import train
 from harness.train.classifier import from_trial, resolve_trial
+from harness.trials import RunsDir
 
 
 def glue_run(**train_keys) -> dict:
@@ -88,6 +89,21 @@ def test_sweep_dir_resolves_to_its_best_trial(tmp_path):
     assert best.name == "full-0.003"
     with pytest.raises(UserError, match="neither a trial folder"):
         resolve_trial(str(tmp_path / "nowhere"))
+
+
+def test_a_sweeps_unreadable_trial_is_named_not_passed_over(tmp_path, capsys):
+    """model.from picks the best trial by its summary: one that cannot be read may have been
+    the best, so the pick says it left it out (summaries written by hand: nothing trains)."""
+    runs = RunsDir(tmp_path / "runs")
+    runs.trial("full-a").write_summary({"trial": "full-a", "status": "ok", "method": "full",
+                                        "eval_ppl": 30.0})
+    damaged = runs.trial("full-b")
+    damaged.summary.parent.mkdir()
+    damaged.summary.write_text('{"trial": "full-b", "status": "ok", "eval_ppl": 2')
+    assert resolve_trial(str(tmp_path / "runs")).name == "full-a"
+    out = capsys.readouterr().out
+    assert f"model.from: full-b left out: {damaged.summary}: not JSON" in out
+    assert "best trial is full-a" in out
 
 
 def bert_folder(folder: Path) -> dict[str, torch.Tensor]:
