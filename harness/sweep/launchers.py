@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from concurrent.futures import wait as wait_futures
+from contextlib import nullcontext, suppress
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from tqdm import tqdm
 
@@ -23,10 +25,13 @@ from harness.distributed.allocation import allocated_cpus
 from harness.errors import last_line
 from harness.sweep.process import record_end, trial_env
 from harness.sweep.source import Source
-from harness.sweep.starter import ForkedTrial, start_trial
+from harness.sweep.starter import ForkedTrial, start_server, start_trial
+from harness.sweep.stop import deferred, raise_if_stopped
 from harness.sweep.trial_state import slurm_states
 from harness.sweep.worker import TrialJob, Worker
 from harness.trials import RunsDir, Status, TrialDir
+
+POLL_S = 0.5  # how often a sweep's main thread looks for a stop signal while trials run
 
 
 def launch(
@@ -36,14 +41,23 @@ def launch(
     grid's trial count, draws a progress bar of trials."""
     if not sources:
         return
-    if launcher.kind == "local":
-        LocalLauncher(launcher.jobs).work(sources, total)
-    else:
-        run_jobs(sources, launcher, out)
+    with deferred():  # a stop signal is acted on where the launcher polls for it
+        if launcher.kind == "local":
+            LocalLauncher(launcher.jobs).work(sources, total)
+        else:
+            run_jobs(sources, launcher, out)
+
+
+def say(text: str, file: IO[str] | None = None) -> None:
+    """One line of the sweep's output, above its progress bar (stdout by default); a reader
+    that is gone (a pipe closed, a terminal hung up) costs the line, never the sweep."""
+    with suppress(OSError):
+        tqdm.write(text, file=file)
 
 
 class LocalLauncher:
-    """Runs trials as child processes; Ctrl-C lets each one checkpoint before the sweep exits."""
+    """Runs trials as child processes; Ctrl-C (or any stop signal, harness/sweep/stop.py)
+    lets each one checkpoint before the sweep exits."""
 
     def __init__(self, jobs: int) -> None:
         self.jobs = jobs
@@ -65,7 +79,7 @@ class LocalLauncher:
             self.procs.add(proc)
         with stderr:
             for line in proc.stdout:
-                (self.bar or tqdm).write(f"[{trial_id}] {line.rstrip()}")
+                say(f"[{trial_id}] {line.rstrip()}")
             code = proc.wait()
         with self.lock:
             self.procs.discard(proc)
@@ -78,6 +92,7 @@ class LocalLauncher:
     def work(self, sources: list[Source], total: int | None = None) -> None:
         """A Worker loop per source, each running its trials here."""
         bar = tqdm(total=total, desc="trials", unit="trial", dynamic_ncols=True) if total else None
+        start_server()
         with bar or nullcontext():
             self.bar = bar
             self.pool([Worker(source, self.run_one).run for source in sources])
@@ -87,6 +102,10 @@ class LocalLauncher:
         with ThreadPoolExecutor(max_workers=self.jobs) as pool:
             futures = [pool.submit(task) for task in tasks]
             try:
+                pending = set(futures)
+                while pending:
+                    pending = wait_futures(pending, timeout=POLL_S)[1]
+                    raise_if_stopped()
                 return [f.result() for f in futures]
             except KeyboardInterrupt:
                 self.interrupt()
@@ -97,6 +116,8 @@ class LocalLauncher:
         with self.lock:
             self.stopping = True
             procs = list(self.procs)
+        if procs:
+            say(f"stopping: {len(procs)} running trials save a checkpoint", sys.stderr)
         for proc in procs:
             proc.send_signal(signal.SIGINT)
         for proc in procs:
@@ -164,6 +185,7 @@ def wait(jobs: list[Any], on_done: Callable[[int, Any], None], slurm: bool = Fal
                     on_done(i, jobs[i])
                     bar.update(1)
                 time.sleep(1)
+                raise_if_stopped()
         except KeyboardInterrupt:
             ids = sorted({str(jobs[i].job_id).split("_")[0] for i in pending})
             bar.write(

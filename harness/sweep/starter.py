@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import gc
 import importlib
 import io
@@ -22,7 +23,8 @@ import os
 import signal
 import subprocess
 import sys
-from multiprocessing import reduction
+import threading
+from multiprocessing import forkserver, reduction
 from pathlib import Path
 from typing import IO
 
@@ -36,6 +38,17 @@ from harness.sweep.process import trial_args
 # hangs in its own first one (seen with a matmul).
 PRELOAD = ["harness.cli", "harness.train.run", "harness.methods.resolve", "harness.data.c4",
            "transformers.models.llama.modeling_llama", "datasets", "harness.train.warm"]
+
+# The signals that ask a sweep to stop. The sweep decides for its trials: its fork server
+# ignores them (a terminal's or `timeout`'s signal to the whole process group would end it,
+# and every trial would then read as ended; it ignores SIGINT itself, and gives its children
+# the handler it started with, which must be Python's, so that a Ctrl-C to a trial that is
+# starting is never lost), and a trial ignores SIGHUP, its terminal being its sweep, which
+# stops it with a checkpoint.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
+SERVER_SIGNALS = {signal.SIGINT: signal.SIG_DFL, signal.SIGTERM: signal.SIG_IGN,
+                  signal.SIGHUP: signal.SIG_IGN, signal.SIGUSR2: signal.SIG_IGN}
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
 
 
 class _Fd:
@@ -53,10 +66,42 @@ def _rebuild_fd(dup: reduction.DupFd) -> _Fd:
     return _Fd(dup.detach())
 
 
+class _Output(io.FileIO):
+    """A trial's output: once its reader (the sweep) is gone, what the trial prints goes
+    nowhere rather than failing it with BrokenPipeError in the middle of a step."""
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        try:
+            return super().write(data)
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.fileno())
+            os.close(devnull)
+            return len(data)
+
+
 def _text_stream(fd: int) -> IO[str]:
     """An unbuffered text stream on `fd`, as PYTHONUNBUFFERED gives a fresh interpreter."""
-    return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), line_buffering=True,
+    return io.TextIOWrapper(_Output(fd, "w", closefd=False), line_buffering=True,
                             write_through=True)
+
+
+def _trial_signals() -> None:
+    """The stop signals as a fresh interpreter has them (the fork server ignores some), but
+    SIGHUP ignored; and SIGINT, as Ctrl-C, when the fork server ends: it leaves with its sweep
+    (even one killed with SIGKILL), and the trial then stops with a checkpoint."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGINT)
+    # The fork server hands each child the pipe that keeps it alive, for children of the
+    # child's own; a trial has none, and holding it would keep the server past its sweep.
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
 
 
 def _run_trial(argv: list[str], env: dict[str, str], out: _Fd, err: _Fd, module: str) -> None:
@@ -65,6 +110,7 @@ def _run_trial(argv: list[str], env: dict[str, str], out: _Fd, err: _Fd, module:
     # a full collection (the end of every trial has one) walks only the trial's own objects,
     # not the server's 436,000 (0.22 CPU-s each), and pages shared with the server stay so.
     gc.freeze()
+    _trial_signals()
     os.dup2(out.fd, 1)
     os.dup2(err.fd, 2)
     os.close(out.fd)
@@ -124,6 +170,21 @@ def _context() -> multiprocessing.context.ForkServerContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     return context
+
+
+def start_server() -> None:
+    """Start the fork server now with SERVER_SIGNALS (it keeps them, and a trial sets its
+    own); from the main thread only, where signal dispositions can be set. Elsewhere, or when
+    it runs already, the first trial starts it as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    _context()
+    saved = {sig: signal.signal(sig, how) for sig, how in SERVER_SIGNALS.items()}
+    try:
+        forkserver.ensure_running()
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def start_trial(trial_dir: Path, env: dict[str, str], stderr: IO[str]) -> ForkedTrial:
