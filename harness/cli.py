@@ -62,8 +62,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     import shlex
 
     from harness.config import parse_overrides
-    from harness.sweep.driver import UNFINISHED, run_sweep, unfinished
+    from harness.sweep.driver import UNFINISHED, failed, run_sweep, unfinished
     from harness.sweep.expand import expand, load_sweep, plan_table
+    from harness.sweep.stop import signal_name, stop_on_signals
+    from harness.trials import Status
 
     sweep = load_sweep(args.sweep, parse_overrides(args.set))
     if args.dry_run and sweep.search.sampler != "grid":
@@ -84,25 +86,30 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"{plan_table(trials, forecast_columns(records))}\n"
               f"{forecast_totals(records, tokens, sweep.launcher.at_once)}")
         return EXIT_OK
+    resume = shlex.join(["harness", "sweep", args.sweep, "--out", str(out),
+                         *[a for s in args.set for a in ("--set", s)],
+                         *(["--jobs", str(args.jobs)] if args.jobs else [])])
     try:
         if args.jobs:
             sweep.launcher.jobs = args.jobs
-        code = run_sweep(sweep, out, args.retry_failed, show=_show_outcome)
+        with stop_on_signals():  # SIGTERM, SIGHUP and SIGUSR2 stop it as Ctrl-C does
+            code = run_sweep(sweep, out, args.retry_failed, show=_show_outcome)
         if code == UNFINISHED:  # never a success while a trial has not ended: name each one
-            resume = shlex.join(["harness", "sweep", args.sweep, "--out", str(out),
-                                 *[a for s in args.set for a in ("--set", s)],
-                                 *(["--jobs", str(args.jobs)] if args.jobs else [])])
             for trial, status in unfinished(sweep, out):
                 summary = trial.read_summary()
                 at = f" at step {summary.get('step')}" if summary and summary.get("step") else ""
                 print(f"unfinished: {trial.name} ({status}{at}); resume: {resume}",
                       file=sys.stderr)
+        if code == EXIT_FAILED:
+            print(f"{len(failed(sweep, out))} trials failed; run them again: {resume} "
+                  "--retry-failed", file=sys.stderr)
         return code
-    except KeyboardInterrupt:
-        print(
-            "\ninterrupted: running trials saved checkpoints; run the same command to resume",
-            file=sys.stderr,
-        )
+    except KeyboardInterrupt as stop:
+        saved = [f"{t.name} at step {(t.read_summary() or {}).get('step', 0)}"
+                 for t, status in unfinished(sweep, out) if status == Status.INTERRUPTED]
+        stopped = (f": {len(saved)} trials stopped with a checkpoint ({', '.join(saved)})"
+                   if saved else "")
+        print(f"\ninterrupted by {signal_name(stop)}{stopped}; resume: {resume}", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

@@ -45,6 +45,7 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_harness_export_copies_a_finished_trials_model",  # `harness export` in a child
     "test_harness_export_of_a_folder_that_is_no_trial_is_one_line",
     "test_a_sweep_its_disk_cannot_hold_is_refused_before_its_first_trial",  # a tmpfs, a sweep
+    "test_a_second_sweep_on_one_folder_exits_2_and_the_first_finishes_alone",  # two sweeps
     "test_a_full_disk_while_the_model_is_written_keeps_the_checkpoint",  # a tmpfs
     "test_a_run_folder_on_a_disk_this_process_cannot_write_names_that_cause",  # a tmpfs
     "test_the_disk_check_names_an_unwritable_folder_not_its_free_bytes",  # a tmpfs

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 from harness.config import ModelFrom, SweepConfig
@@ -14,6 +15,7 @@ from harness.errors import UserError
 from harness.sweep.expand import expand, load_sweep, preflight
 from harness.sweep.forecast import check_disk
 from harness.sweep.launchers import launch
+from harness.sweep.lock import hold
 from harness.sweep.source import GridSource
 from harness.sweep.study_source import (
     StudySource,
@@ -34,29 +36,46 @@ def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False,
     UNFINISHED if some trial is still unfinished (`unfinished` names them). `show` is called
     on the runs directory at the end (the sweep room sits below analysis)."""
     preflight(sweep, out)
-    pretrain_first(sweep, show)
     if sweep.task.kind == "pretrain":
         check_disk(sweep, out, retry_failed)
     out.mkdir(parents=True, exist_ok=True)
-    RunsDir(out).write_sweep(sweep.model_dump())
-    if sweep.search.sampler == "grid":
-        failed = run_grid(sweep, out, retry_failed)
-    else:
-        failed = run_search(sweep, out, retry_failed)
+    with nullcontext() if shares_study(sweep) else hold(out):
+        pretrain_first(sweep, show)
+        RunsDir(out).write_sweep(sweep.model_dump())
+        if sweep.search.sampler == "grid":
+            any_failed = run_grid(sweep, out, retry_failed)
+        else:
+            any_failed = run_search(sweep, out, retry_failed)
     if show is not None:
         show(out)
     if unfinished(sweep, out):
         return UNFINISHED
-    return 1 if failed else 0
+    return 1 if any_failed else 0
+
+
+def shares_study(sweep: SweepConfig) -> bool:
+    """A search whose study is in a database: the documented way for several sweep processes
+    to work one runs folder (the study hands each trial to one of them), so it takes no lock."""
+    return sweep.search.sampler != "grid" and "://" in (sweep.storage or "")
 
 
 def unfinished(sweep: SweepConfig, out: Path) -> list[tuple[TrialDir, str]]:
     """The sweep's trials without an end, each with its status (interrupted, queued, ...)."""
-    if sweep.search.sampler == "grid":
-        dirs = [RunsDir(out).trial(t.id) for t in expand(sweep)]
-    else:
-        dirs = RunsDir(out).trial_dirs()
+    dirs = _trial_dirs(sweep, out)
     return [(d, s) for d, s in zip(dirs, trial_statuses(dirs), strict=True) if s not in FINISHED]
+
+
+def failed(sweep: SweepConfig, out: Path) -> list[TrialDir]:
+    """The sweep's trials that ended failed, oom, nan or killed: `--retry-failed` runs them."""
+    dirs = _trial_dirs(sweep, out)
+    return [d for d, s in zip(dirs, trial_statuses(dirs), strict=True) if s in FAILED]
+
+
+def _trial_dirs(sweep: SweepConfig, out: Path) -> list[TrialDir]:
+    """A grid's planned trials; a search's, those it has asked for."""
+    if sweep.search.sampler == "grid":
+        return [RunsDir(out).trial(t.id) for t in expand(sweep)]
+    return RunsDir(out).trial_dirs()
 
 
 def resubmit(sweep: SweepConfig, trials: Callable[[], list[TrialDir]],
@@ -103,9 +122,12 @@ def run_grid(sweep: SweepConfig, out: Path, retry_failed: bool) -> bool:
     collects)."""
     source, dirs, live = GridSource.unfinished(sweep, out, retry_failed)
     in_slurm = f"{live} still in Slurm, " if live else ""
+    ended_failed = 0 if retry_failed else sum(s in FAILED for s in trial_statuses(dirs))
+    retry = (f"; {ended_failed} of them failed (run them again with --retry-failed)"
+             if ended_failed else "")
     print(
         f"{sweep.name}: {len(dirs)} trials, {len(dirs) - len(source) - live} already "
-        f"finished, {in_slurm}{len(source)} to run in {out}",
+        f"finished, {in_slurm}{len(source)} to run in {out}{retry}",
         flush=True,
     )
     launch(source.split(), sweep.launcher, out, total=len(source))

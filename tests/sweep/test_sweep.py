@@ -88,7 +88,16 @@ def test_retry_failed_runs_the_nan_trial_again(tmp_path):
         "methods": {"full": {}},
     }
     path, out = write_yaml(tmp_path / "one.yaml", data), tmp_path / "runs"
-    assert harness_here("sweep", str(path), "--out", str(out)).returncode == 1
+    first = harness_here("sweep", str(path), "--out", str(out))
+    assert first.returncode == 1
+    retry = f"1 trials failed; run them again: harness sweep {path} --out {out} --retry-failed"
+    assert first.stderr.splitlines()[-1] == retry
+    # Run again as it was: nothing runs, and it says why and how to run the failed trial
+    plain = harness_here("sweep", str(path), "--out", str(out))
+    assert plain.returncode == 1
+    assert (f"1 trials, 1 already finished, 0 to run in {out}; 1 of them failed (run them "
+            "again with --retry-failed)") in plain.stdout
+    assert plain.stderr.splitlines()[-1] == retry
     rerun = harness_here("sweep", str(path), "--out", str(out), "--retry-failed")
     assert "1 trials, 0 already finished, 1 to run" in rerun.stdout
 
