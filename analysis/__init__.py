@@ -7,7 +7,7 @@ RUNS_DIR/report/.
 
 Each name loads its module when first asked for (PEP 562): `harness sweep` and `harness status`
 print a table, and `harness estimate` reads the papers' CSVs from this package, without paying
-for the report's matplotlib and scipy (~2 CPU-s a process on 2 cores).
+for the report's matplotlib and scipy imports.
 """
 
 from importlib import import_module

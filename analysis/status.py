@@ -1,6 +1,6 @@
 """The trials table `harness status` prints: it needs no figure, so a status process (and a
 sweep, which counts its trials' statuses at its end) loads neither matplotlib nor scipy for
-it (~2 CPU-s, 2 cores)."""
+it: their imports would be most of its start-up."""
 
 from __future__ import annotations
 

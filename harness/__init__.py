@@ -4,9 +4,9 @@ import atexit
 import gc
 
 # A harness process ends holding torch, transformers, pandas and the rest, and the interpreter's
-# teardown walks every one of their objects in its last garbage collections: about 2 CPU-seconds
-# of a sweep's exit on a 2-core VM (its fork server pays as much again), before its pipes
-# close. Frozen first (the handler runs at exit, before the teardown), they are left to the OS
+# teardown walks every one of their objects in its last garbage collections: most of a
+# sweep's exit time (its fork server pays as much again), before its pipes close. Frozen
+# first (the handler runs at exit, before the teardown), they are left to the OS
 # as os._exit would leave them, and the rest of a normal exit still happens: every atexit
 # handler, and each object freed by its reference count is finalized (files flushed, closed).
 atexit.register(gc.freeze)

@@ -318,7 +318,7 @@ def param_shapes(name: str, vocab_size: int) -> dict[str, torch.Size]:
 
 def preset_shapes(p: Preset, vocab_size: int) -> dict[str, torch.Size]:
     """A preset's LlamaForCausalLM shapes written out, not built: importing transformers'
-    modeling costs a sweep, `harness estimate` or `plan` process about 3 CPU-seconds, and a
+    modeling costs a sweep, `harness estimate` or `plan` process seconds of CPU, and a
     preset's layout is fixed (tests/test_models.py checks it against the built model)."""
     h, i = p.hidden, p.intermediate
     sizes = [(h, h)] * 4 + [(i, h), (i, h), (h, i), (h,), (h,)]  # q, k, v, o; the MLP; norms

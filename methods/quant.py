@@ -138,8 +138,8 @@ def requantize_int8(
     group: int, generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SR(deq(codes) + delta) on fresh per-group grids, CHUNK groups at a time, without the ~7
-    float32 matrices the whole-matrix form allocates at once (an H200 measured them as 1.36 GB
-    over the estimate at LLaMA-7B: 11008 x 4096 each). Groups never span chunks, and a CPU
+    float32 matrices the whole-matrix form allocates at once (over a GB above the estimate at
+    LLaMA-7B, 11008 x 4096 each). Groups never span chunks, and a CPU
     generator draws in the same order: there the codes equal `quantize_int8(dequantize_int8(
     ...) + delta)`'s. CUDA's Philox advances per draw, so there they differ, still seeded."""
     flat, step = codes.reshape(-1), delta.reshape(-1)

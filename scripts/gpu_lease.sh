@@ -4,9 +4,9 @@
 # figures are memory and correctness run side by side, each in its own folder (a process's
 # allocator statistics are its own; the oom test's batch may briefly take the GPU's free
 # memory, so a concurrent run can end `oom` and says so; table11's tok/s are then not
-# comparisons, its peaks are); then `mfu`, the one timed part a lease has not yet measured
-# whole, alone. `loop` (met on the first lease) is left for a second call. Usage, on the
-# device, after the install line of docs/gpu_kit.md: bash scripts/gpu_lease.sh DIR [SCALE]
+# comparisons, its peaks are); then `mfu`, the timed part, alone. `loop` is left for a
+# second call. Usage, on the device, after the install line of docs/gpu_kit.md:
+# bash scripts/gpu_lease.sh DIR [SCALE]
 # SCALE (default 1) multiplies every cap; CI runs it with --smoke via GPU_LEASE_SMOKE=1.
 set -u
 dir=${1:?usage: gpu_lease.sh DIR [SCALE]}

@@ -58,8 +58,8 @@ class Settings:
     rank_7b: int
 
 
-# MFU: 1 to 64 were measured on the second lease (flat from 16 on, 51 GB at 64 of an H200's
-# 141): 128 says whether a larger micro-batch helps, 16 where the curve flattened.
+# MFU micro-batches: 16, where the curve flattens (docs/benchmarks.md), 64, the best so far,
+# and 128, which says whether a larger one helps.
 GPU = Settings("cuda", ("llama_60m", "llama_350m"), 6, 256, 8, "llama_1b", None, 512,
                (16, 64, 128), True, 0.5, ("llama_350m", 30, 8, 256, "bf16-mixed", 3),
                "llama_7b", 1024)

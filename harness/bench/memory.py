@@ -102,8 +102,8 @@ def free_memory() -> None:
 class _Unsaved(Records):
     """A measured run's folder, deleted when it ends: the final checkpoint no one would read
     is not written. On a device it would cost a part's cap minutes: LLaMA-1B under AdamW is
-    13.5 GB serialized, hashed and fsynced per run (0.16 GB/s on a 2-core dev VM), after the
-    steps measured, so no figure changes."""
+    13.5 GB serialized, hashed and fsynced per run, after the steps measured, so no figure
+    changes."""
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
         return None

@@ -42,9 +42,8 @@ from harness.models import architecture, head_shape
 
 # cuBLAS workspaces torch allocates on a CUDA device and keeps for the process: one per thread
 # that runs matmuls (the forward's and autograd's backward thread), 32 MiB each on Hopper as
-# torch 2.11 sizes them (8.125 MiB on older GPUs: there this overstates by 48 MiB). Measured on
-# an H200: 67,108,864 bytes stay allocated after every run, and the steady-step peaks of full,
-# 8-bit Adam, LoRA and low-rank at llama_60m exceed the estimate by 64 MiB plus under 0.1%.
+# torch 2.11 sizes them (8.125 MiB on older GPUs: there this overstates by 48 MiB). They stay
+# allocated after every run, so every steady-step peak on the device includes them.
 CUBLAS_WORKSPACES = 2 * 32 * 2**20
 
 KIND_LINEARS = {"attention": TARGETS[:4], "mlp": TARGETS[4:], "norm": ()}

@@ -103,8 +103,8 @@ def _timeline(prof: torch.profiler.profile) -> list[Event]:
     says; one that an op reads or the step frees, not allocated in the step, lived before it.
     In-place writes, which the graph tracks for the categories, move no bytes. Sizes follow
     torch's SizeMap (an allocation's bytes, else the largest extent an op's inputs show), read
-    in this one walk of the events instead of its two: 0.047 CPU-s for a llama_micro step of
-    full AdamW against 0.102 with SizeMap (0.7 s with the whole analysis, measured before)."""
+    in this one walk of the events instead of its two, as a recorded step is read in every
+    CPU trial and torch's whole analysis costs several times more."""
     tree = OpTree(prof.profiler.kineto_results)  # type: ignore[union-attr]
     events: list[Event] = []
     allocations: dict[TensorKey, int] = {}  # each tensor's bytes, from its first event

@@ -54,9 +54,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         # Each hook reaches this optimizer through a weak reference: the hooks live on the
         # parameters' C++ side, where the cycle collector cannot see them, so a bound method
         # there (parameter -> hook -> optimizer -> its states and parameters) kept every
-        # finished layer-wise run alive for the rest of the process. On an H200 each later run
-        # of the CUDA kit counted the earlier ones' weights and states in its peak
-        # (LLaMA-1B 8-bit Adam: 20.1 GB measured after a layer-wise run, 7.7 GB alone).
+        # finished layer-wise run alive for the rest of the process, and every later run's
+        # peak counted the earlier ones' weights and states.
         self._hooks = [p.register_post_accumulate_grad_hook(partial(_update, weakref.ref(self)))
                        for p in params]
 

@@ -1,6 +1,6 @@
 """Trial processes forked from a warm process instead of started cold.
 
-A trial process spends about 5 CPU-seconds importing torch, transformers and datasets before
+A trial process spends most of its start-up importing torch, transformers and datasets before
 its first step, which a sweep of short trials pays once per trial (the quickstart's are 30
 steps). `start_trial` has multiprocessing's fork server, started once per sweep process with
 those imports done, fork each trial instead. The child is the same
@@ -108,7 +108,7 @@ def _run_trial(argv: list[str], env: dict[str, str], out: _Fd, err: _Fd, module:
     """The forked child: stdio and environment as a fresh `harness ...` would have them."""
     # What the fork server imported lives as long as the trial: out of the collector's sight,
     # a full collection (the end of every trial has one) walks only the trial's own objects,
-    # not the server's 436,000 (0.22 CPU-s each), and pages shared with the server stay so.
+    # not the server's hundreds of thousands, and pages shared with the server stay so.
     gc.freeze()
     _trial_signals()
     os.dup2(out.fd, 1)
