@@ -48,7 +48,7 @@ os.environ["WANDB_SILENT"] = "true"
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What a training imports (the trial starter's list), then every object so far out of
     the collector's sight: each `train()` ends with a full `gc.collect()`, which in a test
-    process walked ~550,000 objects (0.23 CPU-s of a 1.3 s llama_micro training, measured).
+    process walked every object the imports made, a large share of a short training.
     Objects the tests create later are collected as before."""
     from harness.sweep.starter import PRELOAD
 
@@ -102,8 +102,8 @@ def harness(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 def harness_here(*args: str) -> subprocess.CompletedProcess:
     """`harness ARGS` run by this test process, as `harness` reports it: exit code, stdout and
     stderr. For the commands no signal reaches and whose process itself is not under test: a
-    sweep here skips the interpreter's imports (~2.7 CPU-s) and forks its trials from this
-    process's fork server, started once (~4.5 CPU-s a sweep otherwise, on the 2-core VM)."""
+    sweep here skips the interpreter's imports and forks its trials from this process's fork
+    server, started once instead of once a sweep."""
     from harness.cli import main
 
     out, err = io.StringIO(), io.StringIO()
@@ -224,10 +224,10 @@ def train_losses(trial_dir: Path) -> dict[int, float]:
 
 
 # A test that signals a trial once it has logged step k gives it k + STEPS_LEFT steps, so the
-# signal lands while it trains. llama_micro's fastest step took 13 ms (10,232 tok/s of 128-token
-# steps, a 2-core AVX-512 VM, 2026-12-03): 150 steps are 2 s, some twenty times the window of
-# the 9 steps left (0.1-0.35 s) that a trial once finished in before its signal came (CI,
-# tests/sweep/test_faults.py, its poller sharing 2 cores with another xdist worker).
+# signal lands while it trains. On the fastest CPU measured, 150 of llama_micro's steps take
+# some twenty times the window of the 9 steps left that a trial once finished in before its
+# signal came (CI, tests/sweep/test_faults.py, its poller sharing the cores with another
+# xdist worker).
 STEPS_LEFT = 150
 
 

@@ -80,7 +80,7 @@ HEAVY = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distribute
 def test_a_jobs_interpreter_leaves_the_fsdp_stack_and_pandas_unloaded():
     """What submitit's job interpreter and the CLI import (harness.sweep.worker, harness.cli)
     loads none of them: harness/distributed/fsdp.py and harness/cost/estimate.py import them
-    where used (3.88 -> 2.46 CPU-s a job start on the 2-core VM)."""
+    where used, a large share of every job's start."""
     code = (f"import sys, harness.cli, harness.sweep.worker\n"
             f"print(sorted(m for m in {HEAVY} if m in sys.modules))")
     assert run(dict(os.environ), "-c", code).stdout.strip() == "[]"
@@ -89,7 +89,7 @@ def test_a_jobs_interpreter_leaves_the_fsdp_stack_and_pandas_unloaded():
 def test_a_presets_preflight_and_estimate_leave_transformers_unloaded(tmp_path):
     """The sweep process's disk preflight and `harness estimate` read a preset's shapes written
     out (harness/models.py `preset_shapes`): building the model imported transformers'
-    modeling, about 3 CPU-s a sweep on the 2-core VM."""
+    modeling, seconds of CPU for every sweep."""
     code = f"""
 import sys
 from pathlib import Path
@@ -107,7 +107,7 @@ print(sorted(m for m in sys.modules if m.split(".")[0] == "transformers"))
 def test_the_tables_status_and_estimate_print_leave_matplotlib_and_scipy_unloaded(finished_run):
     """The trials table `harness status` prints (analysis/status.py), and
     `harness estimate` beside GaLore's Table 2 (its CSV in harness.analysis): the package loads
-    the report's figures only when they are asked for, ~2 CPU-s a process on the 2-core VM."""
+    the report's figures only when they are asked for, most of such a process's imports."""
     code = f"""
 import sys
 from harness.cli import main

@@ -147,7 +147,7 @@ def test_a_measured_run_starts_with_the_previous_runs_tensors_freed(monkeypatch,
     collector off, as it may in effect be between two runs: each run must find the earlier
     weights gone when it starts (not only the module: its parameters can outlive it). Layer-wise:
     its parameters' hooks, out of the collector's sight, once kept every earlier run's weights
-    and states alive (an H200 measured them in later runs' peaks)."""
+    and states alive (a device measured them in later runs' peaks)."""
     import gc
     import weakref
 

@@ -119,8 +119,8 @@ def test_junit_counts_and_names_the_failures(tmp_path):
 
 def cap_at_the_first_outcome(records: Path) -> Callable[..., int]:
     """`Popen.wait` whose timeout (the part's cap) runs out as soon as `records` holds a whole
-    outcome: a fixed cap of 12 s saw none on an AVX2 VM under CI's load (2026-12-02), where the
-    part's and its pytest's start-up alone took longer; the kill that follows is the cap's."""
+    outcome: a fixed cap saw none under CI's load, where the part's and its pytest's start-up
+    alone took longer; the kill that follows is the cap's."""
     wait = subprocess.Popen.wait
 
     def capped(self: subprocess.Popen, timeout: float | None = None) -> int:

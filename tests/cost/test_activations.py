@@ -40,9 +40,9 @@ QUICK = {"test_estimated_peak_is_within_5_percent_of_a_measured_step": {
 @pytest.mark.parametrize("case", CASES)
 def test_estimated_peak_is_within_5_percent_of_a_measured_step(case):
     label, overrides = CASES[case]
-    # bfloat16 at llama_micro: a CPU without AVX-512 (the 2-core CI VM) has no bf16 matmul
-    # kernel, 8-50x slower than fp32's, and these cases took 20-24 s each at llama_tiny (within
-    # 0.2% at llama_micro, 0.5 s a step; fp32 keeps the larger model)
+    # bfloat16 at llama_micro: a CPU without AVX-512 has no bf16 matmul kernel, many times
+    # slower than fp32's, and these cases were slow at llama_tiny (the same ratio within 0.2% at
+    # llama_micro; fp32 keeps the larger model)
     bf16 = "bf16" in overrides.get("train.precision", "")
     run = method_run(label, "llama_micro" if bf16 else "llama_tiny", 3, 128, 4,
                      {"device": "cpu", **overrides})
@@ -64,7 +64,7 @@ UPDATES = {  # label -> (METHODS entry, --set overrides): each float32 update pa
 def test_bf16_true_updates_hold_two_float32_copies_of_the_largest_weight(tmp_path, case):
     """A LLaMA whose 8192 × 256 head and embedding are most of it, 1 × 16 tokens, bf16-true:
     the activations are a few hundred kB, so the step's peak is the gradients plus one weight's
-    update (`Method.update_bytes`). Measured (dev VM, 2026-11-28): 1.0000 for full, GaLore and
+    update (`Method.update_bytes`). Measured: 1.0000 for full, GaLore and
     Muon, 1.0012 for Adam-mini; without the update's temporaries the estimate falls 2 (Adam-mini
     3) float32 copies of the head short, 8.4 MB each: measured / estimated 1.25-1.84. Before
     the updates were made in one-dtype arithmetic (modifiers/compensation.add_update) they held

@@ -86,7 +86,7 @@ def test_the_fastest_fitting_candidate_trains_within_the_budget(micro_plan: pl.P
     # Measured over planned: 1.00012 in each of 3 runs for this row (qlora, bf16-true with bf16
     # states; the profiler counts tensors, so runs agree); 1e-3 is 8x that. Not every row is as
     # close (Q-GaLore with recompute attention: 1.0024-1.0035; layer-wise at 2 x 2: 1.21).
-    # the plan is for a CUDA device, with its 64 MiB of cuBLAS workspaces (measured on an H200);
+    # the plan is for a CUDA device, with its 64 MiB of cuBLAS workspaces (cost/activations.py);
     # the CPU run has none
     assert measured == pytest.approx(c.peak_bytes - 2 * 32 * 2**20, rel=1e-3)
 

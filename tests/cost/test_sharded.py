@@ -2,7 +2,7 @@
 tensors in 2- and 4-process CPU runs (tests/cost/fsdp_peaks.py: torch's FSDPMemTracker, or the
 profiler's memory timeline with accumulation), every method fsdp accepts.
 
-Measured (llama_micro, fp32, 2026-11-27): the estimate is within 0.72% of every rank's peak
+Measured (llama_micro, fp32): the estimate is within 0.72% of every rank's peak
 (lowrank on 4: +0.72%; LoRA and ReLoRA +0.36%; the accumulating run, profiled: -0.30%; full,
 GaLore, Fira, Adam-mini, APOLLO and APOLLO-Mini within 700 bytes); ranks agree to the byte under
 FSDPMemTracker. TOLERANCE 2% holds that with room for buffers another torch version keeps a

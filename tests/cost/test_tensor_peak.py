@@ -124,7 +124,7 @@ def test_the_lean_timeline_peaks_where_torchs_whole_analysis_does(tmp_path, case
         # but for the step's 1-byte bools (isfinite and ~ in harness/modifiers/precision.py and
         # the loop's NaN check: 9 made in a 16-mixed step, counted from its record): one of them
         # was live at the peak of one run and not the other's (galore 16-mixed recompute,
-        # 24,942,184 against 24,942,185 bytes: 3 of 22 runs, the Intel VM, 2026-12-01)
+        # 24,942,184 against 24,942,185 bytes: 3 of 22 runs)
         assert abs(lean - reference) <= 9
 
 

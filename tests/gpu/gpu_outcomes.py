@@ -1,7 +1,7 @@
 """A pytest plugin (`-p gpu_outcomes`, tests/gpu on the path) that the CUDA kit's tests part
 (harness/bench/gpu_parts.py) loads with HARNESS_GPU_RECORDS set: each test's outcome is appended
 to that file as soon as it is known. The kit kills a part at its time cap and pytest writes its
-own report only at the end: on an H200 a part cut off at its cap once lost all of 4 minutes."""
+own report only at the end: a part cut off at its cap would lose every outcome."""
 
 from __future__ import annotations
 

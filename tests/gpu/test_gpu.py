@@ -4,13 +4,11 @@ refused at load time as expected; a stopped run resumes exactly; bitsandbytes' 8
 kernels run on the device; in a sweep an injected NaN ends its trial `nan`, an over-budget batch
 ends `oom`, and the sweep carries on.
 
-Time on one H100, estimated (no device has run it yet): a llama_60m case builds its model on
-the CPU (~0.5 s), runs 4 steps of 2 x 4 x 128 tokens (~30 ms each), an eval and a ~400 MB
-checkpoint (~0.7 s), the GaLore family's SVDs (~0.5 s): ~2 s. 66 trained + 12 resumed x 3 + 3
-bitsandbytes = 105 trainings, ~3.5 min; the sweep's 3 processes start CUDA, ~30 s; the start
-~20 s: ~4.5 min, under the 8 a device command may spend on them (10 at most). The smoke form
-(`HARNESS_GPU_SMOKE=1 pytest -n0 -m gpu tests/gpu`, 32 tests): ~36 s on 2 CPU cores, 18-29 s
-of it the sweep's processes.
+Sized for the 8 minutes a device command may spend on them (10 at most): 66 trained + 12
+resumed x 3 + 3 bitsandbytes = 105 short llama_60m trainings (4 steps of 2 x 4 x 128 tokens,
+an eval and a checkpoint each), then the sweep's 3 processes. The smoke form
+(`HARNESS_GPU_SMOKE=1 pytest -n0 -m gpu tests/gpu`, 32 tests) runs on a CPU, most of its time
+the sweep's processes.
 """
 
 from __future__ import annotations
@@ -141,7 +139,7 @@ def test_bitsandbytes_kernels_run_on_the_device(tmp_path, case):
 
 
 # Far beyond any device: at llama_60m, 8192 x 128 tokens keep ~490 GB of activations (32-true,
-# ~470 KB a token) where an H200 has 141 GB. In the smoke form, 2048 x 32 tokens' logits (8192
+# ~470 KB a token), more than any GPU's memory. In the smoke form, 2048 x 32 tokens' logits (8192
 # x 4 B each: 2.1 GB, three times over with the loss's copy and log-softmax) on top of the
 # ~3 GB a llama_micro trial maps exceed the address space it gets (LIMIT_AS).
 OOM_BATCH = 8192 if CUDA else 2048

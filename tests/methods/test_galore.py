@@ -287,8 +287,8 @@ def test_bench_optim_records_are_sane():
 @pytest.mark.parametrize("randomized", [False, True])
 def test_a_basis_owns_only_its_rank_rows_whatever_the_svd_layout(monkeypatch, randomized):
     """cuSOLVER returns Vh row-major (LAPACK column-major): its first `rank` rows are then a
-    contiguous view of all k × n, which must not stay alive as the basis (found on an H200:
-    the estimate's GaLore peak 4% low at llama_60m, 11% at llama_350m)."""
+    contiguous view of all k × n, which must not stay alive as the basis (on CUDA it left the
+    estimate's GaLore peak low by the leak)."""
     real_svd = torch.linalg.svd
 
     def row_major(a, *args, **kwargs):  # as cuSOLVER lays them out

@@ -121,7 +121,7 @@ def test_targets_are_nf4_with_double_quantization_and_match_the_floats():
 
 # bitsandbytes 0.50.2's AVX-512 CPU kernel dequantizes wrongly when a row is not a whole number
 # of blocks (down_proj: in_features 176); the packed data is right (see the test above). A CPU
-# without AVX-512 (an AMD EPYC dev VM, 2026-11-28) takes bitsandbytes' other path, which is
+# without AVX-512 takes bitsandbytes' other path, which is
 # right: expected to fail only where bitsandbytes picks that kernel, by torch's own reading of
 # the CPU, as bitsandbytes/backends/cpu/ops.py does. Strict, with bitsandbytes pinned for the
 # tests (pyproject's test extra): a release that fixes it turns this into a failure that says

@@ -283,8 +283,8 @@ def test_stochastic_update_is_reproducible_from_saved_generator_state():
 def test_an_update_allocates_chunks_not_float32_copies_of_the_matrix():
     """Beside what it is given (delta, 4 n bytes; the codes, n) and what it makes (new codes,
     n), apply_update's transients stay below one float32 copy of the weight (4 n): the
-    whole-matrix form held ~7 at once (an H200 measured 1.36 GB over the estimate at
-    LLaMA-7B). Counted from the tensors torch's profiler saw, the inputs included."""
+    whole-matrix form held ~7 at once (over a GB above the estimate at LLaMA-7B). Counted
+    from the tensors torch's profiler saw, the inputs included."""
     layer = Int8Linear.from_linear(nn.Linear(4096, 4096, bias=False))  # n = 16 Mi values
     delta = torch.randn(4096, 4096) * 1e-3
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],

@@ -132,9 +132,9 @@ def test_a_preempted_fsdp_trial_of_two_tasks_resumes_from_its_shards(tmp_path):
     """USR2 reaches both tasks: each rank writes its shards of the checkpoint, the requeued
     job's two ranks read them, and the losses are a 1-process run's (to the reduction order's
     1e-5, as in tests/train/test_fsdp.py)."""
-    # Its two ranks' step takes 37 ms or more, so 60 steps left are >= 2 s (STEPS_LEFT's aim).
-    # At lr 1e-3 the two runs stay within 4.9e-7 over 64 steps; at 3e-3 the reduction order's
-    # 1e-7 grew to 1.7e-4 by then (measured 2026-12-03).
+    # Its two ranks' step is slower than STEPS_LEFT's one-process step, so 60 steps left last
+    # as long as STEPS_LEFT aims for. At lr 1e-3 the two runs stay within 4.9e-7 over 64
+    # steps; at 3e-3 the reduction order's 1e-7 grew to 1.7e-4 by then (measured).
     out, steps = tmp_path / "runs", 4 + 60
     proc = start_sweep(sweep_file(tmp_path, steps, [1e-3]), out, "launcher.tasks_per_node=2",
                        "train.parallel=fsdp", "train.keep_final=full")  # its shards read below

@@ -85,8 +85,8 @@ MUON = {"name": "muon"}
 # rounds to the neighbour in one run, and its update moves by up to 8% of lr (measured 4.8e-4
 # on 15 of 524,288 embedding entries, 4 processes); GaLore's 8-bit inner Adam runs the same
 # blockwise kernel, so the same bound (measured 4.7e-4 on 1 of 524,288 embedding entries, 2
-# processes, layer-wise, on an AMD EPYC without AVX-512, where bitsandbytes takes its AVX2 path;
-# under 3e-4 on the Intel Xeon before, with the code of either day). Muon's Newton–Schulz runs
+# processes, layer-wise, on a CPU where bitsandbytes takes its AVX2 path; under 3e-4 where it
+# takes its AVX-512 one). Muon's Newton–Schulz runs
 # in bf16: a 1e-7 difference in the gathered update rounds some entries to the neighbouring bf16
 # value, each hidden matrix ends up to 1.9e-4 away, and the embedding entries whose gradients
 # are near zero then take AdamW steps of the other sign (measured 1.04e-2 on 18 of 524,288
