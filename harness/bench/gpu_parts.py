@@ -63,9 +63,9 @@ class Settings:
 GPU = Settings("cuda", ("llama_60m", "llama_350m"), 6, 256, 8, "llama_1b", None, 512,
                (16, 64, 128), True, 0.5, ("llama_350m", 30, 8, 256, "bf16-mixed", 3),
                "llama_7b", 1024)
-# The smoke run: every method in `estimate`, two of Table 11's rows (the same loop), in under
-# two minutes on 2 CPU cores (115 s with nothing else running). No compiled run: inductor's
-# C++ build of llama_micro alone takes ~35 s there (train.compile has its own test,
+# The smoke run: every method in `estimate`, two of Table 11's rows (the same loop), small
+# enough for CI's CPUs. No compiled run: inductor's C++ build of llama_micro alone would be
+# much of its time (train.compile has its own test,
 # tests/train/test_train.py); it is the same `_run` and `_measured` as every other row.
 SMOKE = Settings("cpu", ("llama_micro",), 3, 32, 2, "llama_micro",
                  ("full", "galore_8bit_layerwise"), 8, (1, 2), False, 0.01,
@@ -265,10 +265,9 @@ def loop(s: Settings, out: Path) -> Iterator[Record]:
 
 # label -> (method, layer-wise, the paper's figure: a PAPER_7B row or (GB, source)). The first
 # step's SVDs of 224 7B matrices take minutes, so GaLore's are randomized (the steady step
-# measured holds the same tensors); Q-GaLore has only exact ones. Order: what no lease has yet
-# measured validly first (APOLLO-Mini INT8 since its update was chunked, Q-GaLore never
-# reached), 8-bit GaLore layer-wise (measured on the second lease, met) last, where the cap
-# may cut it off.
+# measured holds the same tensors); Q-GaLore has only exact ones. Order: what a device has
+# yet to measure first (APOLLO-Mini INT8 since its update was chunked, Q-GaLore), 8-bit
+# GaLore layer-wise (measured, met: docs/benchmarks.md) last, where the cap may cut it off.
 BIG = {
     "apollo_mini_int8_layerwise": ({"name": "apollo_mini", "int8_weights": True}, True,
                                    (12.0, "APOLLO: LLaMA-7B under 12 GB (APOLLO-Mini, INT8 "
