@@ -5,28 +5,19 @@ method's own step are callbacks on its events (harness/train/hooks.py)."""
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import numpy as np
 import torch
 
 from harness import distributed
 from harness.config import RunConfig
-from harness.config.steps import Steps
 from harness.cost import meter
 from harness.cost.grad_peak import GradPeak
-from harness.distributed import fsdp, pick_device
-from harness.methods import build_method
-from harness.methods.rank import rank_warning
-from harness.models import describe
-from harness.modifiers import recompute
-from harness.modifiers.precision import Precision, pure_bf16
-from harness.modifiers.recompute import decoder_layers
-from harness.train import finetune, pretrain
+from harness.distributed import fsdp
+from harness.train import setup
 from harness.train.hooks import Hooks, Interrupted, NonFinite, Pruned, Step
 from harness.trials import Records, Status, checkpoints, rng_state, set_rng_state
 from harness.trials.events import event_text, say_event
@@ -44,89 +35,52 @@ class Trainer:
 
     def __init__(self, run: RunConfig, rec: Records, should_stop: Callable[[int], bool],
                  prune: Prune | None = None):
+        """The setup in named steps (harness/train/setup.py), in the order each needs the one
+        before: DESIGN's list, with the process group joined first, the budget in epochs turned
+        into steps before the method reads it, and DDP's wrap after resume (it depends on the
+        optimizer; fsdp shards in `parallelize`, before the optimizer)."""
         self.run, self.rec, self.should_stop, self.prune = run, rec, should_stop, prune
-        t = run.train
-        # checked before joining the group: a batch that does not split is one line, not a hang
-        self.steps = Steps.of(t, run.task.seq_len, distributed.world_size())
-        self.device = distributed.init(pick_device(run.device))
+        self.steps, self.device = setup.join(run)
         built = time.perf_counter()
-        torch.manual_seed(run.seed)
-        random.seed(run.seed)
-        np.random.seed(run.seed)
-        glue = run.task.kind == "glue"
-        model, self.tok = (finetune if glue else pretrain).build(run)
-        distributed.say(f"model {run.model}: {describe(model)}")
-        self.data = (finetune.GlueData if glue else pretrain.LMData)(
-            run, self.tok, self.device, self.steps)
-        if t.epochs:  # the budget in passes over the training set
-            steps = t.epochs * self.data.steps_per_epoch
-            self.run = run = run.model_copy(update={"train": t.model_copy(update={"steps": steps})})
-            t = run.train
-        self.method = build_method(run, self.steps)
-        shapes = {n: p.shape for n, p in model.named_parameters()}
-        said = (rank_warning(self.method, shapes), self.method.warning(run))
-        self.warnings = [line for line in said if line]  # kept in the summary
-        for line in self.warnings:
-            distributed.say(f"warning: {line}")
-        # bf16-true: before and after `prepare`. Cast on the host, before the move: on CUDA the
-        # device then never holds the float32 model (LLaMA-7B: 27 GB, cast there one tensor at
-        # a time, the freed blocks left in the allocator's cache), and half the bytes cross
-        # PCIe. The same rounding either way; on a CPU the move does nothing.
-        model = pure_bf16(model, t).to(self.device)
-        self.model = pure_bf16(self.method.prepare(model, run), t)
-        self.offloader = recompute.apply(self.model, run.memory, self.device)
-        self.sharded = self.steps.world > 1 and t.parallel == "fsdp"
-        if self.sharded:  # before the optimizer, whose parameters are then the shards
-            distributed.broadcast_(self.model)  # rank 0's weights, as DDP starts from them
-            fsdp.shard(self.model, decoder_layers(self.model), self.device, t.precision,
-                       t.reshard_after_forward, run.memory.optimizer_offload == "host"
-                       and self.device.type == "cuda")
-        # forward and loss in one graph; the model itself, its state_dict and hooks unchanged
-        self.loss = torch.compile(self.data.loss) if t.compile else self.data.loss
-        self.precision = Precision(t, self.device, cast=not self.sharded)  # fsdp casts itself
-        self.offloaded = 0  # activation bytes moved to the host, over the steps run here
-        self.optimizer = self.method.optimizer(self.model, run)
+        model, self.tok, self.data = setup.model(run, self.steps, self.device)
+        self.run = run = setup.budget(run, self.data)
+        self.method, self.warnings = setup.method(run, self.steps, model)  # warnings: summary
+        self.model, self.offloader = setup.modifiers(model, self.method, run, self.device)
+        self.sharded = setup.parallelize(self.model, run, self.steps, self.device)
+        self.loss = setup.compile_loss(self.data, run.train)
+        self.optimizer, self.precision = setup.optimizer(self.method, self.model, run,
+                                                         self.device, self.sharded)
         self.build_s = time.perf_counter() - built  # model, method and optimizer: not launching
-        self.first_step_at: float | None = None
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: self.method.lr_factor(s, run)
-        )
+        self.scheduler = setup.schedule(self.optimizer, self.method, run)
+        self._resume()
+        self._wrap()
+        self._meters()
+        self._register()
+
+    def _resume(self) -> None:
+        """Model, optimizer, schedule, data, RNG, precision and counters from the last
+        checkpoint; without one, counters from zero and no metrics lines kept."""
         self.step, self.tokens = 0, 0
         self.last_eval: dict[str, float] = {}
         self.best: dict[str, float] = {}  # fine-tuning: the evaluation with the best score
-        self.eval_every = run.eval.every or (self.data.steps_per_epoch or 0)  # glue: per epoch
         self.costs: dict[str, Any] = {}
-        self._resume()
-        self.layerwise = getattr(self.optimizer, "layerwise", False)
-        self._wrap()
-        # the first step's gradient bytes, counted as they arrive (layer-wise frees them early)
-        self.grad_peak = None if self.costs else GradPeak(self.model, self.optimizer)
-        self.meter = meter.Meter(self.device)
-        self.flops_per_token = meter.flops_per_token(self.model, run.task.seq_len)
-        self.first_step = self.step
-        self.window: list[torch.Tensor] = []  # this rank's step losses since the last log
-        self.hooks = Hooks()
-        self._register()
-
-    def _register(self) -> None:
-        """The trainer's own jobs, on the events of hooks.py, in the order they run."""
-        on = self.hooks.on
-        if self.offloader is not None:
-            on("update", self._count_offloaded)
-        on("update", self._method_step)
-        on("update", self._count_costs)
-        on("update", self._keep_loss)
-        on("step_end", self._time)
-        on("step_end", self._log)
-        on("step_end", self._eval)
-        on("step_end", self._checkpoint)
-        on("eval", self._prune)
-
-    def _resume(self) -> None:
         state = self.rec.load_checkpoint()
         if state is None:
             self.rec.truncate_metrics(0)  # a start from scratch owns no earlier lines
             return
+        self._load_tensors(state)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.data.restore(state["data"])
+        set_rng_state(state["rng"])
+        self.step, self.tokens = state["step"], state["tokens"]
+        self.last_eval, self.costs, self.best = state["last_eval"], state["costs"], state["best"]
+        self.precision.load_state_dict(state["precision"])
+        self.rec.truncate_metrics(self.step)
+        self.rec.set_aside_skipped()  # newer ones that did not load: one line each
+        distributed.say(f"resumed from {self.rec.loaded} at step {self.step}")
+
+    def _load_tensors(self, state: dict[str, Any]) -> None:
+        """The model's and optimizer's tensors, as this world size holds them."""
         if "sharded" in state:  # written shard by shard: read as this world size holds it
             tensors = fsdp.templates(state["tensors"], self.model)
             state.update(fsdp.join(state.pop("tensors"),
@@ -139,15 +93,6 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.sharded:
             fsdp.shard_states(self.optimizer.state)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.data.restore(state["data"])
-        set_rng_state(state["rng"])
-        self.step, self.tokens = state["step"], state["tokens"]
-        self.last_eval, self.costs, self.best = state["last_eval"], state["costs"], state["best"]
-        self.precision.load_state_dict(state["precision"])
-        self.rec.truncate_metrics(self.step)
-        self.rec.set_aside_skipped()  # newer ones that did not load: one line each
-        distributed.say(f"resumed from {self.rec.loaded} at step {self.step}")
 
     def _wrap(self) -> None:
         """`net` is what forward runs through: DDP, or the model itself (one process, fsdp, or
@@ -155,6 +100,38 @@ class Trainer:
         self.net = self.model if self.sharded else distributed.wrap(self.model, self.device,
                                                                      self.layerwise)
         self._trainable = distributed.trainable(self.model)
+
+    @property
+    def layerwise(self) -> bool:
+        """Updates run inside backward, one parameter at a time (harness/modifiers/layerwise.py)."""
+        return getattr(self.optimizer, "layerwise", False)
+
+    def _meters(self) -> None:
+        """Throughput, cost and offload counters, from the step resumed at."""
+        # the first step's gradient bytes, counted as they arrive (layer-wise frees them early)
+        self.grad_peak = None if self.costs else GradPeak(self.model, self.optimizer)
+        self.meter = meter.Meter(self.device)
+        self.flops_per_token = meter.flops_per_token(self.model, self.run.task.seq_len)
+        self.offloaded = 0  # activation bytes moved to the host, over the steps run here
+        self.first_step = self.step
+        self.first_step_at: float | None = None  # set as `fit` starts
+        self.window: list[torch.Tensor] = []  # this rank's step losses since the last log
+        self.eval_every = self.run.eval.every or (self.data.steps_per_epoch or 0)  # glue: epochs
+
+    def _register(self) -> None:
+        """The trainer's own jobs, on the events of hooks.py, in the order they run."""
+        self.hooks = Hooks()
+        on = self.hooks.on
+        if self.offloader is not None:
+            on("update", self._count_offloaded)
+        on("update", self._method_step)
+        on("update", self._count_costs)
+        on("update", self._keep_loss)
+        on("step_end", self._time)
+        on("step_end", self._log)
+        on("step_end", self._eval)
+        on("step_end", self._checkpoint)
+        on("eval", self._prune)
 
     def _settle(self) -> None:
         """fp16: an event line for each step skipped since the last read."""
