@@ -77,9 +77,9 @@ def modifiers(built: nn.Module, chosen: Method, run: RunConfig,
     layers recomputed or offloaded as `memory` asks; returns it and the offloader, if any."""
     t = run.train
     # bf16-true: before and after `prepare`. Cast on the host, before the move: on CUDA the
-    # device then never holds the float32 model (LLaMA-7B: 27 GB, cast there one tensor at
-    # a time, the freed blocks left in the allocator's cache), and half the bytes cross
-    # PCIe. The same rounding either way; on a CPU the move does nothing.
+    # device then never holds the float32 model (cast there one tensor at a time, the freed
+    # blocks left in the allocator's cache), and half the bytes cross PCIe. The same rounding
+    # either way; on a CPU the move does nothing.
     built = pure_bf16(built, t).to(device)
     built = pure_bf16(chosen.prepare(built, run), t)
     return built, recompute.apply(built, run.memory, device)
