@@ -23,6 +23,7 @@ from harness.cli_args import (
     positive_int,
 )
 from harness.cli_bench import add_bench
+from harness.cli_sweep import cmd_sweep, load_trials
 from harness.errors import UserError, render
 
 # Only what building the parser needs is imported here: `harness --help` and `--version` stay
@@ -58,97 +59,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK if status == Status.OK else EXIT_FAILED
 
 
-def cmd_sweep(args: argparse.Namespace) -> int:
-    import shlex
-
-    from harness.config import parse_overrides
-    from harness.sweep.driver import UNFINISHED, failed, run_sweep, unfinished
-    from harness.sweep.expand import expand, load_sweep, plan_table
-    from harness.sweep.stop import signal_name, stop_on_signals
-    from harness.trials import Status
-
-    sweep = load_sweep(args.sweep, parse_overrides(args.set))
-    if args.dry_run and sweep.search.sampler != "grid":
-        from harness.sweep.study import describe
-
-        print(describe(sweep))
-        return EXIT_OK
-    out = Path(args.out) if args.out else Path("runs") / sweep.name
-    if args.dry_run:
-        trials = expand(sweep)
-        tokens = sum(t.tokens for t in trials if not t.run.train.epochs)
-        if sweep.task.kind != "pretrain":  # a GLUE model is measured by running it
-            print(f"{plan_table(trials)}\n{len(trials)} trials")
-            return EXIT_OK
-        from harness.sweep.forecast import forecast, forecast_columns, forecast_totals
-
-        records = forecast(sweep, trials, out)
-        print(f"{plan_table(trials, forecast_columns(records))}\n"
-              f"{forecast_totals(records, tokens, sweep.launcher.at_once)}")
-        return EXIT_OK
-    resume = shlex.join(["harness", "sweep", args.sweep, "--out", str(out),
-                         *[a for s in args.set for a in ("--set", s)],
-                         *(["--jobs", str(args.jobs)] if args.jobs else [])])
-    try:
-        if args.jobs:
-            sweep.launcher.jobs = args.jobs
-        with stop_on_signals():  # SIGTERM, SIGHUP and SIGUSR2 stop it as Ctrl-C does
-            code = run_sweep(sweep, out, args.retry_failed, show=_show_outcome)
-        if code == UNFINISHED:  # never a success while a trial has not ended: name each one
-            for trial, status in unfinished(sweep, out):
-                summary = trial.read_summary()
-                at = f" at step {summary.get('step')}" if summary and summary.get("step") else ""
-                print(f"unfinished: {trial.name} ({status}{at}); resume: {resume}",
-                      file=sys.stderr)
-        if code == EXIT_FAILED:
-            print(f"{len(failed(sweep, out))} trials failed; run them again: {resume} "
-                  "--retry-failed", file=sys.stderr)
-        return code
-    except KeyboardInterrupt as stop:
-        saved = [f"{t.name} at step {(t.read_summary() or {}).get('step', 0)}"
-                 for t, status in unfinished(sweep, out) if status == Status.INTERRUPTED]
-        stopped = (f": {len(saved)} trials stopped with a checkpoint ({', '.join(saved)})"
-                   if saved else "")
-        print(f"\ninterrupted by {signal_name(stop)}{stopped}; resume: {resume}", file=sys.stderr)
-        return EXIT_INTERRUPTED
-
-
-def _show_outcome(out: Path) -> None:
-    """A finished sweep's trials counted by status, each one that did not end ok named with its
-    error, and where the tables are: the per-trial table is `harness status`'s and the results
-    `harness report`'s, so `harness sweep X && harness report X` prints each table once."""
-    import shlex
-
-    from harness.trials import FAILED, Status
-
-    trials = _load(str(out))
-    counts = trials["status"].value_counts()
-    order = [Status.OK, *(s for s in Status if s != Status.OK)]
-    outcome = ", ".join(f"{counts[s]} {s}" for s in order if s in counts)
-    where, n = shlex.quote(str(out)), len(trials)
-    print(f"{n} trial{'' if n == 1 else 's'} in {out}: {outcome or 'none'} (one row each: "
-          f"harness status {where}; tables and figures: harness report {where})", flush=True)
-    for _, row in trials[trials["status"].isin(FAILED)].iterrows():  # unfinished: cmd_sweep's
-        error = f": {row['error']}" if isinstance(row.get("error"), str) else ""
-        print(f"  {row['trial']} {row['status']}{error}", flush=True)
-
-
-def _load(runs_dir: str):
-    from harness.analysis import load_runs
-    from harness.sweep.trial_state import trial_statuses
-    from harness.trials import RunsDir
-
-    try:
-        trials = load_runs(runs_dir)
-    except FileNotFoundError as e:
-        raise UserError(str(e)) from None
-    if len(trials):  # one squeue for all of them
-        trials["status"] = trial_statuses([
-            RunsDir(d).trial(t) for d, t in zip(trials["run_dir"], trials["trial"], strict=True)
-        ])
-    return trials
-
-
 STATUS_KEYS = ["trial", "method", "memory", "status", "step", "steps", "last_loss", "eval_ppl",
                "tokens_per_s", "peak_memory_bytes", "peak_rss_bytes", "requeues", "error"]
 
@@ -163,7 +73,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     while True:
         with logs_to_stderr(args.json):
-            trials = _load(args.runs_dir)
+            trials = load_trials(args.runs_dir)
         if args.json:  # pandas writes a missing value (no eval yet) as null
             print(trials.reindex(columns=STATUS_KEYS).to_json(orient="records", indent=2))
             return EXIT_OK
@@ -185,7 +95,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from harness.trials import RunsDir
 
     for runs_dir in args.runs_dirs:
-        _load(runs_dir)
+        load_trials(runs_dir)
     out = Path(args.out) if args.out else RunsDir(args.runs_dirs[0]).report
     print(write_report(args.runs_dirs, out))
     print(f"\nreport written to {out} (report.html, report.md)")

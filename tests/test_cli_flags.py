@@ -136,10 +136,10 @@ def test_a_finished_sweep_counts_its_trials_and_names_those_that_failed(tmp_path
     sys.path.insert(0, str(REPO / "tests" / "analysis"))
     from test_report import make_runs
 
-    from harness.cli import _show_outcome
+    from harness.cli_sweep import show_outcome
 
     runs = make_runs(tmp_path / "runs")
-    _show_outcome(runs)
+    show_outcome(runs)
     assert capsys.readouterr().out.splitlines() == [
         f"6 trials in {runs}: 3 ok, 1 pending, 1 failed, 1 nan (one row each: harness status "
         f"{runs}; tables and figures: harness report {runs})",

@@ -82,7 +82,7 @@ def test_squeue_missing_or_failing_means_no_live_job(tmp_path, monkeypatch):
 
 def test_harness_status_loads_all_trials_with_one_squeue(tmp_path, monkeypatch):
     """What `harness status` and `report` run: the table's status column, one squeue."""
-    from harness import cli
+    from harness import cli_sweep
 
     runs = RunsDir(tmp_path / "runs")
     for i in range(5):
@@ -90,7 +90,7 @@ def test_harness_status_loads_all_trials_with_one_squeue(tmp_path, monkeypatch):
         trial.config.write_text("name: s\nlabel: full\nmethod: {name: full}\n")
     squeue = FakeSqueue({f"800_{i}": "PENDING" for i in range(5)})
     monkeypatch.setattr(status_module.subprocess, "run", squeue)
-    table = cli._load(str(runs.path))
+    table = cli_sweep.load_trials(str(runs.path))
     assert len(squeue.calls) == 1
     assert list(table["status"]) == ["queued"] * 5
 
