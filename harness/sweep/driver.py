@@ -120,9 +120,8 @@ def run_grid(sweep: SweepConfig, out: Path, retry_failed: bool) -> bool:
     """Run the plan's unfinished trials; True if any trial ended failed, oom, nan or killed.
     Trials whose Slurm job is still queued or running are left to it (a sweep run again
     collects)."""
-    source, dirs, live = GridSource.unfinished(sweep, out, retry_failed)
+    source, dirs, live, ended_failed = GridSource.unfinished(sweep, out, retry_failed)
     in_slurm = f"{live} still in Slurm, " if live else ""
-    ended_failed = 0 if retry_failed else sum(s in FAILED for s in trial_statuses(dirs))
     retry = (f"; {ended_failed} of them failed (run them again with --retry-failed)"
              if ended_failed else "")
     print(

@@ -101,13 +101,14 @@ class GridSource:
 
     @classmethod
     def unfinished(cls, sweep: SweepConfig, out: Path,
-                   retry_failed: bool) -> tuple[GridSource, list[TrialDir], int]:
+                   retry_failed: bool) -> tuple[GridSource, list[TrialDir], int, int]:
         """The grid's trials to run (not finished; with `retry_failed` the failed ones too; not
         held by a live job or process), their configs written; every trial's folder, for the
-        retries; how many are held. Each trial whose summary cannot be read is named on
-        stderr (`unreadable_line`)."""
+        retries; how many are held; how many ended failed and are left so (without
+        `retry_failed`). Each trial whose summary cannot be read is named on stderr
+        (`unreadable_line`)."""
         trials = expand(sweep)
-        todo, live = [], 0
+        todo, live, failed = [], 0, 0
         dirs = [RunsDir(out).trial(t.id) for t in trials]
         for t, trial, (status, summary) in zip(trials, dirs, trial_states(dirs), strict=True):
             live += status in HELD
@@ -115,10 +116,11 @@ class GridSource:
                 print(unreadable_line(trial, summary.error or "", retry_failed), file=sys.stderr,
                       flush=True)
             if not runs_again(status, retry_failed):
+                failed += status in FAILED
                 continue
             trial.write_config(t.run)
             todo.append((t.id, trial.path))
-        return cls(todo), dirs, live
+        return cls(todo), dirs, live, failed
 
     @property
     def assigned(self) -> Assigned:

@@ -157,13 +157,14 @@ def test_a_sweep_names_an_unreadable_trial_and_reruns_it_only_when_asked(tmp_pat
     out = tmp_path / "runs"
     trial = RunsDir(out).trial(damaged.id)
     trial.summary.write_text(DAMAGED)
-    source, dirs, live = GridSource.unfinished(sweep, out, retry_failed=False)
-    assert len(source) == 0 and live == 0 and len(dirs) == 2
+    source, dirs, live, failed = GridSource.unfinished(sweep, out, retry_failed=False)
+    assert len(source) == 0 and live == 0 and len(dirs) == 2 and failed == 1
     assert capsys.readouterr().err == (
         f"unreadable: {damaged.id} ({trial.summary}: {WHY}): counted as failed and not run "
         "again; fix the file, or pass --retry-failed to train the trial again\n")
     assert trial.summary.read_text() == DAMAGED  # nothing written over it
-    source, _, _ = GridSource.unfinished(sweep, out, retry_failed=True)
+    source, _, _, failed = GridSource.unfinished(sweep, out, retry_failed=True)
+    assert failed == 0  # each failed one runs again
     assert [pick_id for pick_id, _ in source.assigned] == [damaged.id]
     assert capsys.readouterr().err == (
         f"unreadable: {damaged.id} ({trial.summary}: {WHY}): running it again (--retry-failed), "
