@@ -36,6 +36,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from harness.distributed import pick_device
     from harness.distributed.allocation import follow_allocation
     from harness.methods.resolve import load_run
+    from harness.sweep.prune import pruner_for
     from harness.train import train
     from harness.trials import Status
     from harness.trials.writable import check_writable
@@ -50,7 +51,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UserError(f"--profile {args.profile}: the run has {steps} steps and the profile "
                         f"needs {args.profile + SKIPPED} (the first {SKIPPED} are not recorded); "
                         "lower --profile or raise train.steps")
-    summary = train(run, out, profile_steps=args.profile or 0)
+    summary = train(run, out, profile_steps=args.profile or 0, prune=pruner_for(out))
     status = summary["status"]
     print(f"{out}: {status}" + (f" ({summary['error']})" if summary.get("error") else ""))
     if status == Status.INTERRUPTED:

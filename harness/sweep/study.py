@@ -4,7 +4,7 @@ A sampled point becomes a resolved run config exactly as a grid point does, so i
 `trials/<label>-<hash>` either way and `harness status/report` read it unchanged. The Optuna
 trial keeps that id in `user_attrs["trial_id"]`; the trial folder's `optuna.json` points back
 to the study, so the training process reports each evaluation and obeys the pruner
-(harness/train/prune.py).
+(harness/sweep/prune.py). Storage and pruners are made here alone.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from optuna.storages import (
     RDBStorage,
     RetryHeartbeatStaleTrialCallback,
 )
+from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError, ProgrammingError
@@ -44,7 +45,6 @@ from harness.config.sweep import SearchConfig
 from harness.errors import UserError
 from harness.sweep.expand import Trial, make_trial, method_entry
 from harness.sweep.trial_state import trial_statuses
-from harness.train.prune import make_pruner, plain_storage
 from harness.trials import FAILED, FINISHED, RunsDir, Status, Summary
 from harness.trials.events import verbose
 
@@ -67,6 +67,14 @@ def open_storage(target: str, heartbeat_s: int | None = None) -> BaseStorage:
             # losers try again and find them made.
             time.sleep(0.5 + random.random())
     return _open_storage(target, heartbeat_s)
+
+
+def plain_storage(target: str) -> BaseStorage:
+    """A database URL is an RDBStorage; anything else a journal file."""
+    if "://" in target:
+        return RDBStorage(target)
+    Path(target).parent.mkdir(parents=True, exist_ok=True)
+    return JournalStorage(JournalFileBackend(target))
 
 
 def _open_storage(target: str, heartbeat_s: int | None) -> BaseStorage:
@@ -102,6 +110,14 @@ def study_lock(storage: BaseStorage, study_name: str) -> Iterator[None]:
             yield
         finally:
             conn.execute(text("SELECT pg_advisory_unlock(:key)"), key)
+
+
+def make_pruner(name: str) -> optuna.pruners.BasePruner:
+    if name == "median":
+        return optuna.pruners.MedianPruner()
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner()
+    return optuna.pruners.NopPruner()
 
 
 def make_sampler(sweep: SweepConfig, worker: str = "") -> optuna.samplers.BaseSampler:

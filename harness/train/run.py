@@ -22,7 +22,6 @@ from harness.cost.tensor_peak import tracked
 from harness.errors import UserError, first_line
 from harness.train.export import finish, is_finished
 from harness.train.loop import NonFinite, Prune, Pruned, Trainer
-from harness.train.prune import pruner_for
 from harness.trials import CheckpointError, Records, Status, Summary
 from harness.trials.events import say_event
 
@@ -60,7 +59,7 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
     """Run (or resume) one trial in `out`; returns its summary, which is also on disk.
     Under DDP every rank calls this; only rank 0's records write. `profile_steps`: trace that
     many steps (harness/cost/profile.py); `prune`: asked at each evaluation whether to stop
-    (by default, the study of an Optuna sweep's trial)."""
+    (an Optuna sweep's trial: its entry hands over its study's, harness/sweep/prune.py)."""
     rec = distributed.main_only(Records(out, run))
     previous = rec.summary()
     if previous and previous.status == Status.OK:
@@ -77,7 +76,7 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
         try:
             trainer = Trainer(
                 run, rec, lambda step: flag.set or bool(should_stop and should_stop(step)),
-                prune or pruner_for(out),  # an Optuna sweep's trial finds its study in `out`
+                prune,
             )
             summary["device"] = str(trainer.device)
             # torch's intra-op pool, sized by its launcher from the allocation (OMP_NUM_THREADS)

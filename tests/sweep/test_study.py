@@ -17,6 +17,7 @@ from conftest import STEPS_LEFT, harness_here, micro_run, wait_for_step, write_y
 from harness.errors import UserError
 from harness.methods.resolve import load_run
 from harness.sweep.expand import load_sweep, make_trial
+from harness.sweep.prune import pruner_for
 from harness.sweep.study import method_space, open_storage, open_study, tell
 from harness.train import train
 from harness.trials import read_json, write_json
@@ -145,13 +146,35 @@ def test_a_trial_stops_as_pruned_when_its_study_says_so(tmp_path, monkeypatch):
             "pruner": "median",
         },
     )
-    summary = train(load_run(micro_run(steps=6)), out)
+    summary = train(load_run(micro_run(steps=6)), out, prune=pruner_for(out))
     assert summary["status"] == "pruned" and summary["step"] == 3
     assert summary["eval_ppl"] is not None
     tell(study, asked.number, summary, sweep.search)
     frozen = study.trials[0]
     assert frozen.state == optuna.trial.TrialState.PRUNED
     assert list(frozen.intermediate_values) == [3]
+
+
+def test_a_trial_reads_its_study_link_once_as_it_starts(tmp_path, monkeypatch):
+    """The link is read as the trial starts and handed down: with the file gone, the trial
+    still reports to its study and obeys its pruner. A folder without a link, or a
+    multi-objective study's (no metric: Optuna cannot prune it), gets no pruner."""
+    monkeypatch.setattr(optuna.pruners.MedianPruner, "prune", lambda self, study, trial: True)
+    sweep = load_sweep(search_file(tmp_path, sampler="tpe", n_trials=1, pruner="median"), {})
+    target = str(tmp_path / "optuna.journal")
+    study = open_study(sweep, "full", open_storage(target))
+    study.ask()
+    out = tmp_path / "trial"
+    link = {"storage": target, "study": "tpe/full", "trial": 0, "metric": "eval_ppl",
+            "pruner": "median"}
+    write_json(out / "optuna.json", link)
+    prune = pruner_for(out)
+    (out / "optuna.json").unlink()
+    assert prune is not None and prune(3, {"eval_ppl": 41.5}) is True
+    assert study.trials[0].intermediate_values == {3: 41.5}
+    assert pruner_for(out) is None
+    write_json(out / "optuna.json", {**link, "metric": None})
+    assert pruner_for(out) is None
 
 
 @pytest.mark.parametrize(("sampler", "kind"), [("random", "RandomSampler"), ("tpe", "TPESampler"),
