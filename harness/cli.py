@@ -34,8 +34,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from harness.config import parse_overrides, read_yaml
     from harness.cost.profile import SKIPPED
     from harness.distributed import pick_device
-    from harness.distributed.allocation import follow_allocation
     from harness.methods.resolve import load_run
+    from harness.sweep.launchers import follow_allocation, requeue_signals
     from harness.sweep.prune import pruner_for
     from harness.train import train
     from harness.trials import Status
@@ -51,7 +51,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UserError(f"--profile {args.profile}: the run has {steps} steps and the profile "
                         f"needs {args.profile + SKIPPED} (the first {SKIPPED} are not recorded); "
                         "lower --profile or raise train.steps")
-    summary = train(run, out, profile_steps=args.profile or 0, prune=pruner_for(out))
+    summary = train(run, out, profile_steps=args.profile or 0, prune=pruner_for(out),
+                    requeue=requeue_signals())
     status = summary["status"]
     print(f"{out}: {status}" + (f" ({summary['error']})" if summary.get("error") else ""))
     if status == Status.INTERRUPTED:

@@ -1,11 +1,11 @@
-"""The CPUs a process was given (harness/distributed/allocation.py); the real srun case is
+"""The CPUs a process was given (harness/sweep/launchers/); the real srun case is
 tests/sweep/test_slurm.py::test_harness_train_started_by_srun_runs_the_threads_of_its_cpus."""
 
 from __future__ import annotations
 
 import os
 
-from harness.distributed.allocation import allocated_cpus, tasks_on_node
+from harness.sweep.launchers import allocated_cpus, tasks_on_node
 
 
 def test_allocated_cpus_follow_slurm_then_the_affinity_mask(monkeypatch):

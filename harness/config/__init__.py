@@ -1,5 +1,6 @@
 """Typed configs loaded from YAML: a run, a sweep, their search spaces and step arithmetic."""
 
+from harness.config.launchers import LauncherConfig
 from harness.config.load import parse_overrides, read_yaml, set_dotted, validate
 from harness.config.run import (
     GLUE_TASKS,
@@ -17,7 +18,7 @@ from harness.config.run import (
     WandbConfig,
     memory_label,
 )
-from harness.config.sweep import LauncherConfig, SearchConfig, SweepConfig
+from harness.config.sweep import SearchConfig, SweepConfig
 
 __all__ = [
     "GLUE_TASKS", "MODULE_KINDS", "PRECISION_ALIASES", "Common", "EvalConfig", "LauncherConfig",

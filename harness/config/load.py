@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Discriminator, RootModel, Tag, ValidationError
 
 from harness.errors import UserError
 
@@ -87,18 +88,23 @@ def validate(model: type[BaseModel], data: Any, prefix: str = "") -> Any:
 
 
 def _explain(model: type[BaseModel], err: dict[str, Any], prefix: str, count: int) -> str:
-    loc = [str(p) for p in err["loc"]]
+    loc, allowed, others = _walk(model, [str(p) for p in err["loc"]])
     path = (prefix + ".".join(loc)).rstrip(".")
     more = f" (and {count - 1} more problem{'s' * (count > 2)})" if count > 1 else ""
     value = err.get("input")
     kind = err["type"]
     if kind == "extra_forbidden":
-        allowed = _fields_at(model, loc[:-1])
         close = difflib.get_close_matches(loc[-1], allowed, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
+        hint = f"did you mean '{close[0]}'? " if close else _elsewhere(loc[-1], others)
         return f"unknown key '{path}' ({hint}allowed: {', '.join(allowed)}){more}"
     if kind == "missing":
         return f"missing key '{path}'{more}"
+    if kind == "union_tag_invalid":  # a tagged union's tag: `kind` names the member
+        key = err["ctx"]["discriminator"].strip("'").removesuffix("()")
+        value = value.get(key) if isinstance(value, dict) else value
+        path, kind = f"{path}.{key}".lstrip("."), "literal_error"
+        err = {**err, "ctx": {"expected": " or ".join(
+            err["ctx"]["expected_tags"].rsplit(", ", 1))}}
     if kind == "literal_error":
         expected = err.get("ctx", {}).get("expected", "")
         return f"{path}: {value!r} is not allowed (allowed: {expected}){more}"
@@ -108,14 +114,55 @@ def _explain(model: type[BaseModel], err: dict[str, Any], prefix: str, count: in
     return f"{path}: {value!r} is invalid ({msg}){more}"
 
 
-def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:
-    """Field names of the nested model at `loc`, for 'allowed:' lists and suggestions."""
-    current: Any = model
+def _walk(model: type[BaseModel], loc: list[str]) -> tuple[list[str], list[str], dict[str, Any]]:
+    """`loc` without the tags pydantic adds where it checks a member of a tagged union; the
+    field names beside its last key (for 'allowed:' and suggestions); and, where those are one
+    union member's, the other members' field names by tag."""
+    root = model.model_fields["root"] if issubclass(model, RootModel) else None
+    node: tuple[Any, list[Any]] = (root.annotation, root.metadata) if root else (model, [])
+    clean: list[str] = []
+    allowed: list[str] = []
+    others: dict[str, list[str]] = {}
+    beside: dict[str, list[str]] = {}
     for part in loc:
-        field = current.model_fields.get(part) if hasattr(current, "model_fields") else None
-        if field is None or not (
-            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-        ):
-            return []
-        current = field.annotation
-    return list(current.model_fields)
+        members = _members(*node)
+        if members:  # `part` is the tag of the member the value was checked as
+            others = {t: list(m.model_fields) for t, m in members.items() if m is not
+                      members.get(part)}
+            node = (members.get(part), [])
+            continue
+        allowed, beside, others = _fields(node[0]), others, {}
+        clean.append(part)
+        field = node[0].model_fields.get(part) if allowed else None
+        node = (field.annotation, field.metadata) if field else (None, [])
+    return clean, allowed, beside
+
+
+def _fields(annotation: Any) -> list[str]:
+    is_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+    return list(annotation.model_fields) if is_model else []
+
+
+def _members(annotation: Any, metadata: list[Any]) -> dict[str, type[BaseModel]]:
+    """A tagged union's members by tag (`Annotated[Union[Annotated[M, Tag(t)], ...],
+    Discriminator(...)]`); {} for any other annotation."""
+    if not any(isinstance(m, Discriminator) for m in metadata) or get_origin(annotation) not in (
+            Union, UnionType):
+        return {}
+    members = {}
+    for arg in get_args(annotation):
+        model, *extra = get_args(arg) or (arg,)
+        members.update({m.tag: model for m in extra if isinstance(m, Tag)})
+    return members
+
+
+def _elsewhere(key: str, others: dict[str, list[str]]) -> str:
+    """Where a key unknown here is another union member's: which member has it (or one close)."""
+    near = {tag: difflib.get_close_matches(key, names, n=1) for tag, names in others.items()}
+    found = {tag: close[0] for tag, close in near.items() if close}
+    if not found:
+        return ""
+    name = next(iter(found.values()))
+    tags = " and ".join(tag for tag, close in found.items() if close == name)
+    return (f"'{name}' is a key of kind {tags}; " if name == key
+            else f"did you mean '{name}', a key of kind {tags}? ")

@@ -1,12 +1,13 @@
-"""Typed configs of a sweep: its search, where its trials run, and the sweep file itself."""
+"""Typed configs of a sweep: its search and the sweep file itself (where its trials run:
+harness/config/launchers/)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from harness.config.launchers import AnyLauncher, LocalConfig, process_kinds
 from harness.config.objectives import Constraint, Objective
 from harness.config.run import Common, Strict
 from harness.config.space import check_distributions, check_space
@@ -81,56 +82,6 @@ class SearchConfig(Strict):
         return self
 
 
-class LauncherConfig(Strict):
-    """Where trials run; the Slurm keys may come from a named profile in `slurm/<name>.yaml`."""
-
-    kind: Literal["local", "submitit-local", "slurm"] = "local"
-    jobs: int = Field(1, ge=1, description="trials run at once (Optuna: workers)")
-    profile: str | None = Field(None, description="cluster profile: slurm/<profile>.yaml")
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = None
-    nodes: int = Field(1, ge=1)
-    tasks_per_node: int = Field(1, ge=1, description="processes per node (DDP ranks)")
-    gpus_per_node: int = Field(0, ge=0)
-    cpus_per_task: int | None = Field(None, ge=1)
-    mem: str | None = Field(None, description="memory per node, e.g. 64G")
-    timeout_min: int = Field(60, ge=1, description="time limit per job; it requeues after it")
-    signal_delay_s: int = Field(90, ge=1, description="USR2 this long before the time limit")
-    max_timeouts: int = Field(3, ge=0, description="requeues after a time limit (preemption: any)")
-    max_requeues: int = Field(
-        3, ge=0, description="times the sweep resubmits a trial left interrupted with a checkpoint"
-    )
-    array_parallelism: int | None = Field(None, ge=1, description="default: jobs")
-    sbatch: dict[str, str | int | bool] = Field(
-        default_factory=dict, description="extra #SBATCH options, e.g. {exclusive: true}"
-    )
-    setup: list[str] = Field(
-        default_factory=list, description="shell lines run first (module load, conda activate)"
-    )
-
-    @field_validator("mem")
-    @classmethod
-    def _slurm_size(cls, value: str | None) -> str | None:
-        """sbatch --mem's own format (as sbatch checks it), here rather than by a job that never
-        starts."""
-        if value is not None and not re.fullmatch(r"\d+(?:[KMGT]B?)?", value, re.IGNORECASE):
-            raise ValueError(f"{value!r} is not a Slurm memory size (allowed: a whole number "
-                             "with an optional unit K, M, G or T, e.g. 64G or 64GB; 0: all of a "
-                             "node's)")
-        return value
-
-    @property
-    def ranks(self) -> int:
-        return self.nodes * self.tasks_per_node
-
-    @property
-    def at_once(self) -> int:
-        """Trials that run together: a Slurm array's parallelism (default jobs), else jobs."""
-        return (self.array_parallelism or self.jobs) if self.kind != "local" else self.jobs
-
-
 class SweepConfig(Common):
     name: str
     note: str | None = Field(
@@ -139,7 +90,7 @@ class SweepConfig(Common):
     methods: dict[str, dict[str, Any]] = Field(min_length=1)
     search: SearchConfig = Field(default_factory=SearchConfig)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
-    launcher: LauncherConfig = LauncherConfig()
+    launcher: AnyLauncher = Field(default_factory=LocalConfig)  # type: ignore[valid-type]
     storage: str | None = Field(
         None, description="Optuna storage: a journal file path or a database URL"
     )
@@ -157,9 +108,9 @@ class SweepConfig(Common):
 
     @model_validator(mode="after")
     def _launcher_fits(self) -> SweepConfig:
-        if self.launcher.ranks > 1 and self.launcher.kind == "local":
+        if self.launcher.ranks > 1 and not self.launcher.processes:
             raise ValueError(
-                "launcher: nodes x tasks_per_node > 1 (a DDP trial) needs kind submitit-local "
-                "or slurm (or run `torchrun ... harness train`)"
+                "launcher: nodes x tasks_per_node > 1 (a DDP trial) needs kind "
+                f"{' or '.join(process_kinds())} (or run `torchrun ... harness train`)"
             )
         return self

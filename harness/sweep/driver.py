@@ -14,7 +14,7 @@ from harness.config import ModelFrom, SweepConfig
 from harness.errors import UserError
 from harness.sweep.expand import expand, load_sweep, preflight
 from harness.sweep.forecast import check_disk
-from harness.sweep.launchers import launch
+from harness.sweep.launchers.launch import launch
 from harness.sweep.lock import hold
 from harness.sweep.source import GridSource
 from harness.sweep.study_source import (

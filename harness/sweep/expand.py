@@ -13,7 +13,6 @@ from tabulate import tabulate
 
 from harness.config import (
     Common,
-    LauncherConfig,
     RunConfig,
     SweepConfig,
     memory_label,
@@ -21,11 +20,12 @@ from harness.config import (
     set_dotted,
     validate,
 )
+from harness.config.launchers import with_profile
 from harness.config.space import check_space
 from harness.config.steps import Steps
 from harness.cost.estimate import estimate_run
 from harness.distributed import pick_device
-from harness.errors import UserError, suggest
+from harness.errors import UserError
 from harness.methods.base import changed_params
 from harness.methods.resolve import load_run, resolve_method
 from harness.models import check_model, fit_vocab
@@ -62,26 +62,11 @@ def load_sweep(path: str | Path, overrides: dict[str, Any]) -> SweepConfig:
             space = owner.get("space") if isinstance(owner, dict) else None
             if isinstance(space, dict):
                 space.pop(key, None)
-    launcher = data.get("launcher")
-    profile = launcher.get("profile") if isinstance(launcher, dict) else None
-    if profile and isinstance(profile, str):  # any other value: validate's one line below
-        data["launcher"] = {**read_profile(profile, Path(path)), **launcher}
+    if "launcher" in data:
+        data["launcher"] = with_profile(data["launcher"], Path(path))
     sweep = validate(SweepConfig, data)
     check_model(sweep)
     return sweep
-
-
-def read_profile(name: str, sweep_path: Path) -> dict[str, Any]:
-    """A named cluster profile, `slurm/<name>.yaml` beside the working or the sweep's folder;
-    the sweep's own launcher keys override it."""
-    places = [Path("slurm"), sweep_path.resolve().parent.parent / "slurm"]
-    found = [p / f"{name}.yaml" for p in places if (p / f"{name}.yaml").is_file()]
-    if not found:
-        known = sorted({f.stem for p in places if p.is_dir() for f in p.glob("*.yaml")})
-        raise suggest(name, known, "cluster profile", "launcher.profile")
-    data = read_yaml(found[0])
-    validate(LauncherConfig, data, prefix=f"{found[0]}: ")
-    return data
 
 
 def method_entry(sweep: SweepConfig, label: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
@@ -159,7 +144,7 @@ def preflight(sweep: SweepConfig, out: Path) -> None:
     be reached, or the tokenizer does not fit a Hugging Face config's vocabulary."""
     from harness.data.c4 import load_tokenizer, open_documents
 
-    if sweep.launcher.kind != "slurm":  # Slurm's trials run on its nodes, not this one
+    if sweep.launcher.runs_here:  # a cluster's trials run on its nodes, not this one
         pick_device(sweep.device)
     check_writable(out)
     if sweep.task.kind != "pretrain":

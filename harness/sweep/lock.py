@@ -3,7 +3,7 @@
 Two sweeps on one `--out` would each run every unfinished trial: two processes in one trial's
 folder, each measuring half the machine. So a sweep holds the folder's `sweep.lock` while it
 runs (`hold`): created with O_EXCL (atomic on local file systems and NFS alike), recording who
-took it (host, pid and that process's start time, Slurm job, command, since when), touched
+took it (host, pid and that process's start time, its job if any, command, since when), touched
 every BEAT_S while held and removed at the end. A second sweep is refused with one line naming
 the holder. A crash cannot leave the folder locked: a lock is taken over when its holder is
 gone, on the same host as soon as its pid is no longer that process, from another host (a
@@ -27,6 +27,7 @@ from pathlib import Path
 import psutil
 
 from harness.errors import UserError
+from harness.sweep.launchers import cluster_of, current_job
 from harness.trials import RunsDir
 
 BEAT_S = 30.0  # the holder touches its lock this often
@@ -42,15 +43,16 @@ class Holder:
     pid: int
     process_start: float  # the process's start time: the same pid later is another process
     since: float
-    slurm_job: str | None = None
+    job: str | None = None  # the scheduler's job this process runs in
+    launcher: str | None = None  # that job's launcher kind
     command: str = ""
 
     @classmethod
     def me(cls) -> Holder:
         pid = os.getpid()
         argv = sys.argv[1:]
-        return cls(socket.gethostname(), pid, _process_start(pid) or 0.0, time.time(),
-                   os.environ.get("SLURM_JOB_ID"),
+        kind, job = current_job() or (None, None)
+        return cls(socket.gethostname(), pid, _process_start(pid) or 0.0, time.time(), job, kind,
                    "harness " + shlex.join(argv) if argv[:1] == ["sweep"] else "")
 
     @classmethod
@@ -79,7 +81,7 @@ class Holder:
 
     def __str__(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
-        job = f", Slurm job {self.slurm_job}" if self.slurm_job else ""
+        job = f", {cluster_of(self.launcher or '').title} job {self.job}" if self.job else ""
         command = f" ({self.command})" if self.command else ""
         return f"pid {self.pid} on {self.host}{job} since {when}{command}"
 
@@ -172,7 +174,8 @@ def _remove_if_unchanged(path: Path, text: str) -> None:
 def refusal(path: Path, holder: Holder, age_s: float) -> str:
     """One line: who holds the folder, and what to do."""
     here = holder.host == socket.gethostname()
-    stop = (f"`scancel {holder.slurm_job}`" if holder.slurm_job
+    cancel = cluster_of(holder.launcher or "").stop_command(holder.job) if holder.job else ""
+    stop = (f"`{cancel}`" if cancel
             else f"`kill {holder.pid}`" + ("" if here else f" on {holder.host}"))
     stale = "" if here else (
         f"; if that machine is down, the lock is taken over once untouched for {STALE_S:.0f} s "

@@ -16,7 +16,7 @@ import time
 import zlib
 from pathlib import Path
 
-from harness.distributed.allocation import allocated_cpus
+from harness.sweep.launchers import allocated_cpus
 from harness.trials import Status, TrialDir
 
 RESEND_S = 2.0  # a stop request is repeated this often until the trial process has ended

@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +31,14 @@ CPU_OOM = "DefaultCPUAllocator: can't allocate memory"
 
 
 class _StopFlag:
-    """SIGINT, SIGTERM and USR2 (Slurm: preemption or time limit) ask for a clean stop: the
-    current step ends and a checkpoint is saved. They stay caught until the summary is written:
-    torchrun SIGTERMs the other ranks as soon as one ends (an interrupted rank ends non-zero),
-    and Slurm may signal twice, so one arriving while the trial wraps up must not end it."""
+    """SIGINT, SIGTERM and the launcher's requeue signals (a preemption or a time limit coming)
+    ask for a clean stop: the current step ends and a checkpoint is saved. They stay caught
+    until the summary is written: torchrun SIGTERMs the other ranks as soon as one ends (an
+    interrupted rank ends non-zero), and a scheduler may signal twice, so one arriving while
+    the trial wraps up must not end it."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
-
-    def __init__(self) -> None:
+    def __init__(self, requeue: Sequence[signal.Signals] = ()) -> None:
+        self.signals = tuple(dict.fromkeys((signal.SIGINT, signal.SIGTERM, *requeue)))
         self.set = False
         self.handlers: dict[int, Any] = {}
 
@@ -46,7 +46,7 @@ class _StopFlag:
         self.set = True
 
     def __enter__(self) -> _StopFlag:
-        self.handlers = {s: signal.signal(s, self) for s in self.SIGNALS}
+        self.handlers = {s: signal.signal(s, self) for s in self.signals}
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -55,11 +55,13 @@ class _StopFlag:
 
 
 def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None = None,
-          profile_steps: int = 0, prune: Prune | None = None) -> dict:
+          profile_steps: int = 0, prune: Prune | None = None,
+          requeue: Sequence[signal.Signals] = ()) -> dict:
     """Run (or resume) one trial in `out`; returns its summary, which is also on disk.
     Under DDP every rank calls this; only rank 0's records write. `profile_steps`: trace that
     many steps (harness/cost/profile.py); `prune`: asked at each evaluation whether to stop
-    (an Optuna sweep's trial: its entry hands over its study's, harness/sweep/prune.py)."""
+    (an Optuna sweep's trial: its entry hands over its study's, harness/sweep/prune.py);
+    `requeue`: the signals its launcher sends to have it checkpoint and stop, to be resumed."""
     rec = distributed.main_only(Records(out, run))
     previous = rec.summary()
     if previous and previous.status == Status.OK:
@@ -71,7 +73,7 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
     requeues = previous.get("requeues", 0) if previous else 0
     summary = Summary.start(run, out.name, requeues).to_dict()
     rec.write_summary({**summary, "pid": os.getpid()})
-    with _StopFlag() as flag:
+    with _StopFlag(requeue) as flag:
         start, trainer = time.time(), None
         try:
             trainer = Trainer(

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from conftest import write_yaml
 
-from harness.config import LauncherConfig, parse_overrides, read_yaml, set_dotted, validate
+from harness.config import parse_overrides, read_yaml, set_dotted, validate
+from harness.config.launchers import SlurmConfig
 from harness.errors import UserError, render
 from harness.methods.resolve import load_run
 from harness.sweep.expand import expand, load_sweep
@@ -43,7 +44,8 @@ def test_a_file_that_is_not_a_config_is_one_line(tmp_path, raw, match):
     ({"methods": {"full": {"space": {1: [2]}}}},
      r"^methods.full.space: 1 is not a dotted key of the run config"),  # AttributeError
     ({"launcher": {"profile": True}}, r"^launcher.profile: True is invalid"),  # TypeError
-    ({"launcher": {"mem": "64 GB"}}, r"^launcher.mem: '64 GB' is not a Slurm memory size"),
+    ({"launcher": {"kind": "slurm", "mem": "64 GB"}},
+     r"^launcher.mem: '64 GB' is not a Slurm memory size"),
     ({"train": {"precision": [1, 2]}}, r"^train.precision: \[1, 2\] is not allowed"),
 ])  # fmt: skip
 def test_a_malformed_section_under_set_is_one_line(tmp_path, change, match):
@@ -67,10 +69,10 @@ def test_a_dotted_key_with_an_empty_part_is_refused(key):
 def test_slurm_memory_sizes_are_sbatch_ones():
     """As this project's Slurm (slurm/cluster.sh) answers `sbatch --test-only --mem=...`."""
     for good in ("64G", "64GB", "500m", "1kb", "0", "200"):
-        assert validate(LauncherConfig, {"mem": good}).mem == good
+        assert validate(SlurmConfig, {"mem": good}).mem == good
     for bad in ("1.5G", "64 G", "1MiB", "lots", "-1G"):
         fails(r"^mem: .* is not a Slurm memory size \(allowed: a whole number with an optional "
-              r"unit K, M, G or T", validate, LauncherConfig, {"mem": bad})
+              r"unit K, M, G or T", validate, SlurmConfig, {"mem": bad})
 
 
 def test_a_user_error_is_one_line_whatever_the_user_wrote():

@@ -24,8 +24,9 @@ from conftest import (
     write_yaml,
 )
 
-from harness.config import LauncherConfig
-from harness.sweep.launchers import TrialJob, submit
+from harness.config.launchers import SlurmConfig
+from harness.sweep.launchers.slurm import submit
+from harness.sweep.worker import TrialJob
 from harness.trials import read_json
 
 
@@ -108,7 +109,7 @@ def test_repeated_preemption_signals_to_a_submitit_job_make_one_requeue(tmp_path
     checkpoint is written) or at once: one requeue, and the trial ends ok."""
     trial_dir, steps = tmp_path / "trial", 3 + STEPS_LEFT
     write_yaml(trial_dir / "config.yaml", micro_run(steps=steps, log_every=1))
-    (job,) = submit(LauncherConfig(kind="submitit-local", timeout_min=10), tmp_path / "jobs",
+    (job,) = submit(SlurmConfig(kind="submitit-local", timeout_min=10), tmp_path / "jobs",
                     [TrialJob(trial_dir)])
     wait_for_step(trial_dir, 3)
     task = psutil.Process(read_json(trial_dir / "summary.json")["pid"]).parent()

@@ -23,11 +23,14 @@ from conftest import (
 from conftest import train_losses as losses
 
 from harness.config import LauncherConfig
+from harness.config.launchers import SlurmConfig
 from harness.errors import UserError
 from harness.methods.resolve import load_run
 from harness.sweep.expand import load_sweep
-from harness.sweep.launchers import LocalLauncher, TrialJob, submit
+from harness.sweep.launchers.local import LocalLauncher
+from harness.sweep.launchers.slurm import submit
 from harness.sweep.study import open_storage
+from harness.sweep.worker import TrialJob
 from harness.train import train
 from harness.trials import RunsDir, read_json
 
@@ -69,7 +72,7 @@ def test_launcher_keys_are_checked(tmp_path):
 def test_a_killed_trial_is_recorded_killed_and_the_slot_moves_on(tmp_path):
     trial_dir = tmp_path / "trial"
     write_yaml(trial_dir / "config.yaml", micro_run(steps=500, checkpoint_every=0))
-    launcher = LocalLauncher(jobs=1)
+    launcher = LocalLauncher(LauncherConfig(jobs=1), tmp_path)
     codes: list[int] = []
     worker = threading.Thread(target=lambda: codes.append(launcher.run_one("t", trial_dir)))
     worker.start()
@@ -83,7 +86,7 @@ def test_a_killed_trial_is_recorded_killed_and_the_slot_moves_on(tmp_path):
 
 
 def test_local_slots_refill_as_trials_end(tmp_path):
-    launcher = LocalLauncher(jobs=2)
+    launcher = LocalLauncher(LauncherConfig(jobs=2), tmp_path)
     starts: dict[int, float] = {}
 
     def task(i: int, seconds: float) -> int:
@@ -107,7 +110,7 @@ def test_submitit_local_trial_preempted_resumes_with_the_same_losses(tmp_path, m
 
     trial_dir = tmp_path / "preempted"
     write_yaml(trial_dir / "config.yaml", run)
-    launcher = LauncherConfig(kind="submitit-local", timeout_min=10)
+    launcher = SlurmConfig(kind="submitit-local", timeout_min=10)
     (job,) = submit(launcher, tmp_path / "jobs", [TrialJob(trial_dir)])
     wait_for_step(trial_dir, 3)
     # What Slurm does on preemption: USR2 to the job step, here the submitit task process

@@ -28,10 +28,10 @@ from conftest import (
 from services import require_service
 from submitit.core.utils import cloudpickle_dump
 
-from harness.config import LauncherConfig
+from harness.config.launchers import SlurmConfig
 from harness.methods.resolve import load_run
-from harness.sweep.launchers import submit, wait
-from harness.sweep.trial_state import slurm_states
+from harness.sweep.launchers.slurm import submit, wait
+from harness.sweep.launchers.slurm_cluster import SlurmCluster
 from harness.train import train
 from harness.trials import read_json
 
@@ -158,16 +158,17 @@ def test_a_job_slurm_still_holds_has_not_ended_though_its_result_files_are_there
     one on preemption, rank 0 an error when the requeue's cancellation kills its `scontrol`):
     the sweep waits until Slurm lets the job go, then reads its last run's result. CI met a
     sweep that ended, its trial unfinished, while that trial's job was requeued."""
-    launcher = LauncherConfig(kind="slurm", partition="debug", cpus_per_task=1, timeout_min=5)
+    launcher = SlurmConfig(kind="slurm", partition="debug", cpus_per_task=1, timeout_min=5)
     (job,) = submit(launcher, tmp_path / "jobs", [partial(time.sleep, 6)])
     job_id, deadline = str(job.job_id), time.time() + 60
-    while slurm_states([job_id]).get(job_id) != "running":
+    while SlurmCluster.job_states([job_id]).get(job_id) != "running":
         assert time.time() < deadline, "the job did not start"
         time.sleep(0.2)
     cloudpickle_dump(("success", "the run before's"), job.paths.result_pickle)  # submitit's form
     assert job.done()  # all submitit looks at
     seen = []
-    wait([job], lambda _, j: seen.append((slurm_states([job_id]), j.result())), slurm=True)
+    wait([job], lambda _, j: seen.append((SlurmCluster.job_states([job_id]), j.result())),
+         slurm=True)
     assert seen == [({}, None)]  # Slurm had let it go; None is time.sleep's, its last run's
 
 

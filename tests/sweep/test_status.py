@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from harness.config import SweepConfig
-from harness.sweep import trial_state as status_module
 from harness.sweep.expand import expand, load_sweep
+from harness.sweep.launchers import slurm_cluster as status_module
+from harness.sweep.launchers.slurm_cluster import SlurmCluster
 from harness.sweep.source import GridSource
 from harness.sweep.study_source import open_studies
-from harness.sweep.trial_state import slurm_states, trial_statuses
+from harness.sweep.trial_state import trial_statuses
 from harness.trials import RunsDir, TrialDir
 
 
@@ -68,7 +69,7 @@ def test_no_squeue_without_a_slurm_trial_to_ask_about(tmp_path, monkeypatch):
     finished = slurm_trial(runs, "finished", "5", "nan")
     assert trial_statuses([local, finished, runs.trial("never")]) == [
         "interrupted", "nan", "pending"]
-    assert squeue.calls == [] and slurm_states([]) == {}
+    assert squeue.calls == [] and SlurmCluster.job_states([]) == {}
 
 
 def test_squeue_missing_or_failing_means_no_live_job(tmp_path, monkeypatch):

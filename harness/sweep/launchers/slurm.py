@@ -1,133 +1,29 @@
-"""Where trials run: the sweep's own thread slots, or submitit jobs (its local executor, or
-Slurm). Each source is worked by one `Worker` loop; a launcher only decides where that loop
-starts each trial's process: a child of the sweep (`LocalLauncher.run_one`), or a child of a
-checkpointable submitit job (`TrialJob`), which on Slurm is a task of one job array.
-"""
+"""The Slurm launcher, through submitit: each source a checkpointable submitit job
+(`TrialJob`), on Slurm a task of one job array, or with `kind: submitit-local` the same jobs
+on this machine. The sweep waits for the jobs and records any that died before their trial
+could record its end."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
-from contextlib import nullcontext, suppress
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from tqdm import tqdm
 
-from harness.config import LauncherConfig
-from harness.distributed.allocation import allocated_cpus
+from harness.config.launchers import SlurmConfig
 from harness.errors import last_line
-from harness.sweep.process import record_end, trial_env
+from harness.sweep.launchers.base import Launcher, register
+from harness.sweep.launchers.local import pool
+from harness.sweep.launchers.slurm_cluster import SlurmCluster
 from harness.sweep.source import Source
-from harness.sweep.starter import ForkedTrial, start_server, start_trial
-from harness.sweep.stop import deferred, raise_if_stopped
-from harness.sweep.trial_state import slurm_states
-from harness.sweep.worker import TrialJob, Worker
+from harness.sweep.stop import raise_if_stopped
+from harness.sweep.worker import TrialJob
 from harness.trials import RunsDir, Status, TrialDir
 
-POLL_S = 0.5  # how often a sweep's main thread looks for a stop signal while trials run
 
-
-def launch(
-    sources: list[Source], launcher: LauncherConfig, out: Path, total: int | None = None
-) -> None:
-    """Work every source, `jobs` at a time (on Slurm, `array_parallelism`); `total`, a
-    grid's trial count, draws a progress bar of trials."""
-    if not sources:
-        return
-    with deferred():  # a stop signal is acted on where the launcher polls for it
-        if launcher.kind == "local":
-            LocalLauncher(launcher.jobs).work(sources, total)
-        else:
-            run_jobs(sources, launcher, out)
-
-
-def say(text: str, file: IO[str] | None = None) -> None:
-    """One line of the sweep's output, above its progress bar (stdout by default); a reader
-    that is gone (a pipe closed, a terminal hung up) costs the line, never the sweep."""
-    with suppress(OSError):
-        tqdm.write(text, file=file)
-
-
-class LocalLauncher:
-    """Runs trials as child processes; Ctrl-C (or any stop signal, harness/sweep/stop.py)
-    lets each one checkpoint before the sweep exits."""
-
-    def __init__(self, jobs: int) -> None:
-        self.jobs = jobs
-        self.procs: set[ForkedTrial] = set()
-        self.lock = threading.Lock()
-        self.stopping = False
-        self.bar: tqdm | None = None
-
-    def run_one(self, trial_id: str, trial_dir: Path) -> int:
-        """Run one trial, its output streamed with a prefix; a slot frees when it ends."""
-        threads = max(1, allocated_cpus() // self.jobs)
-        trial = TrialDir(trial_dir)
-        with self.lock:
-            if self.stopping:
-                return 130
-            trial.record_launch("local")
-            stderr = trial.open_stderr()
-            proc = start_trial(trial_dir, trial_env(threads), stderr)
-            self.procs.add(proc)
-        with stderr:
-            for line in proc.stdout:
-                say(f"[{trial_id}] {line.rstrip()}")
-            code = proc.wait()
-        with self.lock:
-            self.procs.discard(proc)
-        if not self.stopping:
-            record_end(trial_dir, code)
-        if self.bar is not None:
-            self.bar.update(1)
-        return code
-
-    def work(self, sources: list[Source], total: int | None = None) -> None:
-        """A Worker loop per source, each running its trials here."""
-        bar = tqdm(total=total, desc="trials", unit="trial", dynamic_ncols=True) if total else None
-        start_server()
-        with bar or nullcontext():
-            self.bar = bar
-            self.pool([Worker(source, self.run_one).run for source in sources])
-
-    def pool(self, tasks: list[Callable[[], Any]]) -> list[Any]:
-        """`jobs` slots, each refilled as soon as its task ends; Ctrl-C checkpoints them all."""
-        with ThreadPoolExecutor(max_workers=self.jobs) as pool:
-            futures = [pool.submit(task) for task in tasks]
-            try:
-                pending = set(futures)
-                while pending:
-                    pending = wait_futures(pending, timeout=POLL_S)[1]
-                    raise_if_stopped()
-                return [f.result() for f in futures]
-            except KeyboardInterrupt:
-                self.interrupt()
-                raise
-
-    def interrupt(self) -> None:
-        """Ask running trials to stop at the end of their step; they save a checkpoint."""
-        with self.lock:
-            self.stopping = True
-            procs = list(self.procs)
-        if procs:
-            say(f"stopping: {len(procs)} running trials save a checkpoint", sys.stderr)
-        for proc in procs:
-            proc.send_signal(signal.SIGINT)
-        for proc in procs:
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def make_executor(launcher: LauncherConfig, folder: Path) -> Any:
+def make_executor(launcher: SlurmConfig, folder: Path) -> Any:
     """submitit's executor for `submitit-local` or `slurm`, from the sweep's launcher keys."""
     import submitit  # only for a submitit launcher: the CLI does not pay for it
 
@@ -155,7 +51,7 @@ def make_executor(launcher: LauncherConfig, folder: Path) -> Any:
     return executor
 
 
-def submit(launcher: LauncherConfig, folder: Path, calls: list[Callable[[], Any]]) -> list[Any]:
+def submit(launcher: SlurmConfig, folder: Path, calls: list[Callable[[], Any]]) -> list[Any]:
     """Slurm: one job array (at most `array_parallelism` running); locally one job each."""
     executor = make_executor(launcher, folder)
     if launcher.kind == "slurm":
@@ -202,7 +98,7 @@ def ended(jobs: list[Any], pending: list[int], held: dict[int, tuple[float, floa
     now = time.monotonic()
     due = [i for i in pending if i not in held or held[i][0] <= now]
     ready = {i: str(jobs[i].job_id) for i in due if jobs[i].done()}
-    listed = slurm_states(list(ready.values())) if slurm else {}
+    listed = SlurmCluster.job_states(list(ready.values())) if slurm else {}
     for i, job_id in ready.items():
         if job_id in listed:
             gap = min(RECHECK_MAX_S, 2 * held[i][1]) if i in held else 1.0
@@ -210,20 +106,26 @@ def ended(jobs: list[Any], pending: list[int], held: dict[int, tuple[float, floa
     return [i for i, job_id in ready.items() if job_id not in listed]
 
 
-def run_jobs(sources: list[Source], launcher: LauncherConfig, out: Path) -> None:
+@register
+class SlurmLauncher(Launcher):
     """A submitit job per source; the sweep waits for them and reports each as it ends.
     submitit-local has no job array to cap how many run at once: there `jobs` slots each
     submit a grid trial's job when their last one ended."""
-    if launcher.kind == "submitit-local" and all(s.assigned for s in sources):
-        LocalLauncher(launcher.jobs).pool(
-            [lambda s=s: _run_local_job(launcher, out, s) for s in sources]
-        )
-        return
-    jobs = submit(launcher, RunsDir(out).jobs, [TrialJob(s) for s in sources])
-    for source, job in zip(sources, jobs, strict=True):
-        _record(source, launcher, job)
-    print(_announce(sources, jobs), flush=True)
-    wait(jobs, lambda i, job: _collect(sources[i], job), slurm=launcher.kind == "slurm")
+
+    kinds = ("submitit-local", "slurm")
+    cluster = SlurmCluster
+    config: SlurmConfig
+
+    def launch(self, sources: list[Source], total: int | None = None) -> None:
+        launcher, out = self.config, self.out
+        if launcher.kind == "submitit-local" and all(s.assigned for s in sources):
+            pool(launcher.jobs, [lambda s=s: _run_local_job(launcher, out, s) for s in sources])
+            return
+        jobs = submit(launcher, RunsDir(out).jobs, [TrialJob(s) for s in sources])
+        for source, job in zip(sources, jobs, strict=True):
+            _record(source, launcher, job)
+        print(_announce(sources, jobs), flush=True)
+        wait(jobs, lambda i, job: _collect(sources[i], job), slurm=launcher.kind == "slurm")
 
 
 def _announce(sources: list[Source], jobs: list[Any]) -> str:
@@ -233,7 +135,7 @@ def _announce(sources: list[Source], jobs: list[Any]) -> str:
     return f"submitted {len(jobs)} workers: {', '.join(str(j.job_id) for j in jobs)}"
 
 
-def _run_local_job(launcher: LauncherConfig, out: Path, source: Source) -> None:
+def _run_local_job(launcher: SlurmConfig, out: Path, source: Source) -> None:
     (job,) = submit(launcher, RunsDir(out).jobs, [TrialJob(source)])
     _record(source, launcher, job)
     _collect(source, job)
@@ -242,7 +144,7 @@ def _run_local_job(launcher: LauncherConfig, out: Path, source: Source) -> None:
         print(f"[{trial_id}] {summary.status if summary else 'pending'}", flush=True)
 
 
-def _record(source: Source, launcher: LauncherConfig, job: Any) -> None:
+def _record(source: Source, launcher: SlurmConfig, job: Any) -> None:
     """A trial submitted as a job is launched from now: `harness status` sees it queued."""
     for _, trial_dir in source.assigned:
         TrialDir(trial_dir).record_launch(launcher.kind, str(job.job_id))
