@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from harness.errors import UserError
-from harness.methods import get_method
+from harness.methods import get_memory, get_method
 from harness.models import PRESETS
 from harness.trials import Status
 
@@ -160,7 +160,8 @@ def outside_use(group: pd.DataFrame) -> str | None:
     if "pretrain" in method.tasks:
         return None
     meant = " and ".join(TASKS.get(t, t) for t in method.tasks)
-    base = ", so the frozen base it adapts is random" if method.linears == "adapter" else ""
+    adapter = get_memory(method.name).linears == "adapter"
+    base = ", so the frozen base it adapts is random" if adapter else ""
     return (f"run outside its intended use (meant for {meant}): here it pretrains "
             f"{group['model'].iloc[0]} from randomly initialised weights{base}. "
             f"{method.tasks_note}.")

@@ -1,18 +1,26 @@
-"""Training methods. Each module here registers its method(s); importing this package finds them."""
+"""Training methods. Each module here registers its method(s) or their companions (`_memory`);
+importing this package finds them, and checks that every method has its companion."""
 
 import importlib
 import pkgutil
 
 from harness.methods.base import (
-    MemoryEstimate,
     Method,
+    build_memory,
     build_method,
+    check_companions,
+    get_memory,
     get_method,
+    memory_of,
     method_names,
     register,
+    register_memory,
 )
+from harness.methods.memory import Memory, MemoryEstimate
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
+check_companions()
 
-__all__ = ["MemoryEstimate", "Method", "build_method", "get_method", "method_names", "register"]
+__all__ = ["Memory", "MemoryEstimate", "Method", "build_memory", "build_method", "get_memory",
+           "get_method", "memory_of", "method_names", "register", "register_memory"]

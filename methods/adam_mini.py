@@ -26,19 +26,8 @@ from torch import Tensor, nn
 
 from harness import distributed
 from harness.distributed import fsdp
-from harness.methods.base import (
-    Groups,
-    MemoryEstimate,
-    Method,
-    Shapes,
-    grad_bytes,
-    numel,
-    register,
-    row_share,
-)
+from harness.methods.base import Groups, Method, register
 from harness.methods.full import AdamConfig
-from harness.methods.widths import widths
-from harness.models import architecture
 from harness.modifiers.compensation import ParamwiseOptimizer, add_update, own_optimizer_kwargs
 
 if TYPE_CHECKING:
@@ -73,7 +62,7 @@ def block_count(kind: str, shape: tuple[int, ...], head_dim: int) -> int:
     """Second-moment values of a tensor of `shape` partitioned as `kind` (`head_dim`: rows of
     one attention head)."""
     if kind == "element":
-        return numel(shape)
+        return math.prod(shape)
     if kind == "head":
         if shape[0] % head_dim:
             raise ValueError(f"{shape[0]} rows are not whole heads of {head_dim} rows")
@@ -199,28 +188,3 @@ class AdamMiniMethod(Method):
             return ("its per-block second moments are its own tensors, not a bitsandbytes "
                     "optimizer's, so they cannot be paged; use memory.optimizer_offload: host")
         return None
-
-    def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
-        """Its own optimizer computes every bf16-true update in float32, bfloat16 moments too:
-        then the first moment's float32 copy lives beside the two of `Method.update_bytes`."""
-        if run.train.precision != "bf16-true":
-            return 0
-        copies = 2 if run.train.state_dtype == "float32" else 3
-        return 4 * copies * max(numel(s) for s in shapes.values())
-
-    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        """mn + blocks state values per m×n weight at the state width, plus Kahan buffers."""
-        return self.estimate_sharded(shapes, run, 1)
-
-    def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
-        """Under fsdp the moments and row blocks by this rank's rows; head and tensor blocks
-        whole on every rank (WHOLE)."""
-        head_dim, w = architecture(str(run.model)).head_dim, widths(run)
-        sizes = [numel(row_share(s, world)) for s in shapes.values()]
-        blocks = 0
-        for name, shape in shapes.items():
-            kind = block_kind(name, tuple(shape))
-            held = row_share(shape, world) if kind in ("element", "row") else tuple(shape)
-            blocks += block_count(kind, held, head_dim)
-        states = w.state * (sum(sizes) + blocks) + w.compensation * sum(sizes)
-        return MemoryEstimate(w.weight * sum(sizes), grad_bytes(sizes, run, self.steps), states)

@@ -24,34 +24,17 @@ from torch import nn
 
 from harness.methods.apollo_int8_optim import APOLLOInt8Optimizer
 from harness.methods.apollo_optim import APOLLOOptimizer
-from harness.methods.base import (
-    TARGETS,
-    Groups,
-    MemoryEstimate,
-    Shapes,
-    grad_bytes,
-    grad_bytes_of,
-    live_grad_bytes,
-    numel,
-    register,
-    replace_linears,
-    row_share,
-    tensor_bytes,
-)
+from harness.methods.base import Groups, register
 from harness.methods.full import AdamConfig
-from harness.methods.galore import GaLore, basis_numel, state_bytes
-from harness.methods.galore_optim import BASIS_KEYS
-from harness.methods.projection import lowrank_shape, side_of
-from harness.methods.quant import Int8Linear, int8_bytes
-from harness.methods.widths import widths
+from harness.methods.galore import GaLore
+from harness.methods.projection import side_of
+from harness.methods.quant import Int8Linear
+from harness.methods.surgery import TARGETS, replace_linears, target_matrix
 from harness.modifiers.compensation import own_optimizer_kwargs
 from harness.modifiers.optimizer import unwrap
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
-
-LIMITER_BYTES = 4  # the limiter's last update norm: one float32 per targeted matrix
-
 
 class APOLLOCommon(AdamConfig):
     """What APOLLO and APOLLO-Mini share."""
@@ -82,12 +65,27 @@ class APOLLOCommon(AdamConfig):
                              "reference (q_apollo.py) decays no non-target parameter")
         return self
 
+    def projection(self) -> tuple[int, str]:
+        """The projection's rank and the scaling's granularity."""
+        raise NotImplementedError
+
+    def targeted(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether the parameter `name` is a target linear's weight (GaLore's rule)."""
+        return target_matrix(name, shape, self.target_modules)
+
+    def projects(self, name: str, shape: tuple[int, ...]) -> bool:
+        """A target matrix below full rank; at a rank ≥ min(m, n) AdamW updates it."""
+        return self.targeted(name, shape) and side_of(shape, "std", self.projection()[0]) != "none"
+
 
 class APOLLOConfig(APOLLOCommon):
     rank: int = Field(256, ge=1, description="r: the auxiliary projection's rank")
     scale: float = Field(1.0, gt=0, description="the update is multiplied by √scale (α²)")
     scale_type: Literal["channel", "tensor"] = Field(
         "channel", description="one scaling factor per channel, or per matrix")
+
+    def projection(self) -> tuple[int, str]:
+        return self.rank, self.scale_type
 
 
 @register("apollo")
@@ -115,14 +113,6 @@ class APOLLO(GaLore):
                     "row shards would cut; use optimizer: adamw, or train.parallel: ddp")
         return None
 
-    @property
-    def linears(self) -> str:  # type: ignore[override]
-        return "quantized" if self.config.int8_weights else "float"
-
-    def shape_settings(self) -> tuple[int, str]:
-        """The projection's rank and the scaling's granularity."""
-        return self.config.rank, self.config.scale_type
-
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         """int8_weights: each scaled linear becomes INT8 (nearest rounding), keeping the seed
         the float method would give it."""
@@ -130,7 +120,7 @@ class APOLLO(GaLore):
             return model
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         for i, (name, p) in enumerate(named, 1):
-            if self.projects(name, tuple(p.shape)):
+            if self.config.projects(name, tuple(p.shape)):
                 module = name.rpartition(".")[0]
                 parent, _, child = module.rpartition(".")
                 layer = Int8Linear.from_linear(model.get_submodule(module),
@@ -139,20 +129,15 @@ class APOLLO(GaLore):
                 self.seeds[layer] = i
         return model
 
-    def projects(self, name: str, shape: tuple[int, ...]) -> bool:
-        """A target matrix below full rank; at a rank ≥ min(m, n) AdamW updates it."""
-        rank = self.shape_settings()[0]
-        return self.targeted(name, shape) and side_of(shape, "std", rank) != "none"
-
     def param_groups(self, model: nn.Module, run: RunConfig) -> Groups:
         """One group per scaled matrix, with its projection seed (its 1-based place among
         the trained parameters, as the reference numbers them), so a layer-wise split keeps
         each seed; then the other matrices, then vectors (decayed with `decay_vectors`)."""
-        wd, rank = run.train.weight_decay, self.shape_settings()[0]
+        wd, rank = run.train.weight_decay, self.config.projection()[0]
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups: Groups = [{"params": [p], "rank": rank, "seed": i, "weight_decay": wd}
                           for i, (n, p) in enumerate(named, 1)
-                          if self.projects(n, tuple(p.shape))]
+                          if self.config.projects(n, tuple(p.shape))]
         ids = {id(g["params"][0]) for g in groups}
         rest = [p for _, p in named if id(p) not in ids]
         vector_wd = wd if self.config.decay_vectors else 0.0
@@ -160,7 +145,7 @@ class APOLLO(GaLore):
                 {"params": [p for p in rest if p.dim() < 2], "weight_decay": vector_wd}]
 
     def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
-        c, scale_type = self.config, self.shape_settings()[1]
+        c, scale_type = self.config, self.config.projection()[1]
         return APOLLOOptimizer(
             groups, lr=run.train.lr, betas=c.betas, eps=c.eps, inner=c.optimizer,
             update_proj_gap=c.update_proj_gap, scale=c.scale, proj=c.proj,
@@ -171,7 +156,7 @@ class APOLLO(GaLore):
         c = self.config
         if not c.int8_weights:
             return super().optimizer(model, run)
-        rank, scale_type = self.shape_settings()
+        rank, scale_type = self.config.projection()
         layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
         return APOLLOInt8Optimizer(  # Int8Linear keeps no weight parameter: the rest are others
             layers, [self.seeds[m] for m in layers], list(model.parameters()), lr=run.train.lr,
@@ -204,50 +189,3 @@ class APOLLO(GaLore):
     def export(self, model: nn.Module) -> nn.Module:
         """int8_weights: each INT8 linear dequantized into a float one."""
         return replace_linears(model, Int8Linear, Int8Linear.dequantized)
-
-    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        return self.estimate_sharded(shapes, run, 1)
-
-    def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
-        """Under fsdp (`world` > 1; never with int8_weights) weights, gradients and the moments
-        of a right side or an unprojected tensor by this rank's rows, a left side's r×n moments
-        whole on every rank, as GaLore's."""
-        c, w, rank = self.config, widths(run), self.shape_settings()[0]
-        sizes = [numel(row_share(s, world)) for s in shapes.values()]
-        weights, state, extra = w.weight * sum(sizes), w.compensation * sum(sizes), 0
-        for name, full in shapes.items():
-            shape, side = tuple(full), "none"
-            if self.projects(name, shape):
-                side = side_of(shape, "std", rank)
-                if c.proj == "svd":  # stored in the weights' dtype; a random one is not stored
-                    extra += w.weight * basis_numel(shape, side, rank)
-                if c.int8_weights:  # codes, each group's scale and zero; no compensation
-                    weights -= (w.weight - 1) * numel(shape)
-                    state -= w.compensation * numel(shape)
-                    extra += int8_bytes(shape, c.weight_group) - numel(shape)
-                shape = lowrank_shape(shape, side, rank)
-                state += LIMITER_BYTES if c.limiter else 0
-            if side in ("right", "none"):
-                shape = row_share(shape, world)
-            state += state_bytes(shape, c.optimizer, c.min_8bit_size, None, w.state)
-        if c.int8_weights:  # every update runs in backward; the INT8 layers' G is float32
-            int8 = [numel(s) for n, s in shapes.items() if self.projects(n, tuple(s))]
-            floats = [numel(s) for n, s in shapes.items() if not self.projects(n, tuple(s))]
-            grads = grad_bytes_of(floats, True, self.steps.accumulation, w.grad, int8)
-        else:
-            grads = grad_bytes(sizes, run, self.steps)
-        return MemoryEstimate(weights, grads, state, extra)
-
-    def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
-        if not isinstance(optimizer, APOLLOInt8Optimizer):
-            return super().measure(model, optimizer)
-        params, layers = list(model.parameters()), optimizer.layers
-        inner = [st for o in optimizer.inner.values() for st in o.state.values()]
-        states = [optimizer.layer_state[m] for m in layers] + inner
-        return MemoryEstimate(
-            weight_bytes=tensor_bytes(params) + tensor_bytes([m.codes for m in layers]),
-            grad_bytes=live_grad_bytes(params),
-            optimizer_state_bytes=tensor_bytes([{k: v for k, v in st.items() if k not in BASIS_KEYS}
-                                                for st in states]),
-            extra_bytes=tensor_bytes([[m.scale, m.zero] for m in layers])
-            + tensor_bytes([[st.get(k) for k in BASIS_KEYS] for st in states]))

@@ -13,11 +13,11 @@ from harness.methods.base import register
 class APOLLOMiniConfig(APOLLOCommon):
     scale: float = Field(128.0, gt=0, description="the update is multiplied by √scale (α²)")
 
+    def projection(self) -> tuple[int, str]:
+        return 1, "tensor"
+
 
 @register("apollo_mini")
 class APOLLOMini(APOLLO):
     summary = "APOLLO-Mini: rank-1 random projection, one scaling factor per matrix"
     Config = APOLLOMiniConfig
-
-    def shape_settings(self) -> tuple[int, str]:
-        return 1, "tensor"

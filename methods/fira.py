@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -25,14 +24,13 @@ from pydantic import Field
 from torch import Tensor
 
 from harness import distributed
-from harness.methods.base import Groups, MemoryEstimate, Shapes, register
+from harness.methods.base import Groups, register
 from harness.methods.galore import GaLore, ProjectionConfig
 from harness.methods.galore_optim import GaLoreOptimizer
 from harness.methods.projection import (
     back_projected,
     project,
     project_back_,
-    side_of,
 )
 from harness.modifiers.compensation import add_update, own_optimizer_kwargs
 
@@ -40,7 +38,6 @@ if TYPE_CHECKING:
     from harness.config import RunConfig
 
 LIMITER = "fira_norm"  # state key: ‖S‖ of the last step, before bias correction (float32)
-LIMITER_BYTES = 4
 TINY = 1e-8  # the reference's guard in φ's and the limiter's denominators
 
 
@@ -76,15 +73,6 @@ class Fira(GaLore):
             groups, lr=run.train.lr, betas=c.betas, eps=c.eps, inner=c.optimizer,
             proj_type=c.proj_type, update_proj_gap=c.update_proj_gap, scale=c.scale,
             gamma=c.gamma, min_8bit_size=c.min_8bit_size, **own_optimizer_kwargs(run.train))
-
-    def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
-        """GaLore's bytes (mr basis, 2nr moments) plus the limiter's scalar per projected
-        matrix (whole on every rank under fsdp)."""
-        c, base = self.config, super().estimate_sharded(shapes, run, world)
-        projected = sum(1 for name, full in shapes.items() if self.targeted(name, tuple(full))
-                        and side_of(tuple(full), c.proj_type, c.rank) != "none")
-        return replace(base, optimizer_state_bytes=base.optimizer_state_bytes
-                       + LIMITER_BYTES * projected)
 
 
 class FiraOptimizer(GaLoreOptimizer):

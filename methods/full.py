@@ -8,32 +8,17 @@ import torch
 from pydantic import Field
 
 from harness.config import Strict
-from harness.methods.base import Groups, MemoryEstimate, Method, Shapes, grad_bytes, numel, register
-from harness.methods.widths import widths
+from harness.methods.base import Groups, Method, register
 from harness.modifiers.compensation import pure_adamw
 from harness.modifiers.offload import repaged_on_load
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
-    from harness.config.steps import Steps
 
 
 class AdamConfig(Strict):
     betas: tuple[float, float] = Field((0.9, 0.999), description="moment decay rates")
     eps: float = Field(1e-8, gt=0, description="added to the second moment's root")
-
-
-def adam_bytes(float_numel: int, trainable: list[int], run: RunConfig, steps: Steps,
-               other_bytes: int = 0) -> MemoryEstimate:
-    """AdamW's bytes: `float_numel` float weights (and `other_bytes` of codes) at the run's
-    width, its gradients, two moments in the state dtype, torch's float32 step per trained
-    tensor (bf16-true's AdamW counts steps in a Python int) and, with Kahan summation, a bf16
-    compensation per trained element (methods/widths.py)."""
-    w, n = widths(run), sum(trainable)
-    step = 0 if run.train.precision == "bf16-true" else 4  # `adamw` below picks the optimizer
-    states = (2 * w.state + w.compensation) * n + step * len(trainable)
-    return MemoryEstimate(w.weight * float_numel + other_bytes,
-                          grad_bytes(trainable, run, steps), states)
 
 
 def adamw(groups: Groups, run: RunConfig, config: AdamConfig) -> torch.optim.Optimizer:
@@ -60,7 +45,3 @@ class Full(Method):
 
     def fsdp_refusal(self, run: RunConfig) -> str | None:
         return None  # torch's AdamW steps each rank's shard: elementwise, nothing to gather
-
-    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        sizes = [numel(s) for s in shapes.values()]
-        return adam_bytes(sum(sizes), sizes, run, self.steps)

@@ -1,38 +1,21 @@
 """GaLore (Zhao et al., 2024): full-parameter training whose optimizer states are low-rank.
 
 Every weight trains; only the targeted matrices' gradients are projected (the optimizer lives
-in methods/galore_optim.py). Projection matrices are counted as extra bytes, the low-rank
-moments as optimizer state.
+in methods/galore_optim.py; its bytes in methods/galore_memory.py).
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field
 from torch import nn
 
-from harness.methods.adam8bit import adam8bit_state_bytes
-from harness.methods.base import (
-    TARGETS,
-    Groups,
-    MemoryEstimate,
-    Method,
-    Shapes,
-    grad_bytes,
-    is_target,
-    live_grad_bytes,
-    numel,
-    register,
-    row_share,
-    tensor_bytes,
-)
+from harness.methods.base import Groups, Method, register
 from harness.methods.full import AdamConfig
-from harness.methods.galore_optim import BASIS_KEYS, GaLoreOptimizer
-from harness.methods.projection import lowrank_shape, side_of
-from harness.methods.widths import widths
+from harness.methods.galore_optim import GaLoreOptimizer
+from harness.methods.surgery import TARGETS, target_matrix
 from harness.modifiers.compensation import own_optimizer_kwargs
 from harness.modifiers.optimizer import unwrap
 
@@ -52,6 +35,10 @@ class ProjectionConfig(AdamConfig):
         default_factory=lambda: list(TARGETS), min_length=1,
         description="a 2-D weight is projected when one of these is a component of its name")
 
+    def targeted(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether the parameter `name` is a projected matrix (a target linear's weight)."""
+        return target_matrix(name, shape, self.target_modules)
+
 
 class GaLoreConfig(ProjectionConfig):
     optimizer: Literal["adamw", "adam8bit", "adafactor"] = Field(
@@ -70,16 +57,11 @@ class GaLore(Method):
     summary = "GaLore: gradients projected to rank r, states there (AdamW, 8-bit, Adafactor)"
     Config = GaLoreConfig
 
-    def targeted(self, name: str, shape: tuple[int, ...]) -> bool:
-        """Whether the parameter `name` is a projected matrix (a target linear's weight)."""
-        module = name.rpartition(".")[0]
-        return len(shape) == 2 and is_target(module, self.config.target_modules, anywhere=True)
-
     def param_groups(self, model: nn.Module, run: RunConfig) -> Groups:
         """Projected matrices, the other matrices, and vectors (never decayed)."""
         wd = run.train.weight_decay
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        projected = [p for n, p in named if self.targeted(n, tuple(p.shape))]
+        projected = [p for n, p in named if self.config.targeted(n, tuple(p.shape))]
         ids = {id(p) for p in projected}
         rest = [p for _, p in named if id(p) not in ids]
         return [
@@ -122,55 +104,3 @@ class GaLore(Method):
         return {"galore_svd": attempts,
                 "svd_retries": sum(o.svd_retries for o in opts),
                 "svd_failures": sum(o.svd_failures for o in opts)}
-
-    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        return self.estimate_sharded(shapes, run, 1)
-
-    def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
-        """Weights, gradients and the moments of a right side (or an unprojected tensor) by
-        this rank's rows; a left side's r×n moments and every basis whole on every rank."""
-        c, w = self.config, widths(run)
-        sizes = [numel(row_share(s, world)) for s in shapes.values()]
-        state, extra = w.compensation * sum(sizes), 0
-        for name, full in shapes.items():
-            shape, side = tuple(full), "none"
-            if self.targeted(name, shape):  # the basis is kept in the weights' dtype
-                side = side_of(shape, c.proj_type, c.rank)
-                extra += w.weight * basis_numel(shape, side, c.rank)
-                shape = lowrank_shape(shape, side, c.rank)
-            least = c.min_8bit_size if numel(shape) < c.min_8bit_size else 0  # by the whole
-            if side in ("right", "none"):
-                shape = row_share(shape, world)
-            state += state_bytes(shape, c.optimizer, least,
-                                 getattr(c, "adafactor_beta1", None), w.state)  # Fira: none
-        return MemoryEstimate(w.weight * sum(sizes), grad_bytes(sizes, run, self.steps), state,
-                              extra)
-
-    def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
-        params = list(model.parameters())
-        states = list(optimizer.state.values())
-        moments = [{k: v for k, v in s.items() if k not in BASIS_KEYS} for s in states]
-        return MemoryEstimate(
-            weight_bytes=sum(tensor_bytes(p) for p in params),
-            grad_bytes=live_grad_bytes(params),
-            optimizer_state_bytes=tensor_bytes(moments),
-            extra_bytes=tensor_bytes([s.get(k) for s in states for k in BASIS_KEYS]),
-        )
-
-
-def basis_numel(shape: tuple[int, ...], side: str, rank: int) -> int:
-    m, n = shape
-    return {"none": 0, "left": m * rank, "right": rank * n, "full": (m + n) * rank}[side]
-
-
-def state_bytes(shape: tuple[int, ...], inner: str, min_8bit_size: int,
-                beta1: float | None, width: int = 4) -> int:
-    """Bytes of the moments the inner optimizer keeps for a gradient (or projection) of `shape`,
-    32-bit ones at `width` bytes an element (8-bit ones stay 8-bit)."""
-    n = math.prod(shape)
-    if inner == "adafactor":
-        sq = width * (n // shape[-1] + n // shape[-2]) if len(shape) >= 2 else width * n
-        return sq + (width * n if beta1 is not None else 0)
-    if inner == "adam8bit":
-        return adam8bit_state_bytes(n, min_8bit_size, width)
-    return 2 * width * n

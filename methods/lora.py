@@ -12,18 +12,9 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from harness.methods.base import (
-    TARGETS,
-    Groups,
-    MemoryEstimate,
-    Method,
-    Shapes,
-    is_target,
-    numel,
-    register,
-    update_bytes,
-)
-from harness.methods.full import AdamConfig, adam_bytes, adamw
+from harness.methods.base import Groups, Method, register
+from harness.methods.full import AdamConfig, adamw
+from harness.methods.surgery import TARGETS
 
 if TYPE_CHECKING:
     from peft.tuners.lora import LoraLayer
@@ -86,26 +77,9 @@ def adapter_params(model: nn.Module) -> list[nn.Parameter]:
     ]
 
 
-class LoraShapes:
-    """The base model's shapes split into target weights and the rest, plus the adapters' sizes
-    and the tensors AdamW trains."""
-
-    def __init__(self, shapes: Shapes, config: LoraParams) -> None:
-        targets = {n: s for n, s in shapes.items()
-                   if is_target(n.rpartition(".")[0], config.target_modules)}
-        self.target_weights = [s for n, s in targets.items() if n.endswith(".weight")]
-        self.frozen = [numel(s) for s in targets.values()]
-        self.others = [numel(s) for n, s in shapes.items() if n not in targets]
-        r = config.rank
-        self.adapters = [n for out, inp in self.target_weights for n in (r * inp, out * r)]
-        self.trainable = self.adapters + (self.others if config.train_non_targets else [])
-        self.float_numel = sum(self.frozen + self.others + self.adapters)
-
-
 @register("lora")
 class Lora(Method):
     summary = "LoRA adapters on frozen linears (peft); embeddings, norms and head full-rank"
-    linears = "adapter"
     tasks = ("finetune",)
     tasks_note = ("LoRA fine-tunes a pretrained model; from scratch, rank-r adapters on random "
                   "frozen weights bound what is learnt (GaLore Table 2, LLaMA-1B: perplexity "
@@ -125,10 +99,3 @@ class Lora(Method):
         """The adapters merged into their linears, W + (alpha / r)·B·A, and peft's wrappers
         removed: the base model."""
         return model.merge_and_unload()
-
-    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        s = LoraShapes(shapes, self.config)
-        return adam_bytes(s.float_numel, s.trainable, run, self.steps)
-
-    def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
-        return update_bytes(LoraShapes(shapes, self.config).trainable, run)

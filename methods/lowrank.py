@@ -18,18 +18,9 @@ from pydantic import Field
 from torch import nn
 
 from harness.errors import UserError
-from harness.methods.base import (
-    TARGETS,
-    MemoryEstimate,
-    Shapes,
-    is_target,
-    numel,
-    register,
-    replace_linears,
-    target_linears,
-    update_bytes,
-)
-from harness.methods.full import AdamConfig, Full, adam_bytes
+from harness.methods.base import register
+from harness.methods.full import AdamConfig, Full
+from harness.methods.surgery import TARGETS, replace_linears, target_linears
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
@@ -74,20 +65,12 @@ class LowRankLinear(nn.Module):
 @register("lowrank")
 class LowRank(Full):
     summary = "W = B·A of rank r in attention/MLP linears, trained from scratch with AdamW"
-    linears = "factored"
     Config = LowRankConfig
-
-    def _check_found(self, found: set[str]) -> None:
-        missing = sorted(set(self.config.target_modules) - found)
-        if missing:
-            raise UserError(
-                f"method.target_modules: no linear named {', '.join(missing)} in the model"
-            )
 
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
         targets = target_linears(model, self.config.target_modules)
-        self._check_found({name.rsplit(".", 1)[-1] for name, _ in targets})
+        check_found(self.config, {name.rsplit(".", 1)[-1] for name, _ in targets})
         for name, linear in targets:
             model.set_submodule(name, LowRankLinear(linear, self.config.rank, std))
         return model
@@ -96,25 +79,9 @@ class LowRank(Full):
         """Each factored linear as the full-rank one it stands for: W = B·A."""
         return replace_linears(model, LowRankLinear, lambda m: m.B @ m.A)
 
-    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        sizes = self._trained(shapes)
-        return adam_bytes(sum(sizes), sizes, run, self.steps)  # as in full
 
-    def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
-        return update_bytes(self._trained(shapes), run)
-
-    def _trained(self, shapes: Shapes) -> list[int]:
-        """One entry per trained tensor after `prepare`: two factors for each targeted linear."""
-        r, targets = self.config.rank, self.config.target_modules
-        sizes: list[int] = []
-        found = set()
-        for name, shape in shapes.items():
-            module, _, leaf = name.rpartition(".")
-            if leaf == "weight" and len(shape) == 2 and is_target(module, targets):
-                found.add(module.rsplit(".", 1)[-1])
-                out_features, in_features = shape
-                sizes += [r * in_features, out_features * r]
-            else:
-                sizes.append(numel(shape))
-        self._check_found(found)
-        return sizes
+def check_found(config: LowRankConfig, found: set[str]) -> None:
+    """Refuse target names that no linear of the model has: nothing would be factored."""
+    missing = sorted(set(config.target_modules) - found)
+    if missing:
+        raise UserError(f"method.target_modules: no linear named {', '.join(missing)} in the model")

@@ -28,17 +28,8 @@ from torch import Tensor, nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from harness.distributed import fsdp
-from harness.methods.base import (
-    Groups,
-    MemoryEstimate,
-    Method,
-    Shapes,
-    grad_bytes,
-    numel,
-    register,
-)
-from harness.methods.full import AdamConfig, adam_bytes, adamw
-from harness.methods.widths import widths
+from harness.methods.base import Groups, Method, register
+from harness.methods.full import AdamConfig, adamw
 from harness.modifiers.compensation import ParamwiseOptimizer, add_update, own_optimizer_kwargs
 
 if TYPE_CHECKING:
@@ -195,14 +186,3 @@ class Muon(Method):
             return ("its momentum is its own tensor, not a bitsandbytes optimizer's, so it cannot "
                     "be paged; use memory.optimizer_offload: host")
         return None
-
-    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        """One momentum per hidden matrix element at the state width (and its Kahan buffer);
-        the other tensors as AdamW keeps them (full's `adam_bytes`)."""
-        w = widths(run)
-        sizes = [numel(s) for s in shapes.values()]
-        rest = [numel(s) for name, s in shapes.items() if not is_hidden(name, s)]
-        hidden = sum(sizes) - sum(rest)
-        states = (w.state + w.compensation) * hidden \
-            + adam_bytes(0, rest, run, self.steps).optimizer_state_bytes
-        return MemoryEstimate(w.weight * sum(sizes), grad_bytes(sizes, run, self.steps), states)

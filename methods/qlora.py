@@ -9,32 +9,21 @@ The packed weights count as weights; the quantization constants as extras.
 from __future__ import annotations
 
 import copy
-import math
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field
 from torch import nn
 
-from harness.methods.base import (
-    MemoryEstimate,
-    Shapes,
-    plain_linear,
-    register,
-    target_linears,
-    tensor_bytes,
-)
-from harness.methods.full import adam_bytes
-from harness.methods.lora import ADAPTER, Lora, LoraParams, LoraShapes, add_adapters, lora_layers
+from harness.methods.base import register
+from harness.methods.lora import ADAPTER, Lora, LoraParams, add_adapters, lora_layers
+from harness.methods.surgery import plain_linear, target_linears
 
 if TYPE_CHECKING:
     import bitsandbytes as bnb
 
     from harness.config import RunConfig
 
-NESTED_BLOCK = 256  # bitsandbytes quantizes the absmax values in blocks of 256
-NF4_CODE = 16  # float32 entries of the NF4 code
-NESTED_CODE = 256  # float32 entries of the 8-bit dynamic map for the absmax values
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -115,33 +104,6 @@ class QLora(Lora):
         plain = model.unload()
         del plain.is_loaded_in_4bit  # set by `prepare` for peft: the model is float now
         return plain
-
-    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        s = LoraShapes(shapes, self.config)
-        packed = [math.ceil(out * inp / 2) for out, inp in s.target_weights]
-        biases = sum(s.frozen) - sum(out * inp for out, inp in s.target_weights)
-        counted = adam_bytes(biases + sum(s.others + s.adapters), s.trainable, run, self.steps,
-                             sum(packed))
-        counted.extra_bytes = sum(self._constants_bytes(out * inp) for out, inp in s.target_weights)
-        return counted
-
-    def _constants_bytes(self, n: int) -> int:
-        """uint8 absmax per block; float32 absmax per 256 of those, offset, and both maps."""
-        blocks = math.ceil(n / self.config.block_size)
-        return blocks + 4 * (math.ceil(blocks / NESTED_BLOCK) + 1 + NESTED_CODE + NF4_CODE)
-
-    def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
-        import bitsandbytes as bnb
-
-        counted = super().measure(model, optimizer)
-        constants = {
-            t.data_ptr(): t
-            for m in model.modules()
-            if isinstance(m, bnb.nn.Linear4bit)
-            for t in quant_tensors(m.weight.quant_state)
-        }
-        counted.extra_bytes = tensor_bytes(list(constants.values()))
-        return counted
 
 
 def dequantized(weight: Any) -> torch.Tensor:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from harness.methods.base import Method, Shapes, is_target
+from harness.methods.base import Method, memory_of
+from harness.methods.memory import Shapes
+from harness.methods.surgery import is_target
 
-# What a too-large rank does, by what the method makes of its target linears (Method.linears).
+# What a too-large rank does, by what the method makes of its target linears (Memory.linears).
 CONSEQUENCE = {
     "adapter": "their adapters B·A hold more weights than the matrices",
     "factored": "their factors B·A hold more weights than the matrices",
@@ -21,8 +23,9 @@ CONSEQUENCE = {
 
 def targeted(method: Method, name: str, shape: tuple[int, ...]) -> bool:
     """Whether the parameter `name` of the base model is one of the method's rank-r targets:
-    its own rule where it has one (GaLore's: any name component), else peft's (the last)."""
-    own = getattr(method, "targeted", None)
+    its config's own rule where it has one (GaLore's: any name component), else peft's (the
+    last)."""
+    own = getattr(method.config, "targeted", None)
     if own is not None:
         return bool(own(name, shape))
     module, _, leaf = name.rpartition(".")
@@ -45,7 +48,7 @@ def rank_warning(method: Method, shapes: Shapes) -> str | None:
     leaves = ", ".join(f"{leaf} ×{n}" for leaf, n in counts.items())  # q_proj ×2, ...
     low, high = min(d for _, d in over), max(d for _, d in over)
     dims = f"{low}" if low == high else f"{low} to {high}"
-    why = CONSEQUENCE.get(method.linears, "they are no smaller")
+    why = CONSEQUENCE.get(memory_of(method).linears, "they are no smaller")
     return (f"method.rank {rank} is at or above the smaller dimension ({dims}) of "
             f"{len(over)} target matrices ({leaves}): {why}, saving no memory there; "
             f"use a rank below {low}")

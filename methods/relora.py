@@ -36,13 +36,11 @@ from torch import nn
 
 from harness import distributed
 from harness.distributed import fsdp
-from harness.methods.base import Groups, MemoryEstimate, Shapes, decay_groups, register
-from harness.methods.full import adam_bytes
+from harness.methods.base import Groups, decay_groups, register
 from harness.methods.lora import (
     ADAPTER,
     Lora,
     LoraParams,
-    LoraShapes,
     adapter_params,
     add_adapters,
     lora_layers,
@@ -282,17 +280,6 @@ class ReLora(Lora):
             return super().lr_factor(step, run)
         # the ramp ends on the global value of its last step
         return (since + 1) / warmup * super().lr_factor(step - since + warmup - 1, run)
-
-    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        """Bytes at step 1: with a warm start, the full-rank phase where the targets train
-        (joint: with the adapters; two runs: without them)."""
-        s = LoraShapes(shapes, self.config)
-        trainable = s.trainable
-        if self.config.warm_start_steps:
-            kept = (s.others if self.config.train_non_targets else []) if (
-                self.config.two_runs) else s.trainable
-            trainable = kept + [out * inp for out, inp in s.target_weights]
-        return adam_bytes(s.float_numel, trainable, run, self.steps)
 
 
 def cosine_restarts(k: int, *, total: int, warmup: int, restart_warmup: int, every: int,

@@ -345,12 +345,12 @@ def hf_eval_loss(folder, task: dict, tokens: int) -> float:
 def estimated_peak(run: Any, device: str = "cpu") -> int:
     """`run`'s predicted step peak (the activation model) on the sample tokenizer's vocab."""
     from harness.cost.activations import activations, peak_bytes
-    from harness.methods import build_method
+    from harness.methods import build_memory
     from harness.models import param_shapes
 
     shapes = param_shapes(run.model, SAMPLE_VOCAB)
-    method = build_method(run)
-    return peak_bytes(method.estimate(shapes, run), activations(run, shapes, method, device),
+    memory = build_memory(run)
+    return peak_bytes(memory.estimate(shapes, run), activations(run, shapes, memory, device),
                       run, shapes)
 
 

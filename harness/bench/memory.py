@@ -2,7 +2,7 @@
 
 Each method trains a few steps of a preset in this process; its weights, gradients, optimizer
 states and extras (projections, quantization constants) are then counted from the real tensors
-and compared with `Method.estimate` on the preset's shapes. Target: equal (ratio 1). The peak of
+and compared with `Memory.estimate` on the preset's shapes. Target: equal (ratio 1). The peak of
 a steady step (harness/cost/tensor_peak.py: allocated bytes on a GPU, live tensor bytes on the CPU)
 is compared with the estimator's, which adds the activation model: target within ±5%.
 """
@@ -22,7 +22,7 @@ from harness.cost.activations import activations, peak_bytes
 from harness.cost.estimate import vocab_size
 from harness.cost.tensor_peak import step_peak
 from harness.distributed import pick_device
-from harness.methods import build_method
+from harness.methods import build_memory, get_memory, method_names
 from harness.methods.resolve import load_run
 from harness.models import param_shapes
 from harness.train import Trainer
@@ -34,14 +34,19 @@ PARTS = {  # summary key -> MemoryEstimate field
     "optimizer_state_bytes": "optimizer_state_bytes",
     "extra_bytes": "extra_bytes",
 }
-METHODS = {  # one small setting each, so every method runs on any preset
-    "full": {}, "adam8bit": {}, "lora": {"rank": 8}, "relora": {"rank": 8},
-    "qlora": {"rank": 8}, "lowrank": {"rank": 16}, "galore": {"rank": 16},
-    "galore_8bit_layerwise": {"method": "galore", "rank": 16, "optimizer": "adam8bit"},
-    "qgalore": {"rank": 16}, "fira": {"rank": 16}, "adam_mini": {}, "apollo": {"rank": 16},
-    "apollo_mini": {}, "muon": {},
-    "apollo_mini_int8_layerwise": {"method": "apollo_mini", "int8_weights": True},
-}  # fmt: skip
+def entries() -> dict[str, dict[str, Any]]:
+    """Every registered method at its companion's small settings (`Memory.bench`), each
+    followed by its variants: the registry is the list, so a method added is benched too."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in method_names():
+        memory = get_memory(name)
+        out[name] = dict(memory.bench)
+        out.update({label: dict(settings) for label, settings in memory.variants.items()
+                    if settings["method"] == name})
+    return out
+
+
+METHODS = entries()  # label -> settings ("method": the registered name, where not the label)
 PEAK_TOLERANCE = 0.05
 
 
@@ -70,10 +75,10 @@ def method_records(label: str, preset: str, steps: int, seq_len: int,
     """One METHODS entry's counted bytes and steady-step peak against its estimate."""
     run = method_run(label, preset, steps, seq_len, batch_size)
     summary, peak = measure_run(run)
-    method = build_method(run)
+    memory = build_memory(run)
     shapes = param_shapes(preset, vocab_size(run.task.tokenizer))
-    estimate = method.estimate(shapes, run)
-    acts = activations(run, shapes, method, pick_device(run.device).type)
+    estimate = memory.estimate(shapes, run)
+    acts = activations(run, shapes, memory, pick_device(run.device).type)
     predicted_peak = peak_bytes(estimate, acts, run, shapes)
     records = [_record(f"memory/{preset}/{label}/{key}", summary[key], getattr(estimate, field))
                for key, field in PARTS.items()]

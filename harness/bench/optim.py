@@ -122,7 +122,7 @@ def bench_optim(preset: str = "llama_60m", gap: int = 200, steps: int = 20, rank
         "adamw": _optimizer(preset, {"name": "full"}, models["adamw"]),
         "galore": method.optimizer(models["galore"], _run(preset, galore)),
         "galore_rsvd": _optimizer(preset, rsvd, models["galore_rsvd"]),
-        "galore_torch": _galore_torch(models["galore_torch"], rank, gap, method.targeted),
+        "galore_torch": _galore_torch(models["galore_torch"], rank, gap, method.config.targeted),
     }
     times = _alternate({n: o.step for n, o in opts.items()}, opts, steps, SVD_ROUNDS, gap)
     ms = {n: t["ms_per_step"] for n, t in times.items()}

@@ -20,13 +20,13 @@ everything else a layer keeps is 2 bytes but the log-sum-exp: 24d + 8i + 4h + 8;
 stream, its gradients and RoPE's cos/sin are 2 bytes too, the head's log-softmax stays fp32.
 Forward peaks while the loss is computed: all of it, the weight copies autocast
 caches but nothing saved, and logits, their shifted copy, its fp32 cast and log-softmax's
-output (12V a token). A method changes the linears (`Method.linears`); recompute keeps only a
+output (12V a token). A method changes the linears (`Memory.linears`); recompute keeps only a
 recomputed module's input and adds one layer's activations back while that layer's backward
 runs; offload moves the offloaded modules' saved tensors of all but the last layer off a GPU
 and brings one layer back ahead of backward. A step's peak is then the method's weights,
 states and extras plus the largest of: the start of backward, the last layer's and the first
 layer's backward (with every gradient above it), and all gradients with one weight's update's
-temporaries (`Method.update_bytes`: bf16-true's float32 updates); gradients of earlier
+temporaries (`Memory.update_bytes`: bf16-true's float32 updates); gradients of earlier
 micro-batches live through later ones. Checked against whole steps: tests/
 test_activations.py and `harness bench memory` (docs/benchmarks.md).
 """
@@ -36,7 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.config import RunConfig
-from harness.methods.base import TARGETS, MemoryEstimate, Method, Shapes, is_target, numel
+from harness.methods.memory import Memory, MemoryEstimate, Shapes, numel
+from harness.methods.surgery import TARGETS, is_target
 from harness.methods.widths import Widths, widths
 from harness.models import architecture, head_shape
 
@@ -85,24 +86,24 @@ def dims(run: RunConfig, shapes: Shapes) -> Dims:
                 run.task.seq_len, run.train.batch_size, a.head_dim, kv_heads * a.head_dim)
 
 
-def norm_bytes(d: Dims, w: Widths, method: Method) -> int:
+def norm_bytes(d: Dims, w: Widths, memory: Memory) -> int:
     """One RMSNorm, a token: its fp32 input (under bf16-true a fp32 copy of the bf16 one), the
     4-byte inverse root, and the normalised input in the model's dtype, kept for the weight's
     gradient only."""
-    return 4 * d.hidden + 4 + (w.weight * d.hidden if trains_norms(method) else 0)
+    return 4 * d.hidden + 4 + (w.weight * d.hidden if trains_norms(memory) else 0)
 
 
-def kind_bytes(d: Dims, kind: str, w: Widths, method: Method) -> int:
+def kind_bytes(d: Dims, kind: str, w: Widths, memory: Memory) -> int:
     """Bytes a token that one layer's `kind` module(s) save for backward."""
     a, autocast = w.activation, w.autocast
     if kind == "norm":
-        return 2 * norm_bytes(d, w, method)
-    linears = [n for n in KIND_LINEARS[kind] if is_target(n, targets(method))]
-    rank = getattr(method.config, "rank", 0) if method.linears in ("adapter", "factored") else 0
+        return 2 * norm_bytes(d, w, memory)
+    linears = [n for n in KIND_LINEARS[kind] if is_target(n, targets(memory))]
+    rank = getattr(memory.config, "rank", 0) if memory.linears in ("adapter", "factored") else 0
     readers = 3 if kind == "attention" else 2  # linears reading the same input
     shared = w.weight * d.hidden  # the norm's output, in the model's dtype
-    inputs = readers * 2 * d.hidden if autocast and method.linears != "quantized" else shared
-    if autocast and method.linears == "adapter" and "o_proj" in linears:
+    inputs = readers * 2 * d.hidden if autocast and memory.linears != "quantized" else shared
+    if autocast and memory.linears == "adapter" and "o_proj" in linears:
         inputs += 2 * d.q_width  # the adapter's copy of o_proj's input (attention's output)
     saved = inputs + rank * a * len(linears)
     if kind == "attention":  # q, k, v and the output
@@ -110,20 +111,20 @@ def kind_bytes(d: Dims, kind: str, w: Widths, method: Method) -> int:
     return saved + 4 * a * d.intermediate
 
 
-def trains_norms(method: Method) -> bool:
-    return getattr(method.config, "train_non_targets", True)
+def trains_norms(memory: Memory) -> bool:
+    return getattr(memory.config, "train_non_targets", True)
 
 
-def targets(method: Method) -> tuple[str, ...]:
-    return tuple(getattr(method.config, "target_modules", TARGETS))
+def targets(memory: Memory) -> tuple[str, ...]:
+    return tuple(getattr(memory.config, "target_modules", TARGETS))
 
 
-def weight_copies(shapes: Shapes, method: Method, kind: str | None) -> int:
+def weight_copies(shapes: Shapes, memory: Memory, kind: str | None) -> int:
     """Autocast's 2-byte copies of one layer's float linear weights of `kind` (None: lm_head's):
     quantized and factored linears have none (a factor's own copy is rank-sized: ignored)."""
     if kind is None:
         return 2 * numel(head_shape(shapes))
-    if method.linears in ("quantized", "factored"):
+    if memory.linears in ("quantized", "factored"):
         return 0
     names = KIND_LINEARS[kind]
     layer = [s for n, s in shapes.items()
@@ -143,14 +144,14 @@ class Activations:
     update: int = 0  # one weight's update's own temporaries, beside the gradients (the step)
 
 
-def activations(run: RunConfig, shapes: Shapes, method: Method, device: str) -> Activations:
+def activations(run: RunConfig, shapes: Shapes, memory: Memory, device: str) -> Activations:
     """`device` "cpu" keeps offloaded tensors in the same memory (nothing is saved there)."""
     d, m = dims(run, shapes), run.memory
     w = widths(run)
     autocast, a, r, t = w.autocast, w.activation, w.weight, d.tokens  # r: the residual stream's
     kinds = ("norm", "attention", "mlp")
-    saves = {k: kind_bytes(d, k, w, method) * t for k in kinds}
-    copies = {k: weight_copies(shapes, method, k) if autocast else 0 for k in kinds}
+    saves = {k: kind_bytes(d, k, w, memory) * t for k in kinds}
+    copies = {k: weight_copies(shapes, memory, k) if autocast else 0 for k in kinds}
     recomputed = kinds if m.recompute == "full" else tuple(m.recomputed)
     inputs = {"norm": 2, "attention": 1, "mlp": 1}  # inputs a recomputed module keeps
     if m.recompute == "full":
@@ -163,18 +164,18 @@ def activations(run: RunConfig, shapes: Shapes, method: Method, device: str) -> 
     offloaded = sum(kept[k] for k in m.offloaded) if device != "cpu" else 0
     rope = 2 * d.seq_len * d.head_dim * r  # cos and sin, in the model's dtype
     layers = d.layers * layer - (d.layers - 1) * offloaded + rope
-    head = (norm_bytes(d, w, method) + a * d.hidden) * t
-    head += 4 * d.vocab * d.predicted + (weight_copies(shapes, method, None) if autocast else 0)
+    head = (norm_bytes(d, w, memory) + a * d.hidden) * t
+    head += 4 * d.vocab * d.predicted + (weight_copies(shapes, memory, None) if autocast else 0)
     # the autocast cache holds trained float weights' copies through forward, saved or not
-    cached = sum(copies[k] for k in recomputed) * d.layers if method.linears == "float" else 0
+    cached = sum(copies[k] for k in recomputed) * d.layers if memory.linears == "float" else 0
     grads = 2 * r * d.hidden * t  # the hidden state's gradient, and its residual branch's
     return Activations(
         start=layers + head + 8 * d.vocab * d.predicted + cached,
         top=layers + offloaded + full - layer + grads,
         bottom=full + rope + grads,
-        micro_batches=method.steps.accumulation,
+        micro_batches=memory.steps.accumulation,
         workspace=CUBLAS_WORKSPACES if device != "cpu" else 0,
-        update=method.update_bytes(shapes, run),
+        update=memory.update_bytes(shapes, run),
     )
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import RunConfig, TrainConfig
-from harness.methods.base import MemoryEstimate, Shapes, numel
+from harness.methods.memory import MemoryEstimate, Shapes, numel
 from harness.methods.widths import widths
 
 

@@ -27,7 +27,8 @@ from harness.cost.activations import activations, peak_bytes
 from harness.cost.disk import disk_bytes
 from harness.cost.paper_7b import comparison_7b
 from harness.cost.sharded import fsdp_peak
-from harness.methods.base import MemoryEstimate, build_method, changed_params
+from harness.methods.base import build_memory, changed_params
+from harness.methods.memory import MemoryEstimate
 from harness.models import param_shapes
 
 # len(tokenizer), which is what the trainer sizes the embedding with.
@@ -95,17 +96,17 @@ def estimate_run(run: RunConfig, world: int = 1, memo: dict[str, Any] | None = N
     next run that differs only in its activation modifiers (`harness plan`'s candidates)."""
     steps = Steps.of(run.train, run.task.seq_len, world, "launcher: nodes x tasks_per_node")
     shapes = _shapes(run.model, vocab_size(run.task.tokenizer))
-    method = build_method(run, steps)
+    memory = build_memory(run, steps)
     sharded = run.train.parallel == "fsdp" and world > 1
 
     def method_bytes() -> tuple[MemoryEstimate, MemoryEstimate, dict[str, int]]:
-        whole = method.estimate(shapes, run)
-        return (whole, method.estimate_sharded(shapes, run, world) if sharded else whole,
+        whole = memory.estimate(shapes, run)
+        return (whole, memory.estimate_sharded(shapes, run, world) if sharded else whole,
                 disk_bytes(run, whole, shapes))
 
     whole, estimate, disk = memoized(memo, run, world, method_bytes)
-    acts = activations(run, shapes, method, "cpu" if run.device == "cpu" else "cuda")
-    peak = (fsdp_peak(estimate, whole, acts, run, shapes, method, world) if sharded
+    acts = activations(run, shapes, memory, "cpu" if run.device == "cpu" else "cuda")
+    peak = (fsdp_peak(estimate, whole, acts, run, shapes, memory, world) if sharded
             else peak_bytes(estimate, acts, run, shapes))
     return {"method_name": run.method_name, "params": run.method_params, **estimate.as_dict(),
             "activation_bytes": acts.start, "workspace_bytes": acts.workspace, "peak_bytes": peak,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from harness.methods.base import tensor_bytes
+from harness.methods.memory import tensor_bytes
 from harness.methods.quant import Int8Linear
 from harness.modifiers.optimizer import unwrap
 

@@ -32,8 +32,10 @@ from harness.cost.activations import KIND_LINEARS, activations, targets, trains_
 from harness.cost.estimate import _shapes, estimate_run, memoized, vocab_size
 from harness.errors import UserError
 from harness.methods import method_names
-from harness.methods.base import Method, build_method, get_method, is_target, numel
+from harness.methods.base import build_memory, get_method
+from harness.methods.memory import Memory, numel
 from harness.methods.resolve import load_run
+from harness.methods.surgery import is_target
 from harness.methods.widths import widths
 from harness.models import architecture, head_shape
 
@@ -239,21 +241,21 @@ def step_work(run: Any, gpus: int = 1, memo: dict[str, Any] | None = None
     seq_len, layers = run.task.seq_len, architecture(run.model).layers
     shapes = _shapes(run.model, vocab_size(run.task.tokenizer))
     steps = Steps.of(run.train, seq_len, gpus)
-    method = build_method(run, steps)
+    memory = build_memory(run, steps)
     host = run.memory.optimizer_offload == "host"  # the only user of the trained elements
     flops, trained = memoized(memo, run, gpus, lambda: (
-        forward_flops(shapes, method, seq_len), trained_numel(shapes, method) if host else 0))
+        forward_flops(shapes, memory, seq_len), trained_numel(shapes, memory) if host else 0))
     layer = flops["attention"] + flops["mlp"]
     forward = layer * layers + flops["head"]
     recomputed = ("attention", "mlp") if run.memory.recompute == "full" else run.memory.recomputed
     extra_forwards = sum(flops[k] for k in recomputed) * layers / forward
-    backward = (layer * layers * (1 if method.linears == "adapter" else 2)  # frozen base: no dW
-                + flops["head"] * (2 if trains_norms(method) else 1))
+    backward = (layer * layers * (1 if memory.linears == "adapter" else 2)  # frozen base: no dW
+                + flops["head"] * (2 if trains_norms(memory) else 1))
     transfers = 0
     if run.memory.offloaded:  # to the host in forward, back in backward, every micro-batch
         kept = run.model_copy(update={"memory": run.memory.model_copy(update={"offload": "none"})})
-        moved = (activations(kept, shapes, method, "cuda").start
-                 - activations(run, shapes, method, "cuda").start)
+        moved = (activations(kept, shapes, memory, "cuda").start
+                 - activations(run, shapes, memory, "cuda").start)
         transfers += 2 * moved * steps.accumulation
     if host:  # gradients down, weights back up
         w = widths(run)
@@ -265,23 +267,23 @@ def step_work(run: Any, gpus: int = 1, memo: dict[str, Any] | None = None
     return extra_forwards, transfers, seconds
 
 
-def trained_numel(shapes: dict[str, Any], method: Method) -> int:
+def trained_numel(shapes: dict[str, Any], memory: Memory) -> int:
     """Elements the optimizer updates: adapters or factors (rank r: r(m+n)) in place of
     their target linears, the other tensors unless the method freezes them."""
-    rank = getattr(method.config, "rank", 0)
+    rank = getattr(memory.config, "rank", 0)
     total = 0
     for name, shape in shapes.items():
-        if len(shape) == 2 and is_target(name.rpartition(".")[0], targets(method)):
-            low = method.linears in ("adapter", "factored")
+        if len(shape) == 2 and is_target(name.rpartition(".")[0], targets(memory)):
+            low = memory.linears in ("adapter", "factored")
             total += rank * sum(shape) if low else numel(shape)
-        elif trains_norms(method):
+        elif trains_norms(memory):
             total += numel(shape)
     return total
 
 
-def forward_flops(shapes: dict[str, Any], method: Method, seq_len: int) -> dict[str, float]:
+def forward_flops(shapes: dict[str, Any], memory: Memory, seq_len: int) -> dict[str, float]:
     """Forward FLOPs a token, by kind: one decoder layer's attention and MLP, and the head."""
-    rank = getattr(method.config, "rank", 0)
+    rank = getattr(memory.config, "rank", 0)
     out = {}
     for kind, names in KIND_LINEARS.items():
         if kind == "norm":
@@ -292,11 +294,11 @@ def forward_flops(shapes: dict[str, Any], method: Method, seq_len: int) -> dict[
             if ".layers.0." not in name or len(shape) != 2 or not is_target(module, names):
                 continue
             m, n = shape
-            own = is_target(module, targets(method))
-            if own and method.linears == "factored":
+            own = is_target(module, targets(memory))
+            if own and memory.linears == "factored":
                 flops += 2 * rank * (m + n)
             else:
-                flops += 2 * m * n + (2 * rank * (m + n) if own and method.linears == "adapter"
+                flops += 2 * m * n + (2 * rank * (m + n) if own and memory.linears == "adapter"
                                       else 0)
         out[kind] = flops
     # QKᵀ and AV, halved by causality, over the queries' width (heads · head_dim)

@@ -1,7 +1,7 @@
 """A rank's peak under FSDP2 (`train.parallel: fsdp`) from shapes alone.
 
 Rank 0 holds the largest share: ceil(m / W) rows of every tensor, its states as the method keeps
-them (`Method.estimate_sharded`). Beside that share, FSDP2 holds whole tensors for a while, in
+them (`Memory.estimate_sharded`). Beside that share, FSDP2 holds whole tensors for a while, in
 the compute dtype (bf16 under bf16-mixed and bf16-true, else fp32):
 - the root's weights (embeddings, final norm, head) from the start of forward to the end of
   backward (the root is not resharded after forward);
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from harness.config import RunConfig
 from harness.cost.activations import Activations, targets, trains_norms
-from harness.methods.base import MemoryEstimate, Method, Shapes, is_target, numel, row_share
+from harness.methods.memory import Memory, MemoryEstimate, Shapes, numel, row_share
+from harness.methods.surgery import is_target
 from harness.methods.widths import widths
 from harness.models import head_shape
 
@@ -35,33 +36,33 @@ def _widths(run: RunConfig) -> tuple[int, int]:
     return 2, 2  # bf16-mixed gathers and differentiates in bf16; bf16-true holds bf16
 
 
-def _layer_numel(shapes: Shapes, method: Method) -> int:
+def _layer_numel(shapes: Shapes, memory: Memory) -> int:
     """One decoder layer's elements as it runs: a factored linear's two rank-r factors."""
-    rank = getattr(method.config, "rank", 0)
+    rank = getattr(memory.config, "rank", 0)
     total = 0
     for name, shape in shapes.items():
         if ".layers.0." not in name:
             continue
         module = name.rpartition(".")[0]
-        own = len(shape) == 2 and is_target(module, targets(method))
-        if own and method.linears == "factored":
+        own = len(shape) == 2 and is_target(module, targets(memory))
+        if own and memory.linears == "factored":
             total += rank * sum(shape)
         else:
-            total += numel(shape) + (rank * sum(shape) if own and method.linears == "adapter"
+            total += numel(shape) + (rank * sum(shape) if own and memory.linears == "adapter"
                                      else 0)
     return total
 
 
 def fsdp_peak(shard: MemoryEstimate, whole: MemoryEstimate, acts: Activations, run: RunConfig,
-              shapes: Shapes, method: Method, world: int) -> int:
+              shapes: Shapes, memory: Memory, world: int) -> int:
     """Rank 0's peak: `shard` is its share (`estimate_sharded`), `whole` the one-process
     estimate (for the whole gradients accumulation keeps)."""
     gather, grad = _widths(run)
     reduce = REDUCE_WIDTH if run.train.precision == "bf16-mixed" else grad
     root = {n: s for n, s in shapes.items() if ".layers." not in n}
-    trained_root = list(root.values()) if trains_norms(method) else []
+    trained_root = list(root.values()) if trains_norms(memory) else []
     gathered_root = gather * sum(map(numel, root.values()))
-    layer = _layer_numel(shapes, method)
+    layer = _layer_numel(shapes, memory)
     static = shard.weight_bytes + shard.optimizer_state_bytes + shard.extra_bytes + acts.workspace
     # the whole gradients accumulation keeps, at the width FSDP differentiates in (bf16-mixed:
     # bf16, where the one-process estimate counts float32)

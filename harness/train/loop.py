@@ -17,6 +17,7 @@ from harness.config import RunConfig
 from harness.cost import meter
 from harness.cost.grad_peak import GradPeak
 from harness.distributed import fsdp
+from harness.methods import memory_of
 from harness.train import setup
 from harness.train.hooks import Hooks, Interrupted, NonFinite, Pruned, Step
 from harness.trials import Records, Status, checkpoints, rng_state, set_rng_state
@@ -219,7 +220,8 @@ class Trainer:
     def _count_costs(self, step: Step) -> None:
         if self.grad_peak is not None:  # gradients and states exist now: count them once
             grads, self.grad_peak = self.grad_peak.close(), None
-            self.costs = meter.breakdown(self.method, self.model, self.optimizer, grads)
+            self.costs = meter.breakdown(memory_of(self.method), self.model, self.optimizer,
+                                         grads)
 
     def _keep_loss(self, step: Step) -> None:
         self.window.append(step.loss)  # read at the next log line: no host sync before it

@@ -12,6 +12,7 @@ import pytest
 
 from harness.bench.loop import bench_run, optim_table, optim_verdict, report
 from harness.cli import main
+from harness.methods import method_names
 
 
 def test_bench_loop_json_record(capfd):
@@ -128,7 +129,9 @@ def test_bench_memory_estimates_every_method_exactly(capfd):
     assert main(argv) == 0
     records = json.loads(capfd.readouterr().out)  # the whole stdout: JSON alone
     parts = [r for r in records if "tolerance" not in r]
-    assert len(parts) == 15 * 4  # bench memory's METHODS: 15 entries, 4 parts each
+    labels = set(method_names()) | {"galore_8bit_layerwise", "apollo_mini_int8_layerwise"}
+    assert len(parts) == len(labels) * 4  # every registered method and two variants: 4 parts
+    assert {r["name"].split("/")[2] for r in parts} == labels
     assert all(r["value"] == r["estimate"] and r["ratio"] == 1.0 for r in parts), [
         r for r in parts if r["value"] != r["estimate"]]
     layerwise = {r["name"]: r["value"] for r in parts if "galore_8bit_layerwise" in r["name"]}
@@ -136,7 +139,8 @@ def test_bench_memory_estimates_every_method_exactly(capfd):
     assert layerwise["memory/llama_micro/galore_8bit_layerwise/grad_bytes"] < full[
         "memory/llama_micro/galore/grad_bytes"]
     peaks = {r["name"].split("/")[2]: r for r in records if r.get("tolerance") == 0.05}
-    assert len(peaks) == 15 and all(r["value"] > 0 and r["estimate"] > 0 for r in peaks.values())
+    assert set(peaks) == labels and all(r["value"] > 0 and r["estimate"] > 0
+                                        for r in peaks.values())
     assert abs(peaks["full"]["ratio"] - 1) <= 0.05
 
 

@@ -11,7 +11,7 @@ from harness.config.steps import Steps
 from harness.cost.activations import activations
 from harness.cost.estimate import estimate_run, vocab_size
 from harness.errors import UserError
-from harness.methods import build_method
+from harness.methods import build_method, memory_of
 from harness.methods.resolve import load_run
 from harness.models import param_shapes
 from harness.sweep.expand import estimate_sweep, load_sweep
@@ -56,7 +56,7 @@ def test_a_layerwise_estimate_counts_one_process_s_micro_batches(case):
     assert estimate_run(run, world=2)["grad_bytes"] == 4 * max(sizes)
     method = build_method(run, Steps.of(run.train, run.task.seq_len, 2))
     assert method.steps.accumulation == 1
-    assert activations(run, shapes, method, "cpu").micro_batches == 1
+    assert activations(run, shapes, memory_of(method), "cpu").micro_batches == 1
 
 
 def test_estimate_takes_the_process_count_from_the_sweep_s_launcher(tmp_path):

@@ -8,7 +8,7 @@ from conftest import SAMPLE_VOCAB, estimated_peak, measured_peak
 
 from harness.bench.memory import PEAK_TOLERANCE, method_run
 from harness.cost.activations import activations
-from harness.methods import build_method
+from harness.methods import build_memory
 from harness.models import param_shapes
 
 # bf16-true: the whole model bfloat16, as the GaLore reference scripts cast it
@@ -64,7 +64,7 @@ UPDATES = {  # label -> (METHODS entry, --set overrides): each float32 update pa
 def test_bf16_true_updates_hold_two_float32_copies_of_the_largest_weight(tmp_path, case):
     """A LLaMA whose 8192 × 256 head and embedding are most of it, 1 × 16 tokens, bf16-true:
     the activations are a few hundred kB, so the step's peak is the gradients plus one weight's
-    update (`Method.update_bytes`). Measured: 1.0000 for full, GaLore and
+    update (`Memory.update_bytes`). Measured: 1.0000 for full, GaLore and
     Muon, 1.0012 for Adam-mini; without the update's temporaries the estimate falls 2 (Adam-mini
     3) float32 copies of the head short, 8.4 MB each: measured / estimated 1.25-1.84. Before
     the updates were made in one-dtype arithmetic (modifiers/compensation.add_update) they held
@@ -89,7 +89,7 @@ def test_bf16_true_keeps_about_half_of_fp32s_activation_bytes_and_no_autocast_co
     shapes = param_shapes("llama_60m", 8192)
     runs = [method_run("full", "llama_60m", 3, 256, 16, o)
             for o in ({}, {"train.precision": "bf16"}, BF16_TRUE)]  # fmt: skip
-    a32, a16, pure = (activations(r, shapes, build_method(r), "cuda").start for r in runs)
+    a32, a16, pure = (activations(r, shapes, build_memory(r), "cuda").start for r in runs)
     assert pure < a16 and 0.5 < pure / a32 < 0.65
 
 
@@ -108,5 +108,5 @@ def test_bf16_keeps_fewer_activation_bytes_than_fp32_but_not_half():
     fp32 = method_run("full", "llama_60m", 3, 256, 16, {})
     bf16 = method_run("full", "llama_60m", 3, 256, 16, {"train.precision": "bf16"})
     shapes = param_shapes("llama_60m", 8192)
-    a32, a16 = (activations(r, shapes, build_method(r), "cuda").start for r in (fp32, bf16))
+    a32, a16 = (activations(r, shapes, build_memory(r), "cuda").start for r in (fp32, bf16))
     assert 0.5 < a16 / a32 < 0.9

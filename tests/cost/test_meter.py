@@ -24,7 +24,7 @@ from harness.cost.meter import (
     peak_memory,
     weight_counts,
 )
-from harness.methods import build_method
+from harness.methods import build_method, memory_of
 from harness.methods.quant import Int8Linear
 from harness.methods.resolve import load_run
 
@@ -102,7 +102,7 @@ def test_breakdown_counts_full_adamw_after_a_step(tiny_model):
     optimizer.step()
     n = sum(p.numel() for p in tiny_model.parameters())
     tensors = len(list(tiny_model.parameters()))
-    assert breakdown(method, tiny_model, optimizer, watch.close()) == {
+    assert breakdown(memory_of(method), tiny_model, optimizer, watch.close()) == {
         "param_bytes": 4 * n, "grad_bytes": 4 * n,
         "optimizer_state_bytes": 8 * n + 4 * tensors,  # two fp32 moments and a step each
         "extra_bytes": 0, "trainable_params": n, "total_params": n}

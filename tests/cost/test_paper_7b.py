@@ -9,7 +9,7 @@ import pytest
 from harness.bench.memory import method_run
 from harness.cost import estimate as est
 from harness.cost.paper_7b import PAPER_7B, TOLERANCE, comparison_7b, parts_bytes
-from harness.methods import build_method
+from harness.methods import build_memory
 from harness.models import param_shapes
 from harness.sweep.expand import estimate_sweep, expand, load_sweep
 
@@ -122,6 +122,6 @@ def test_bf16_true_bytes_per_parameter(overrides, states_per_param):
     run = method_run("full", "llama_7b", 3, 256, 1, {"train.precision": "bf16-true", **overrides})
     shapes = param_shapes("llama_7b", 32100)
     n = sum(s.numel() for s in shapes.values())
-    e = build_method(run).estimate(shapes, run)
+    e = build_memory(run).estimate(shapes, run)
     assert (e.weight_bytes, e.grad_bytes) == (2 * n, 2 * n)
     assert e.optimizer_state_bytes == states_per_param * n

@@ -292,7 +292,7 @@ def test_activation_modifiers_change_no_methods_bytes_or_flops(gpus: int) -> Non
                 fresh.append(({k: v for k, v in record.items() if k.endswith("bytes") and
                                k not in ("activation_bytes", "workspace_bytes", "peak_bytes")},
                               pl.forward_flops(pl._shapes("llama_micro", SAMPLE_VOCAB),
-                                               pl.build_method(run), 64)))
+                                               pl.build_memory(run), 64)))
                 checked += 1
             assert all(f == fresh[0] for f in fresh), (label, precision)
     assert checked > 200  # 360 on one GPU, 288 under fsdp: every entry, precision, modifier

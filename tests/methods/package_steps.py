@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from harness.methods.base import TARGETS
+from harness.methods.surgery import TARGETS
 
 
 def feed(models: list[torch.nn.Module], steps: int, step: Any) -> None:

@@ -20,7 +20,7 @@ from conftest import (
 from torch import nn
 
 from harness.errors import UserError
-from harness.methods import build_method
+from harness.methods import build_memory, build_method, memory_of
 from harness.methods.resolve import load_run, modifier_support
 from harness.models import param_shapes
 from harness.modifiers.compensation import KAHAN
@@ -101,9 +101,9 @@ def test_partition_of_llama_micro_and_its_state_bytes():
     shapes = param_shapes("llama_micro", SAMPLE_VOCAB)
     n = sum(p.numel() for p in model.parameters())
     blocks = 2 * SAMPLE_VOCAB + 2 * (2 + 2 + 64 + 64 + 176 + 176 + 64 + 1 + 1) + 1
-    measured = method.measure(model, optimizer)
+    measured = memory_of(method).measure(model, optimizer)
     assert measured.optimizer_state_bytes == 4 * (n + blocks) == 4 * (1_149_248 + 17_485)
-    assert method.estimate(shapes, run) == measured
+    assert memory_of(method).estimate(shapes, run) == measured
     per_head = optimizer.state[model.model.layers[0].self_attn.q_proj.weight]["exp_avg_sq"]
     assert per_head.shape == (2, 1)
     assert optimizer.state[model.model.norm.weight]["exp_avg_sq"].shape == (1, 1)
@@ -154,7 +154,7 @@ def test_bf16_true_honours_state_dtype_and_compensation(tmp_path, monkeypatch, s
     assert summary["status"] == "ok", summary["error"]
     assert seen == {"param": torch.bfloat16, "mode": compensation, "m": dtype, "v": dtype,
                     "kahan": compensation == "kahan"}
-    estimate = build_method(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
+    estimate = build_memory(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
     assert_estimate_matches(estimate, summary)
 
 

@@ -20,7 +20,7 @@ from package_steps import assert_stepped_as_package, package_groups
 from test_galore import assert_steps_like_adamw, check_estimate, steps_of
 
 from harness.errors import UserError
-from harness.methods import build_method
+from harness.methods import build_method, memory_of
 from harness.methods.apollo_optim import APOLLOOptimizer, next_seed
 from harness.methods.resolve import load_run
 from harness.train import train
@@ -153,14 +153,14 @@ def test_state_bytes_of_each_matrix_are_2_r_max_side_plus_the_limiters_norm(meth
     m = build_method(run)
     opt = m.optimizer(model, run)
     opt.step()
-    targeted = [(n, p) for n, p in model.named_parameters() if m.projects(n, tuple(p.shape))]
+    targeted = [(n, p) for n, p in model.named_parameters() if m.config.projects(n, tuple(p.shape))]
     assert len(targeted) == TARGETS
     for _, p in targeted:
         st = opt.state[p]
         counted = sum(v.numel() * v.element_size() for v in st.values()
                       if isinstance(v, torch.Tensor))
         assert counted == 4 * 2 * rank * max(p.shape) + 4
-    assert m.measure(model, opt) == m.estimate({n: p.shape for n, p in
+    assert memory_of(m).measure(model, opt) == memory_of(m).estimate({n: p.shape for n, p in
                                                 model.named_parameters()}, run)
 
 

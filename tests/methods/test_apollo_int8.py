@@ -18,7 +18,7 @@ from torch import nn
 
 from harness.cost.estimate import estimate_run
 from harness.errors import UserError
-from harness.methods import build_method
+from harness.methods import build_memory, build_method, memory_of
 from harness.methods.apollo_int8_optim import APOLLOInt8Optimizer
 from harness.methods.apollo_optim import APOLLOOptimizer
 from harness.methods.quant import Int8Linear
@@ -125,13 +125,13 @@ def test_trains_logs_projections_and_counts_memory_exactly(tmp_path, method):
     events = [r for r in rows if r["kind"] == "event"]
     assert [(e["step"], e["apollo_projections"]) for e in events] == [
         (1, TARGETS), (9, TARGETS), (17, TARGETS)]
-    estimate = build_method(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
+    estimate = build_memory(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
     assert_estimate_matches(estimate, summary)
     floats = build_method(load_run(int8_run(1, {**method, "int8_weights": False})))
-    float_bytes = floats.estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
+    float_bytes = memory_of(floats).estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
     targets = sum(shape.numel() for name, shape in
                   param_shapes("llama_micro", SAMPLE_VOCAB).items()
-                  if floats.projects(name, tuple(shape)))
+                  if floats.config.projects(name, tuple(shape)))
     assert float_bytes.weight_bytes - summary["param_bytes"] == 3 * targets
 
 
@@ -150,7 +150,7 @@ def test_trains_under_each_precision_it_accepts(tmp_path, train_keys):
     run = load_run(int8_run(8, MINI_INT8, **train_keys))
     summary = train(run, tmp_path / "t")
     assert summary["status"] == "ok", summary["error"]
-    estimate = build_method(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
+    estimate = build_memory(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
     assert_estimate_matches(estimate, summary)
 
 

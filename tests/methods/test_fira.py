@@ -20,7 +20,7 @@ from package_steps import assert_stepped_as_package, package_groups
 from test_galore import TARGETS, check_estimate, rows, steps_of
 
 from harness.errors import UserError
-from harness.methods import build_method
+from harness.methods import build_memory, build_method
 from harness.methods.fira import LIMITER, FiraOptimizer
 from harness.methods.galore_optim import GaLoreOptimizer
 from harness.methods.resolve import load_run
@@ -176,7 +176,7 @@ def test_trains_and_counts_memory_exactly(tmp_path, inner):
     galore = load_run({**fira_run(12), "method": {**FIRA, "name": "galore", "optimizer": inner,
                                                   "min_8bit_size": 256}})
     shapes = param_shapes("llama_micro", SAMPLE_VOCAB)
-    ours, theirs = (build_method(r).estimate(shapes, r) for r in (run, galore))
+    ours, theirs = (build_memory(r).estimate(shapes, r) for r in (run, galore))
     assert ours.optimizer_state_bytes - theirs.optimizer_state_bytes == 4 * TARGETS
     assert ours.extra_bytes == theirs.extra_bytes > 0
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import SAMPLE_VOCAB, micro_model, micro_run
 
-from harness.methods import build_method
+from harness.methods import build_method, memory_of
 from harness.methods.resolve import load_run
 from harness.models import param_shapes
 
@@ -27,8 +27,8 @@ def one_step(model, method: dict, **train):
                                     {"name": "adam8bit", "min_8bit_size": 256}])
 def test_estimate_equals_the_real_tensors_after_a_step(tiny_model, method):
     m, run, optimizer = one_step(tiny_model, method)
-    estimate = m.estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
-    assert estimate == m.measure(tiny_model, optimizer)
+    estimate = memory_of(m).estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
+    assert estimate == memory_of(m).measure(tiny_model, optimizer)
     n = sum(p.numel() for p in tiny_model.parameters())
     assert (estimate.weight_bytes, estimate.grad_bytes, estimate.extra_bytes) == (4 * n, 4 * n, 0)
 
@@ -39,7 +39,7 @@ def test_full_is_fused_adamw_with_two_fp32_moments(tiny_model):
     assert optimizer.defaults["betas"] == (0.8, 0.9) and optimizer.defaults["lr"] == run.train.lr
     state = optimizer.state[tiny_model.lm_head.weight]
     assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
-    assert m.measure(tiny_model, optimizer).optimizer_state_bytes == (
+    assert memory_of(m).measure(tiny_model, optimizer).optimizer_state_bytes == (
         8 * sum(p.numel() for p in tiny_model.parameters())
         + 4 * len(list(tiny_model.parameters())))
 
@@ -51,6 +51,6 @@ def test_8bit_moments_are_bytes_above_the_threshold(tiny_model):
     assert optimizer.state[small]["state1"].dtype == torch.float32  # under min_8bit_size
     plain = micro_model()
     full, _, full_optimizer = one_step(plain, {"name": "full"})
-    ratio = (m.measure(tiny_model, optimizer).optimizer_state_bytes
-             / full.measure(plain, full_optimizer).optimizer_state_bytes)
+    ratio = (memory_of(m).measure(tiny_model, optimizer).optimizer_state_bytes
+             / memory_of(full).measure(plain, full_optimizer).optimizer_state_bytes)
     assert 0.25 < ratio < 0.3  # a byte a moment instead of four, plus maps and absmax

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import SAMPLE_VOCAB, micro_model, micro_run
 
-from harness.methods import build_method
+from harness.methods import build_memory, build_method, memory_of
 from harness.methods.galore_optim import GaLoreOptimizer
 from harness.methods.projection import compute_basis
 from harness.methods.resolve import load_run
@@ -60,7 +60,7 @@ def assert_steps_like_adamw(
 
 
 def check_estimate(run, summary: dict, model: str = "llama_micro") -> None:
-    estimate = build_method(run).estimate(param_shapes(model, VOCAB), run)
+    estimate = build_memory(run).estimate(param_shapes(model, VOCAB), run)
     assert (estimate.weight_bytes, estimate.grad_bytes, estimate.optimizer_state_bytes,
             estimate.extra_bytes) == (summary["param_bytes"], summary["grad_bytes"],
                                       summary["optimizer_state_bytes"], summary["extra_bytes"])
@@ -262,7 +262,8 @@ def test_estimate_equals_measure_on_llama_60m():
         method = build_method(run)
         opt = method.optimizer(model, run)
         opt.step()
-        assert method.measure(model, opt) == method.estimate(shapes, run), inner
+        memory = memory_of(method)
+        assert memory.measure(model, opt) == memory.estimate(shapes, run), inner
 
 
 def test_bench_optim_records_are_sane():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import SAMPLE_VOCAB, assert_estimate_matches, micro_model, micro_run
 
-from harness.methods import MemoryEstimate, build_method
+from harness.methods import MemoryEstimate, build_memory, build_method, memory_of
 from harness.methods.lora import adapter_params, lora_layers
 from harness.methods.resolve import load_run
 from harness.models import PRESETS, param_shapes
@@ -82,7 +82,7 @@ def estimate_and_measure(
     loss_sum(model, ids, ids).backward()
     optimizer.step()
     m.on_step(1, model, optimizer)
-    return m.estimate(param_shapes(preset, vocab), run), m.measure(
+    return memory_of(m).estimate(param_shapes(preset, vocab), run), memory_of(m).measure(
         model, optimizer
     )
 
@@ -105,7 +105,7 @@ def test_lora_learns_and_trains_adapters_plus_non_targets(straight):
 def test_lora_estimate_equals_the_real_tensors_on_micro(straight):
     data, _, summary = straight
     run = load_run(data)
-    estimate = build_method(run).estimate(param_shapes(run.model, VOCAB), run)
+    estimate = build_memory(run).estimate(param_shapes(run.model, VOCAB), run)
     assert_estimate_matches(estimate, summary)
     assert summary["extra_bytes"] == 0
 

@@ -11,7 +11,7 @@ from conftest import SAMPLE_VOCAB, assert_estimate_matches, micro_model, micro_r
 from torch import nn
 
 from harness.errors import UserError
-from harness.methods import build_method
+from harness.methods import build_memory, build_method, memory_of
 from harness.methods.lowrank import TARGETS, LowRankLinear
 from harness.methods.resolve import load_run
 from harness.models import PRESETS, param_shapes
@@ -74,7 +74,7 @@ def test_estimate_equals_the_real_tensors_after_a_step(tmp_path):
     run = load_run(lowrank_run(rank=8, steps=1))
     summary = train(run, tmp_path / "t")
     shapes = param_shapes(run.model, SAMPLE_VOCAB)
-    estimate = build_method(run).estimate(shapes, run)
+    estimate = build_memory(run).estimate(shapes, run)
     assert_estimate_matches(estimate, summary)
     assert summary["extra_bytes"] == 0
 
@@ -88,8 +88,8 @@ def test_estimate_equals_the_real_tensors_for_llama_60m_at_the_default_rank():
     ids = torch.randint(0, SAMPLE_VOCAB, (1, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    estimate = method.estimate(param_shapes("llama_60m", SAMPLE_VOCAB), run)
-    assert estimate == method.measure(model, optimizer)
+    estimate = memory_of(method).estimate(param_shapes("llama_60m", SAMPLE_VOCAB), run)
+    assert estimate == memory_of(method).measure(model, optimizer)
     assert estimate.weight_bytes == 4 * expected_params("llama_60m", SAMPLE_VOCAB, 128)
 
 
@@ -108,6 +108,6 @@ def test_an_unknown_target_is_refused_by_name():
     run = load_run({**lowrank_run(), "method": {"name": "lowrank", "target_modules": ["qproj"]}})
     method = build_method(run)
     with pytest.raises(UserError, match="no linear named qproj"):
-        method.estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
+        memory_of(method).estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
     with pytest.raises(UserError, match="no linear named qproj"):
         method.prepare(micro_model(None, pad_id=0), run)

@@ -21,7 +21,7 @@ from conftest import (
 from package_steps import feed
 
 from harness.errors import UserError
-from harness.methods import build_method
+from harness.methods import build_method, memory_of
 from harness.methods.resolve import load_run
 from harness.models import param_shapes
 from harness.modifiers.compensation import KAHAN
@@ -141,9 +141,9 @@ def test_split_and_state_bytes_of_llama_micro():
     q = model.model.layers[0].self_attn.q_proj.weight
     assert set(optimizer.state[q]) == {"momentum_buffer"}
     assert set(optimizer.state[model.lm_head.weight]) == {"step", "exp_avg", "exp_avg_sq"}
-    measured = method.measure(model, optimizer)
+    measured = memory_of(method).measure(model, optimizer)
     assert measured.optimizer_state_bytes == 4 * (HIDDEN + 2 * OTHER + 7)
-    assert method.estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run) == measured
+    assert memory_of(method).estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run) == measured
 
 
 def test_each_groups_lr_and_decay_are_settable():
@@ -178,8 +178,8 @@ def test_bf16_true_honours_state_dtype_and_compensation(tmp_path, state_dtype, c
     assert (KAHAN in q) == (compensation == "kahan")
     summary = train(run, tmp_path / "t")
     assert summary["status"] == "ok", summary["error"]
-    assert_estimate_matches(method.estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run),
-                            summary)
+    shapes = param_shapes("llama_micro", SAMPLE_VOCAB)
+    assert_estimate_matches(memory_of(method).estimate(shapes, run), summary)
 
 
 def test_resume_is_exact(tmp_path):

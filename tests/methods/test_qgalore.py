@@ -14,7 +14,7 @@ from test_galore import rows
 from torch import nn
 
 from harness.cost.grad_peak import GradPeak
-from harness.methods import build_method
+from harness.methods import build_memory, build_method, memory_of
 from harness.methods.qgalore_optim import QGaLoreOptimizer
 from harness.methods.quant import Int8Linear, dequantize_int8, quantize_int8
 from harness.methods.resolve import load_run
@@ -40,7 +40,7 @@ def fit(run, out: Path) -> Trainer:
 
 
 def check_estimate(run, costs: dict) -> None:
-    estimate = build_method(run).estimate(param_shapes(run.model, VOCAB), run)
+    estimate = build_memory(run).estimate(param_shapes(run.model, VOCAB), run)
     assert (estimate.weight_bytes, estimate.grad_bytes, estimate.optimizer_state_bytes,
             estimate.extra_bytes) == (costs["param_bytes"], costs["grad_bytes"],
                                       costs["optimizer_state_bytes"], costs["extra_bytes"])
@@ -249,7 +249,7 @@ def test_estimate_equals_measure_on_llama_60m():
     ids = torch.randint(0, VOCAB, (1, 8))
     watch = GradPeak(model, opt)  # G is dropped in backward: counted while it is alive
     model(input_ids=ids, labels=ids).loss.backward()
-    counted = replace(method.measure(model, opt), grad_bytes=watch.close())
-    assert counted == method.estimate(shapes, run)
+    counted = replace(memory_of(method).measure(model, opt), grad_bytes=watch.close())
+    assert counted == memory_of(method).estimate(shapes, run)
     codes = sum(m.codes.numel() for m in model.modules() if isinstance(m, Int8Linear))
     assert counted.weight_bytes == codes + 4 * sum(p.numel() for p in model.parameters())

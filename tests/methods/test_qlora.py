@@ -18,7 +18,7 @@ from test_lora import (
     resumes_exactly,
 )
 
-from harness.methods import build_method
+from harness.methods import build_memory, build_method
 from harness.methods.lora import TARGETS, adapter_params, lora_layers
 from harness.methods.resolve import load_run
 from harness.models import param_shapes
@@ -79,7 +79,7 @@ def test_qlora_learns_and_trains_only_the_adapters(straight):
 def test_qlora_estimate_equals_the_real_tensors_on_micro(straight):
     data, _, summary = straight
     run = load_run(data)
-    estimate = build_method(run).estimate(param_shapes(run.model, VOCAB), run)
+    estimate = build_memory(run).estimate(param_shapes(run.model, VOCAB), run)
     assert_estimate_matches(estimate, summary)
     assert summary["extra_bytes"] > 0
 

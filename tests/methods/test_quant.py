@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from harness.cost.tensor_peak import _peak, _timeline
-from harness.methods.base import tensor_bytes
+from harness.methods.memory import tensor_bytes
 from harness.methods.quant import (
     CHUNK,
     GROUP,

@@ -19,7 +19,7 @@ from test_lora import (
 )
 
 from harness.config.steps import lr_factor
-from harness.methods import build_method
+from harness.methods import build_memory, build_method
 from harness.methods.lora import adapter_params, lora_layers
 from harness.methods.relora import reset_moments
 from harness.methods.resolve import load_run
@@ -81,7 +81,7 @@ def test_relora_counts_and_estimate_with_warm_start_on_micro(straight):
     targets = sum(s.numel() for n, s in param_shapes(run.model, VOCAB).items() if "proj" in n)
     non_targets = non_target_count("llama_micro", VOCAB)
     assert summary["trainable_params"] == adapters + non_targets + targets
-    estimate = build_method(run).estimate(param_shapes(run.model, VOCAB), run)
+    estimate = build_memory(run).estimate(param_shapes(run.model, VOCAB), run)
     assert_estimate_matches(estimate, summary)
 
 

@@ -25,7 +25,7 @@ from method_matrix import (
 )
 
 from harness.errors import UserError
-from harness.methods import build_method
+from harness.methods import build_memory
 from harness.methods.base import method_names
 from harness.methods.resolve import load_run
 from harness.models import param_shapes
@@ -92,7 +92,7 @@ def test_every_method_with_every_modifier(tmp_path, tmp_path_factory, method, mo
         assert summary["skipped_steps"] >= 0 and summary["loss_scale"] > 0
     if modifier == "offload_mlp":
         assert summary["offloaded_bytes_per_step"] > 0
-    estimate = build_method(run).estimate(param_shapes(run.model, VOCAB), run)
+    estimate = build_memory(run).estimate(param_shapes(run.model, VOCAB), run)
     assert_estimate_matches(estimate, summary)
 
 

@@ -16,7 +16,7 @@ from harness.config.steps import lr_factor
 from harness.data.c4 import eval_blocks
 from harness.data.loader import IGNORE, to_batch
 from harness.errors import UserError
-from harness.methods import build_method
+from harness.methods import build_memory
 from harness.methods.resolve import load_run
 from harness.models import param_shapes
 from harness.train import Trainer, train
@@ -82,7 +82,7 @@ def test_estimator_matches_the_real_tensors(tmp_path, method):
     run = load_run({**micro_run(steps=1), "method": {"name": method}})
     summary = train(run, tmp_path / "t")
     shapes = param_shapes(run.model, 8192)  # the sample tokenizer's vocab
-    estimate = build_method(run).estimate(shapes, run)
+    estimate = build_memory(run).estimate(shapes, run)
     assert_estimate_matches(estimate, summary)
     assert summary["extra_bytes"] == 0
 

@@ -1,0 +1,45 @@
+"""LoRA's bytes (methods/lora.py): the frozen base at the run's width, adapters and (by
+default) the tensors outside the targets trained by AdamW. ReLoRA and QLoRA build on
+`LoraShapes`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from harness.methods.base import register_memory
+from harness.methods.full_memory import adam_bytes
+from harness.methods.lora import LoraParams
+from harness.methods.memory import Memory, MemoryEstimate, Shapes, numel, update_bytes
+from harness.methods.surgery import is_target
+
+if TYPE_CHECKING:
+    from harness.config import RunConfig
+
+
+class LoraShapes:
+    """The base model's shapes split into target weights and the rest, plus the adapters' sizes
+    and the tensors AdamW trains."""
+
+    def __init__(self, shapes: Shapes, config: LoraParams) -> None:
+        targets = {n: s for n, s in shapes.items()
+                   if is_target(n.rpartition(".")[0], config.target_modules)}
+        self.target_weights = [s for n, s in targets.items() if n.endswith(".weight")]
+        self.frozen = [numel(s) for s in targets.values()]
+        self.others = [numel(s) for n, s in shapes.items() if n not in targets]
+        r = config.rank
+        self.adapters = [n for out, inp in self.target_weights for n in (r * inp, out * r)]
+        self.trainable = self.adapters + (self.others if config.train_non_targets else [])
+        self.float_numel = sum(self.frozen + self.others + self.adapters)
+
+
+@register_memory("lora")
+class LoraMemory(Memory):
+    linears = "adapter"
+    bench: ClassVar[dict[str, Any]] = {"rank": 8}
+
+    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
+        s = LoraShapes(shapes, self.config)
+        return adam_bytes(s.float_numel, s.trainable, run, self.steps)
+
+    def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
+        return update_bytes(LoraShapes(shapes, self.config).trainable, run)

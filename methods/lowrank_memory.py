@@ -1,0 +1,44 @@
+"""Low-rank's bytes (methods/lowrank.py): AdamW's over the trained tensors after `prepare`,
+each targeted linear's weight replaced by its two rank-r factors."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from harness.methods.base import register_memory
+from harness.methods.full_memory import FullMemory, adam_bytes
+from harness.methods.lowrank import check_found
+from harness.methods.memory import MemoryEstimate, Shapes, numel, update_bytes
+from harness.methods.surgery import is_target
+
+if TYPE_CHECKING:
+    from harness.config import RunConfig
+
+
+@register_memory("lowrank")
+class LowRankMemory(FullMemory):
+    linears = "factored"
+    bench: ClassVar[dict[str, Any]] = {"rank": 16}
+
+    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
+        sizes = self._trained(shapes)
+        return adam_bytes(sum(sizes), sizes, run, self.steps)  # as in full
+
+    def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
+        return update_bytes(self._trained(shapes), run)
+
+    def _trained(self, shapes: Shapes) -> list[int]:
+        """One entry per trained tensor after `prepare`: two factors for each targeted linear."""
+        r, targets = self.config.rank, self.config.target_modules
+        sizes: list[int] = []
+        found = set()
+        for name, shape in shapes.items():
+            module, _, leaf = name.rpartition(".")
+            if leaf == "weight" and len(shape) == 2 and is_target(module, targets):
+                found.add(module.rsplit(".", 1)[-1])
+                out_features, in_features = shape
+                sizes += [r * in_features, out_features * r]
+            else:
+                sizes.append(numel(shape))
+        check_found(self.config, found)
+        return sizes

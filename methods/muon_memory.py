@@ -1,0 +1,29 @@
+"""Muon's bytes (methods/muon.py): one momentum per hidden matrix element, half of Adam's;
+the embeddings, head and vectors as AdamW keeps them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from harness.methods.base import register_memory
+from harness.methods.full_memory import adam_bytes
+from harness.methods.memory import Memory, MemoryEstimate, Shapes, grad_bytes, numel
+from harness.methods.muon import is_hidden
+from harness.methods.widths import widths
+
+if TYPE_CHECKING:
+    from harness.config import RunConfig
+
+
+@register_memory("muon")
+class MuonMemory(Memory):
+    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
+        """One momentum per hidden matrix element at the state width (and its Kahan buffer);
+        the other tensors as AdamW keeps them (full's `adam_bytes`)."""
+        w = widths(run)
+        sizes = [numel(s) for s in shapes.values()]
+        rest = [numel(s) for name, s in shapes.items() if not is_hidden(name, s)]
+        hidden = sum(sizes) - sum(rest)
+        states = (w.state + w.compensation) * hidden \
+            + adam_bytes(0, rest, run, self.steps).optimizer_state_bytes
+        return MemoryEstimate(w.weight * sum(sizes), grad_bytes(sizes, run, self.steps), states)
