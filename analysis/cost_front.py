@@ -14,9 +14,11 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from harness.config.metrics import METRICS
+
 from .caveats import SHARED, conditioned, numbers, shared
 from .figures import best_lr_trials, label_points, variant_colors
-from .format import cell, text_table
+from .format import cell, metric_cells, text_table
 from .front import non_dominated
 from .html import Block, Heading, Image, Paragraph, Table
 from .plots import plain_log_y, save_png
@@ -48,9 +50,10 @@ def cost_points(best: pd.DataFrame) -> pd.DataFrame:
     seeds, the largest peak memory in GB, and whether any seed's time was measured shared."""
     best = best.assign(hours=process_hours(best), peak_gb=best["peak_memory_bytes"] / 1e9,
                        shared=shared(best).to_numpy())
-    points = best.groupby("variant", sort=False).agg(
-        method=("method", "first"), eval_ppl=("eval_ppl", "mean"), peak_gb=("peak_gb", "max"),
-        hours=("hours", "mean"), shared=("shared", "any"))
+    points = best.groupby("variant", sort=False).agg(  # seeds folded as the registry says
+        method=("method", "first"), eval_ppl=("eval_ppl", METRICS["eval_ppl"].across_seeds),
+        peak_gb=("peak_gb", METRICS["peak_memory_bytes"].across_seeds),
+        hours=("hours", METRICS["wall_s"].across_seeds), shared=("shared", "any"))
     points["front"] = front_of(points, [c for c in OBJECTIVES if points[c].notna().any()])
     return points.reset_index()
 
@@ -72,7 +75,7 @@ def cost_table(points: pd.DataFrame, unit: str) -> pd.DataFrame:
     order = points.assign(_r=ranks["eval_ppl"]).sort_values(["_r", "peak_gb"], kind="stable")
     table = pd.DataFrame({
         "method": order["variant"],
-        "eval ppl": order["eval_ppl"].map(lambda v: cell(v, ".2f")),
+        METRICS["eval_ppl"].header: metric_cells("eval_ppl", order["eval_ppl"]),
         "peak GB": order["peak_gb"].map(lambda v: cell(v, ".3g")),
         unit: [cell(h, ".3g") + (f" {SHARED}" if s and not pd.isna(h) else "")
                for h, s in zip(order["hours"], order["shared"], strict=True)],

@@ -7,6 +7,9 @@ from typing import Any
 
 import pandas as pd
 
+from harness.config.metrics import BYTES, METRICS
+from harness.cost.estimate import human_bytes
+
 # What tells two configurations of one method apart in every table and figure, with the value
 # a trial from before the column existed (or with it unset) gets.
 VARIANT_DEFAULTS = {"method": "unknown", "memory": "none", "precision": "32-true"}
@@ -26,6 +29,27 @@ def ordered(labels: pd.Series, order: Sequence[str]) -> list[str]:
 def cell(value: Any, spec: str, unit: str = "") -> str:
     """A number formatted for a table cell; blank where it is missing."""
     return "" if pd.isna(value) else f"{value:{spec}}{unit}"
+
+
+def metric_cell(name: str, value: Any) -> str:
+    """A metric's value as the registry formats it (harness/config/metrics.py)."""
+    metric = METRICS[name]
+    if pd.isna(value):
+        return metric.missing
+    return human_bytes(value) if metric.spec == BYTES else cell(value, metric.spec)
+
+
+def metric_cells(name: str, values: pd.Series) -> pd.Series:
+    return values.map(lambda v: metric_cell(name, v))
+
+
+def with_derived(trials: pd.DataFrame) -> pd.DataFrame:
+    """The registry's derived metrics (trial_hours from wall_s) as columns, NaN where their
+    source is missing."""
+    derived = {m.name: m.derived for m in METRICS.values() if m.derived}
+    return trials.assign(**{
+        name: pd.to_numeric(trials[key], errors="coerce") * factor if key in trials
+        else float("nan") for name, (key, factor) in derived.items()})
 
 
 def whole(value: Any, missing: str) -> str:

@@ -4,6 +4,7 @@ study the hypervolume its trials dominate, trial by trial.
 
 The objectives are a search's own (`search.objectives`, two or more); otherwise the question
 the harness answers: eval perplexity, peak memory and trial-hours, each lower being better.
+Headers, formats and directions are the metric registry's (harness/config/metrics.py).
 """
 
 from __future__ import annotations
@@ -15,18 +16,13 @@ import pandas as pd
 from matplotlib.figure import Figure
 from optuna._hypervolume import compute_hypervolume  # Optuna's own (its plot_hypervolume uses it)
 
-from harness.cost.estimate import human_bytes
+from harness.config.metrics import METRICS
 from harness.trials import Status
 
-from .format import cell, fill_variants, variant_label
+from .format import cell, fill_variants, metric_cells, variant_label, with_derived
 
-DEFAULT = (("eval_ppl", "minimize"), ("peak_memory_bytes", "minimize"),
-           ("trial_hours", "minimize"))
-HEADERS = {"eval_ppl": "eval ppl", "eval_loss": "eval loss", "eval_score": "score",
-           "peak_memory_bytes": "peak memory", "tokens_per_s": "tok/s",
-           "trial_hours": "trial-hours"}
-FORMATS = {"peak_memory_bytes": human_bytes, "tokens_per_s": lambda v: cell(v, ",.0f"),
-           "trial_hours": lambda v: cell(v, ".3f")}
+DEFAULT = tuple((m, METRICS[m].direction) for m in ("eval_ppl", "peak_memory_bytes",
+                                                     "trial_hours"))
 HISTORY_POINTS = 60  # hypervolume evaluated at most this many times along a study
 
 
@@ -36,13 +32,8 @@ def objectives_of(sweep: dict[str, Any], trials: pd.DataFrame) -> list[tuple[str
     goals = (sweep.get("search") or {}).get("objectives") or []
     if len(goals) > 1:
         return [(str(g["metric"]), str(g.get("direction", "minimize"))) for g in goals]
-    recorded = _with_hours(trials)
+    recorded = with_derived(trials)
     return [(m, d) for m, d in DEFAULT if m in recorded and recorded[m].notna().any()]
-
-
-def _with_hours(trials: pd.DataFrame) -> pd.DataFrame:
-    wall = trials["wall_s"] if "wall_s" in trials else pd.Series(np.nan, index=trials.index)
-    return trials.assign(trial_hours=pd.to_numeric(wall, errors="coerce") / 3600)
 
 
 def non_dominated(values: np.ndarray) -> np.ndarray:
@@ -62,9 +53,9 @@ def _oriented(frame: pd.DataFrame, objectives: list[tuple[str, str]]) -> np.ndar
 def front_table(trials: pd.DataFrame, objectives: list[tuple[str, str]]) -> pd.DataFrame:
     """The ok trials with every objective on the Pareto front, best first by the first
     objective: trial, method variant, LR, seed and each objective's value."""
-    ok = _with_hours(fill_variants(trials))
+    ok = with_derived(fill_variants(trials))
     ok = ok[ok["status"] == Status.OK].dropna(subset=[m for m, _ in objectives])
-    columns = ["trial", "method", "lr", "seed", *(HEADERS[m] for m, _ in objectives)]
+    columns = ["trial", "method", "lr", "seed", *(METRICS[m].header for m, _ in objectives)]
     if ok.empty or not objectives:
         return pd.DataFrame(columns=columns)
     on_front = ok[non_dominated(_oriented(ok, objectives))]
@@ -78,14 +69,13 @@ def front_table(trials: pd.DataFrame, objectives: list[tuple[str, str]]) -> pd.D
         "seed": on_front.get("seed", pd.Series(index=on_front.index, dtype=object)),
     })
     for metric, _ in objectives:
-        table[HEADERS[metric]] = on_front[metric].map(FORMATS.get(metric,
-                                                                  lambda v: cell(v, ".2f")))
+        table[METRICS[metric].header] = metric_cells(metric, on_front[metric])
     return table.reset_index(drop=True)
 
 
 def front_line(trials: pd.DataFrame, table: pd.DataFrame,
                objectives: list[tuple[str, str]]) -> str:
-    goals = ", ".join(f"{HEADERS[m]} ({'lower' if d == 'minimize' else 'higher'} is better)"
+    goals = ", ".join(f"{METRICS[m].header} ({'lower' if d == 'minimize' else 'higher'} is better)"
                       for m, d in objectives)
     finished = int((trials["status"] == Status.OK).sum()) if len(trials) else 0
     return (f"{len(table)} of the {finished} finished trials are on the Pareto front of {goals}: "

@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from harness.config import PRECISION_ALIASES, memory_label
+from harness.config.metrics import REGISTRY
 from harness.trials import RunsDir, Status, Summary, TrialDir, read_jsonl, read_jsonl_tail
 
 PathArg = str | os.PathLike
@@ -127,16 +128,20 @@ def _trial_row(run_dir: Path, trial_dir: TrialDir) -> dict[str, Any]:
 
 
 def _progress(trial_dir: TrialDir, row: dict[str, Any]) -> dict[str, Any]:
-    """The last logged losses: the summary of a running trial is only rewritten at its end."""
+    """The last logged loss; a running trial's step and `live` metrics from its last lines of
+    their kind: the summary of a running trial is only rewritten at its end."""
     rows = read_jsonl_tail(trial_dir.metrics)
-    train = [r for r in rows if r.get("kind") == "train"]
-    evals = [r for r in rows if r.get("kind") == "eval"]
+    last = {kind: next((r for r in reversed(rows) if r.get("kind") == kind), None)
+            for kind in ("train", "eval")}
     out: dict[str, Any] = {}
-    if train:
-        out["last_loss"] = train[-1].get("loss")
-        if row.get("status") == Status.RUNNING:
-            out["step"] = train[-1].get("step")
-            out["tokens_per_s"] = train[-1].get("tokens_per_s")
-    if evals and row.get("status") == Status.RUNNING:
-        out["eval_ppl"] = evals[-1].get("eval_ppl")
+    if last["train"]:
+        out["last_loss"] = last["train"].get("loss")
+    if row.get("status") != Status.RUNNING:
+        return out
+    if last["train"]:
+        out["step"] = last["train"].get("step")
+    for metric in REGISTRY:
+        line = last[metric.live] if metric.live else None
+        if line:
+            out[metric.name] = line.get(metric.name)
     return out

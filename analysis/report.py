@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from harness.cost.estimate import human_bytes
+from harness.config.metrics import METRICS, REGISTRY
 from harness.trials import RunsDir, Status, atomic_write
 
 from .caveats import annotate, conditions_line, with_conditions
@@ -28,8 +28,8 @@ from .figures import (
 )
 from .format import (
     VARIANT_DEFAULTS,
-    cell,
     fill_variants,
+    metric_cell,
     ordered,
     text_table,
     variant_label,
@@ -43,10 +43,10 @@ from .stats import at_best_lr
 from .tables import write_tables
 from .unreadable import unreadable_note, with_mark
 
-SUMMARY_COLUMNS = (
-    "method", "memory", "precision", "best lr", "eval ppl", "tok/s", "peak memory",
-    "peak RSS", "optimizer state", "trials",
-)  # fmt: skip
+PICKED_BY = "eval_ppl"  # the metric whose seed-mean picks each method's best LR
+SHOWN = tuple(m.name for m in REGISTRY if m.report)  # the registry's report columns
+SUMMARY_COLUMNS = ("method", "memory", "precision", "best lr",
+                   *(METRICS[m].header for m in SHOWN), "trials")
 VARIANT = list(VARIANT_DEFAULTS)  # what a row of the summary compares
 MEMORY_NOTE = "Memory columns use decimal units: 1 MB = 10^6 bytes, 1 GB = 10^9 bytes."
 
@@ -159,24 +159,18 @@ def best_lr_line(table: pd.DataFrame) -> str:
 
 
 def _method_row(variant: dict[str, str], group: pd.DataFrame) -> dict[str, str]:
-    """Best LR by mean eval ppl over seeds, among ok trials; blanks if none finished."""
+    """Best LR by mean eval ppl over seeds, among ok trials; blanks if none finished. Each
+    metric shown is folded over that LR's seeds as the registry says (mean, max, ...)."""
     row = dict.fromkeys(SUMMARY_COLUMNS, "")
     row.update(variant, trials=_status_counts(group["status"]))
-    best = at_best_lr(group, "eval_ppl", rate=("tokens_per_s", "mean"),
-                      peak=("peak_memory_bytes", "max"), rss=("peak_rss_bytes", "max"),
-                      state=("optimizer_state_bytes", "max"))
+    folds = {m: (m, METRICS[m].across_seeds) for m in SHOWN if m != PICKED_BY and m in group}
+    best = at_best_lr(group, PICKED_BY, minimize=METRICS[PICKED_BY].direction == "minimize",
+                      **folds)
     if best is None:
         return row
-    row.update(
-        {
-            "best lr": f"{best.name:g}",
-            "eval ppl": cell(best["mean"], ".2f"),
-            "tok/s": cell(best["rate"], ",.0f"),
-            "peak memory": human_bytes(best["peak"]),
-            "peak RSS": human_bytes(best["rss"]),
-            "optimizer state": human_bytes(best["state"]),
-        }
-    )
+    values = {**best[list(folds)], PICKED_BY: best["mean"]}  # a column a frame lacks: blank
+    row["best lr"] = f"{best.name:g}"
+    row.update({METRICS[m].header: metric_cell(m, values.get(m)) for m in SHOWN})
     return row
 
 

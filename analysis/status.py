@@ -1,15 +1,19 @@
-"""The trials table `harness status` prints: it needs no figure, so a status process (and a
-sweep, which counts its trials' statuses at its end) loads neither matplotlib nor scipy for
-it: their imports would be most of its start-up."""
+"""The trials table `harness status` prints, and its --json records: it needs no figure, so a
+status process (and a sweep, which counts its trials' statuses at its end) loads neither
+matplotlib nor scipy for it: their imports would be most of its start-up. Its metric columns
+are the registry's marked `status` (harness/config/metrics.py)."""
 
 from __future__ import annotations
 
 import pandas as pd
 
-from harness.cost.estimate import human_bytes
+from harness.config.metrics import METRICS, STATUS
 
-from .format import cell, text_table, whole
+from .format import metric_cells, text_table, whole
 from .unreadable import unreadable_lines
+
+# `harness status --json`: one record per trial with these keys (null where not reported).
+STATUS_KEYS = ["trial", "method", "memory", "status", "step", "steps", *STATUS, "error"]
 
 
 def status_table(trials: pd.DataFrame) -> str:
@@ -25,13 +29,12 @@ def status_table(trials: pd.DataFrame) -> str:
                 f"{whole(step, '0')}/{whole(steps, '?')}"
                 for step, steps in zip(trials["step"], trials["steps"], strict=True)
             ],
-            "loss": trials["last_loss"].map(lambda v: cell(v, ".4f")),
-            "eval ppl": trials["eval_ppl"].map(lambda v: cell(v, ".2f")),
-            "tok/s": trials["tokens_per_s"].map(lambda v: cell(v, ",.0f")),
-            "peak memory": trials["peak_memory_bytes"].map(human_bytes),
-            "peak RSS": trials["peak_rss_bytes"].map(human_bytes),
-            "requeues": trials["requeues"].map(lambda v: whole(v, "0")),
-            "final model": trials["final_model_bytes"].map(human_bytes),
+            **{METRICS[name].header: metric_cells(name, trials[name]) for name in STATUS},
         }
     )
     return "\n".join([text_table(table), *unreadable_lines(trials)])
+
+
+def status_records(trials: pd.DataFrame) -> str:
+    """The trials as JSON records of STATUS_KEYS; pandas writes a missing value as null."""
+    return trials.reindex(columns=STATUS_KEYS).to_json(orient="records", indent=2)

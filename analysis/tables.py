@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.config.metrics import METRICS
 from harness.trials import atomic_write
 
 from .caveats import SHARED, shared
@@ -64,7 +65,7 @@ def pretrain_table(trials: pd.DataFrame, order: Sequence[str] = ()) -> pd.DataFr
     ours = _pretraining(trials)
     keys = [*ROW, "model"]
     picks = best_lr(ours, keys)
-    picks["peak"] = at_best(ours, picks, keys, "peak_memory_bytes", "max")
+    picks["peak"] = _at_best(ours, picks, keys, "peak_memory_bytes")
     models = _model_order(ours["model"])
     cells = {(*pick[keys],): _ppl_cell(pick) for _, pick in picks.iterrows()}
     rows = _rows(ours[ROW], order)
@@ -81,8 +82,8 @@ def throughput_table(trials: pd.DataFrame, order: Sequence[str] = ()) -> pd.Data
     ours = ours.assign(layerwise=layerwise(ours), memory=ours["memory"].map(_without_layerwise))
     keys = [*ROW, "model", "layerwise"]
     picks = best_lr(ours, keys)
-    picks["peak"] = at_best(ours, picks, keys, "peak_memory_bytes", "max")
-    picks["rate"] = at_best(ours, picks, keys, "tokens_per_s", "mean")
+    picks["peak"] = _at_best(ours, picks, keys, "peak_memory_bytes")
+    picks["rate"] = _at_best(ours, picks, keys, "tokens_per_s")
     flags = ours.assign(shared=shared(ours).astype(float))
     picks["shared"] = at_best(flags, picks, keys, "shared", "max")  # 1: a seed ran shared
     cells = {(*pick[keys],): (gigabytes(pick["peak"]), cell(pick["rate"], ",.0f")
@@ -165,6 +166,12 @@ def write_tables(
         atomic_write(Path(out_dir) / f"{slug}.md", f"# {title}\n\n{note}\n\n{text_table(table)}\n")
         written.append((title, note, table))
     return written
+
+
+def _at_best(trials: pd.DataFrame, picks: pd.DataFrame, keys: list[str],
+             metric: str) -> pd.Series:
+    """A metric at each pick's best LR, its seeds folded as the registry says."""
+    return at_best(trials, picks, keys, metric, METRICS[metric].across_seeds)
 
 
 def _pretraining(trials: pd.DataFrame) -> pd.DataFrame:

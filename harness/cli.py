@@ -61,23 +61,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK if status == Status.OK else EXIT_FAILED
 
 
-STATUS_KEYS = ["trial", "method", "memory", "status", "step", "steps", "last_loss", "eval_ppl",
-               "tokens_per_s", "peak_memory_bytes", "peak_rss_bytes", "requeues", "error"]
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     """With --watch, redraw every N seconds until every trial has finished (or Ctrl-C); with
-    --json, print the rows once as records (STATUS_KEYS)."""
+    --json, print the rows once as records (analysis/status.py STATUS_KEYS)."""
     import time
 
-    from harness.analysis import status_table
+    from harness.analysis.status import status_records, status_table
     from harness.trials import FINISHED
 
     while True:
         with logs_to_stderr(args.json):
             trials = load_trials(args.runs_dir)
-        if args.json:  # pandas writes a missing value (no eval yet) as null
-            print(trials.reindex(columns=STATUS_KEYS).to_json(orient="records", indent=2))
+        if args.json:
+            print(status_records(trials))
             return EXIT_OK
         table = status_table(trials)
         if not args.watch:

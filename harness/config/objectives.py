@@ -10,18 +10,17 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from harness.config.metrics import METRICS, OBJECTIVES, Direction
 from harness.config.run import Strict
 
-Metric = Literal["eval_ppl", "eval_loss", "eval_score", "peak_memory_bytes", "tokens_per_s",
-                 "trial_hours"]
-METRICS: tuple[str, ...] = Metric.__args__  # type: ignore[attr-defined]
+ObjectiveName = Literal[OBJECTIVES]  # type: ignore[valid-type]  # the registry's metrics
 UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20,
          "gib": 2**30, "tib": 2**40}  # fmt: skip
 
 
 class Objective(Strict):
-    metric: Metric = Field(description="trial_hours: the trial's wall time in hours")
-    direction: Literal["minimize", "maximize"] = "minimize"
+    metric: ObjectiveName = Field(description="trial_hours: the trial's wall time in hours")
+    direction: Direction = "minimize"
 
 
 def size(text: str, bare: bool = True) -> float | None:
@@ -47,9 +46,9 @@ class Constraint:
     @classmethod
     def parse(cls, text: str, where: str) -> Constraint:
         match = re.fullmatch(r"\s*(\w+)\s*(<=|>=)\s*(.+?)\s*", text)
-        if not match or match.group(1) not in METRICS or size(match.group(3)) is None:
+        if not match or match.group(1) not in OBJECTIVES or size(match.group(3)) is None:
             raise ValueError(f"{where}: {text!r} is not a constraint (allowed: METRIC <= VALUE or "
-                             f"METRIC >= VALUE, METRIC one of {', '.join(METRICS)}, VALUE a "
+                             f"METRIC >= VALUE, METRIC one of {', '.join(OBJECTIVES)}, VALUE a "
                              "number or a size such as 24GB)")
         metric, op, value = match.groups()
         return cls(metric, op, size(value), value)  # type: ignore[arg-type]
@@ -64,9 +63,7 @@ class Constraint:
 
 
 def objective_value(summary: dict[str, Any], metric: str) -> float | None:
-    """The metric of a finished trial's summary (trial_hours from its wall time)."""
-    if metric == "trial_hours":
-        wall = summary.get("wall_s")
-        return None if wall is None else wall / 3600
-    value = summary.get(metric)
-    return None if value is None else float(value)
+    """The metric of a finished trial's summary; a derived one (trial_hours) from its source."""
+    key, factor = METRICS[metric].derived or (metric, 1.0)
+    value = summary.get(key)
+    return None if value is None else float(value) * factor

@@ -2,8 +2,10 @@
 mark, what `status`, the sweep and the report tables read.
 
 Its fields, in the order of the report's columns, are the one list of summary fields: the
-analysis takes its columns from `Summary.columns()`. The trainer adds measured fields the
-model does not name (build_s, best_eval_*, loss_scale, ...): they are kept as extra fields.
+analysis takes its columns from `Summary.columns()`. They are the trial's identity, then each
+metric of the registry (harness/config/metrics.py) in its order, then where and how it ran.
+The trainer adds measured fields the model does not name (build_s, best_eval_*, loss_scale,
+...): they are kept as extra fields.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import socket
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model
 
 from harness.config import RunConfig
+from harness.config.metrics import REGISTRY
 from harness.trials.status import Status
 
 Number = int | float | None
@@ -26,9 +29,8 @@ def _num() -> Any:
     return Field(None, json_schema_extra=_NUMERIC)
 
 
-class Summary(BaseModel):
-    """One trial's summary. Read from disk it keeps the file's keys in their order, so a
-    launcher that marks it failed or counts a requeue rewrites it with only that changed."""
+class _Trial(BaseModel):
+    """Which trial: the summary's first fields."""
 
     model_config = ConfigDict(extra="allow", use_enum_values=True)
 
@@ -43,18 +45,17 @@ class Summary(BaseModel):
     steps: Number = _num()
     step: Number = _num()
     tokens: Number = _num()
-    eval_loss: Number = _num()
-    eval_ppl: Number = _num()
-    tokens_per_s: Number = _num()
-    mfu: Number = _num()
-    peak_memory_bytes: Number = _num()  # live tensors: CUDA max allocated, CPU a steady step's
-    peak_rss_bytes: Number = _num()  # the trial process's peak resident set, allocator slack too
-    param_bytes: Number = _num()
-    grad_bytes: Number = _num()
-    optimizer_state_bytes: Number = _num()
-    trainable_params: Number = _num()
-    total_params: Number = _num()
-    wall_s: Number = _num()
+
+
+# The registry's metrics that every summary has, as numeric fields in the registry's order.
+_Measured: type[_Trial] = create_model(
+    "_Measured", __base__=_Trial, **{m.name: (Number, _num()) for m in REGISTRY if m.field})
+
+
+class Summary(_Measured):  # type: ignore[misc,valid-type]
+    """One trial's summary. Read from disk it keeps the file's keys in their order, so a
+    launcher that marks it failed or counts a requeue rewrites it with only that changed."""
+
     processes: Number = _num()  # data-parallel processes (GPUs) the trial used
     load_average: Number = _num()  # the host's 1-minute load average while tok/s was measured
     cpu_count: Number = _num()
@@ -62,35 +63,29 @@ class Summary(BaseModel):
     measured_to: float | None = Field(None, json_schema_extra=_KEPT)
     device: str | None = None
     error: str | None = None
-    requeues: Number = _num()
-    final_model_bytes: Number = _num()  # the final model's files (train.keep_final), once written
     host: str | None = Field(None, json_schema_extra=_KEPT)
     started_at: float | None = Field(None, json_schema_extra=_KEPT)
     pid: int | None = Field(None, json_schema_extra=_KEPT)  # while running, for trial_status
     warnings: list[str] | None = Field(None, json_schema_extra=_KEPT)  # load-time, one line each
-    # Filled by the analysis from metrics.jsonl and config.yaml, not by the trainer.
-    last_loss: Number = _num()
+    # Filled by the analysis from config.yaml, not by the trainer.
     memory: str | None = None
     precision: str | None = None
-    extra_bytes: Number = _num()
-    skipped_steps: Number = _num()
-    offloaded_bytes_per_step: Number = _num()
 
     _order: tuple[str, ...] = PrivateAttr(default=())
 
     @classmethod
     def start(cls, run: RunConfig, trial: str, requeues: int = 0) -> Summary:
-        """The summary as a trial starts: every field the tables read, filled in at the end."""
+        """The summary as a trial starts, its keys in this order: which trial, the metrics
+        the registry marks `at_start` (null until the end), where it runs."""
         model = run.model if isinstance(run.model, str) else str(run.model)
-        return cls(
-            trial=trial, status=Status.RUNNING, method=run.label or run.method_name,
-            method_name=run.method_name, params=run.method_params, lr=run.train.lr,
-            seed=run.seed, model=model, steps=run.train.steps, step=0, tokens=0,
-            eval_loss=None, eval_ppl=None, tokens_per_s=None, mfu=None, peak_memory_bytes=None,
-            peak_rss_bytes=None, param_bytes=None, grad_bytes=None, optimizer_state_bytes=None,
-            trainable_params=None, wall_s=None, device=None, error=None, requeues=requeues,
-            host=socket.gethostname(), started_at=time.time(),
-        )  # fmt: skip
+        return cls.parse({
+            "trial": trial, "status": Status.RUNNING, "method": run.label or run.method_name,
+            "method_name": run.method_name, "params": run.method_params, "lr": run.train.lr,
+            "seed": run.seed, "model": model, "steps": run.train.steps, "step": 0, "tokens": 0,
+            **{m.name: None for m in REGISTRY if m.at_start},
+            "device": None, "error": None, "requeues": requeues,
+            "host": socket.gethostname(), "started_at": time.time(),
+        })  # fmt: skip
 
     @classmethod
     def parse(cls, data: dict[str, Any]) -> Summary:
