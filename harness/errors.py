@@ -47,5 +47,6 @@ def brief(error: BaseException) -> str:
 
 
 def last_line(error: BaseException) -> str:
-    """The last line: submitit's errors carry the job's whole traceback, its end says why."""
+    """The last line: a launcher's job errors carry the job's whole traceback, its end says
+    why."""
     return (str(error).strip().splitlines() or [type(error).__name__])[-1]

@@ -17,11 +17,12 @@ from typing import Any
 
 from tabulate import tabulate
 
+from harness.config.launchers import standalone_kinds
 from harness.sweep.driver import run_sweep
 from harness.sweep.expand import load_sweep
 from harness.trials import RunsDir, write_yaml
 
-KINDS = ("local", "submitit-local")
+KINDS = standalone_kinds()  # the launchers that need no cluster
 
 
 def bench_launch(trials: int) -> list[dict[str, Any]]:

@@ -1,9 +1,9 @@
 """Data parallelism for one trial: W processes, set up from torchrun's environment.
 
-RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT are read as torchrun (or the Slurm
-launcher, which translates its own variables into these) sets them; without WORLD_SIZE, or with
-1, every helper here is a no-op and the trial is the ordinary single process. The backend is gloo
-on CPU and nccl on CUDA, one GPU per process (cuda:LOCAL_RANK).
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT are read as torchrun (or a sweep's
+launcher, which translates its scheduler's variables into these) sets them; without
+WORLD_SIZE, or with 1, every helper here is a no-op and the trial is the ordinary single
+process. The backend is gloo on CPU and nccl on CUDA, one GPU per process (cuda:LOCAL_RANK).
 
 Rank and world size are read from the environment until the group exists, so the trial can
 decide who writes the run folder before joining: only rank 0 writes (`main_only`).

@@ -3,7 +3,7 @@
 Ctrl-C reaches a sweep as KeyboardInterrupt: its launcher asks each running trial to stop,
 the trials save a checkpoint and end `interrupted`, and the command exits 130 naming the
 command that resumes them. SIGTERM (`kill`, `timeout`), SIGHUP (a closed terminal) and SIGUSR2
-(Slurm's warning before a time limit) take the same path, as `Stopped`. The first signal stops
+(a scheduler's warning before a time limit) take the same path, as `Stopped`. The first signal stops
 the sweep; one more within FORCE_AFTER_S changes nothing (`timeout` signals the sweep and
 then its process group), a later one ends the sweep at once: its trials, left without a
 parent, still stop with a checkpoint (harness/sweep/starter.py). A signal the sweep was

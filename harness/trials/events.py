@@ -1,10 +1,10 @@
 """A method's step event (what `Method.on_step` returns: ReLoRA's merge, Q-GaLore's or GaLore's
 SVDs, APOLLO's projections) as one readable progress line. The metrics line keeps the dict
-itself; this is only how a person reads it on the terminal or in a Slurm log.
+itself; this is only how a person reads it on the terminal or in a job's log.
 
 Such internal lines (`say_event`) reach the terminal only under `harness --verbose`, which sets
 HARNESS_VERBOSE=1 for the process and every trial it starts; otherwise they go to stderr when
-that is a log (a sweep trial's stderr.log, a Slurm job's file) and nowhere on a terminal."""
+that is a log (a sweep trial's stderr.log, a launcher's job file) and nowhere on a terminal."""
 
 from __future__ import annotations
 

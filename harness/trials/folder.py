@@ -3,7 +3,7 @@
     <runs>/                 RunsDir: one sweep
       sweep.yaml            the resolved sweep
       optuna.journal        an Optuna sweep's study (unless it names a database)
-      jobs/                 submitit's logs
+      jobs/                 the launcher's job logs
       report/               `harness report`'s default output
       trials/<id>/          TrialDir: one trial
         config.yaml         its resolved run config (and provenance, once it ran)
@@ -16,7 +16,7 @@
                             `train.keep_final: full`
         model/              the finished trial's model in Hugging Face format, and
         model.json          its record (final_model.py)
-        launch.json         when and how it was launched (launcher, Slurm job id)
+        launch.json         when and how it was launched (launcher kind, job id)
         optuna.json         the study and trial it reports to (Optuna sweeps)
         stderr.log          its stderr (local launcher)
 """
@@ -152,13 +152,14 @@ class TrialDir(Folder):
             self.mark_end(Status.FAILED, f"trial process ended with {reason}")
 
     def count_requeue(self) -> None:
-        """One more preemption or time limit survived (Slurm requeued the trial's job)."""
+        """One more preemption or time limit survived (the trial's job was requeued)."""
         summary = self.read_summary()
         if summary is not None and summary.status != Status.UNREADABLE:
             self.write_summary(summary.update(requeues=summary.get("requeues", 0) + 1))
 
     def record_launch(self, launcher: str, job_id: str | None = None) -> None:
-        """When and how a trial was launched: `harness status` asks Slurm about queued jobs."""
+        """When and how a trial was launched: `harness status` asks the launcher's cluster
+        about a job that may still be queued."""
         self.path.mkdir(parents=True, exist_ok=True)
         write_json(
             self.launch,

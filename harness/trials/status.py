@@ -12,7 +12,7 @@ class Status(str, Enum):
     PENDING = "pending"  # no summary yet
     RUNNING = "running"  # its process is training (or died without a word: see trial_status)
     INTERRUPTED = "interrupted"  # stopped with a checkpoint; running it again resumes
-    QUEUED = "queued"  # its Slurm job waits for a slot
+    QUEUED = "queued"  # its job waits for a slot
     OK = "ok"
     FAILED = "failed"
     OOM = "oom"

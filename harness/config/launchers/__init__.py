@@ -46,6 +46,11 @@ def process_kinds() -> list[str]:
     return [k for k, c in KINDS.items() if c.processes]
 
 
+def standalone_kinds() -> list[str]:
+    """The kinds that run on this machine with nothing to start first."""
+    return [k for k, c in KINDS.items() if k in c.standalone()]
+
+
 def with_profile(launcher: Any, sweep_path: Path) -> Any:
     """A launcher block that names a `profile`: the profile's keys, the block's own winning."""
     profile = launcher.get("profile") if isinstance(launcher, dict) else None
@@ -55,4 +60,4 @@ def with_profile(launcher: Any, sweep_path: Path) -> Any:
 
 
 __all__ = ["CONFIGS", "KINDS", "AnyLauncher", "Launcher", "LauncherConfig", "LocalConfig",
-           "SlurmConfig", "process_kinds", "with_profile"]
+           "process_kinds", "standalone_kinds", "with_profile"]

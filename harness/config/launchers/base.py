@@ -31,6 +31,12 @@ class LauncherConfig(Strict):
         """The `kind` values this class takes (its `kind` field's Literal)."""
         return get_args(cls.model_fields["kind"].annotation) or (cls.model_fields["kind"].default,)
 
+    @classmethod
+    def standalone(cls) -> tuple[str, ...]:
+        """Its kinds that run on this machine with nothing to start first (`harness bench
+        launch` times each)."""
+        return ()
+
     @property
     def ranks(self) -> int:
         return self.nodes * self.tasks_per_node

@@ -9,3 +9,7 @@ from harness.config.launchers.base import LauncherConfig
 
 class LocalConfig(LauncherConfig):
     kind: Literal["local"] = "local"
+
+    @classmethod
+    def standalone(cls) -> tuple[str, ...]:
+        return ("local",)

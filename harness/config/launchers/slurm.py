@@ -38,6 +38,10 @@ class SlurmConfig(LauncherConfig):
 
     processes: ClassVar[bool] = True
 
+    @classmethod
+    def standalone(cls) -> tuple[str, ...]:
+        return ("submitit-local",)
+
     @field_validator("mem")
     @classmethod
     def _slurm_size(cls, value: str | None) -> str | None:

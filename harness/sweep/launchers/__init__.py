@@ -1,4 +1,4 @@
-"""Launchers: where a sweep's trials run (this machine, Slurm through submitit, ...).
+"""Launchers: where a sweep's trials run (this machine, or a cluster's jobs).
 
 Adding a launcher, say `kind: mine`:
 

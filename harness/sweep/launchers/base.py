@@ -33,7 +33,7 @@ class Cluster:
     defaults are this machine's, where no job outlives the sweep that started it."""
 
     kinds: ClassVar[tuple[str, ...]] = ()  # the launch.json kinds whose jobs it answers for
-    title: ClassVar[str] = "this machine"  # how a line names where jobs wait: "3 still in ..."
+    title: ClassVar[str] = ""  # how lines name the scheduler: "3 still in ...", "... job 12"
     # What a trial process takes as "save a checkpoint, stop, and expect to be resumed": the
     # launcher sends it (preemption, a time limit coming) and the trial catches it.
     requeue_signal: ClassVar[signal.Signals] = signal.SIGUSR2
