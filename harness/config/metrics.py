@@ -36,7 +36,7 @@ class Metric:
     status: bool = False  # a column of `harness status` (table and --json)
     report: bool = False  # a column of the report's methods table
     at_start: bool = False  # null in summary.json from the trial's start
-    live: Line | None = None  # a running trial's value: the last metrics line of this kind
+    live: Line | None = None  # logged as it trains, in metrics.jsonl lines of this kind
     field: bool = True  # every summary has it (else only some tasks: GLUE's score)
     derived: tuple[str, float] | None = None  # (summary key, factor): computed from another
     missing: str = ""  # a cell with no value
@@ -44,11 +44,12 @@ class Metric:
 
 REGISTRY: tuple[Metric, ...] = (
     Metric("last_loss", "loss", "", ".4f", status=True),  # the last logged training loss
-    Metric("eval_loss", "eval loss", "nats/token", ".2f", objective=True, at_start=True),
+    Metric("eval_loss", "eval loss", "nats/token", ".2f", objective=True, at_start=True,
+           live="eval"),
     Metric("eval_ppl", "eval ppl", "", ".2f", objective=True, status=True, report=True,
            at_start=True, live="eval"),
     Metric("eval_score", "score", "", ".2f", direction="maximize", objective=True,
-           field=False),  # a GLUE task's main metric
+           live="eval", field=False),  # a GLUE task's main metric
     Metric("tokens_per_s", "tok/s", "tokens/s", ",.0f", direction="maximize", objective=True,
            status=True, report=True, at_start=True, live="train"),
     Metric("mfu", "MFU", "", ".1%", direction="maximize", at_start=True),
@@ -75,4 +76,5 @@ REGISTRY: tuple[Metric, ...] = (
 )  # fmt: skip
 METRICS: dict[str, Metric] = {m.name: m for m in REGISTRY}
 OBJECTIVES: tuple[str, ...] = tuple(m.name for m in REGISTRY if m.objective)
+EVALUATED: tuple[str, ...] = tuple(m.name for m in REGISTRY if m.live == "eval")  # each eval
 STATUS: tuple[str, ...] = tuple(m.name for m in REGISTRY if m.status)

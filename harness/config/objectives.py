@@ -10,10 +10,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from harness.config.metrics import METRICS, OBJECTIVES, Direction
+from harness.config.metrics import EVALUATED, METRICS, OBJECTIVES, Direction
 from harness.config.run import Strict
 
 ObjectiveName = Literal[OBJECTIVES]  # type: ignore[valid-type]  # the registry's metrics
+EvaluatedName = Literal[EVALUATED]  # type: ignore[valid-type]  # known at each evaluation
 UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20,
          "gib": 2**30, "tib": 2**40}  # fmt: skip
 

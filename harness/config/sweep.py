@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from harness.config.launchers import AnyLauncher, LocalConfig, process_kinds
-from harness.config.objectives import Constraint, Objective
+from harness.config.objectives import Constraint, EvaluatedName, Objective
 from harness.config.run import Common, Strict
 from harness.config.space import check_distributions, check_space
 from harness.errors import UserError
@@ -21,7 +21,7 @@ class SearchConfig(Strict):
         default_factory=dict,
         description="grid: dotted key -> list of values; other samplers: key -> distribution",
     )
-    metric: Literal["eval_ppl", "eval_loss", "eval_score"] = Field(
+    metric: EvaluatedName = Field(
         "eval_ppl", description="eval_score: a GLUE task's score (maximize)"
     )
     direction: Literal["minimize", "maximize"] = "minimize"

@@ -17,7 +17,7 @@ from harness.analysis import load_runs, status_table, summary_table
 from harness.analysis.front import front_table
 from harness.cli import main
 from harness.config import SweepConfig, validate
-from harness.config.metrics import METRICS, OBJECTIVES, REGISTRY
+from harness.config.metrics import EVALUATED, METRICS, OBJECTIVES, REGISTRY
 from harness.errors import UserError
 from harness.trials import Summary
 
@@ -112,6 +112,16 @@ def test_an_unknown_metric_is_one_line_listing_the_registrys_objectives():
     listed = re.search(r"METRIC one of (.*?), VALUE", str(error.value)).group(1)
     assert listed.split(", ") == list(OBJECTIVES)
     assert {"peak_rss_bytes", "last_loss"}.isdisjoint(OBJECTIVES)  # measured, not searched
+
+
+def test_one_objective_is_a_metric_every_evaluation_logs():
+    """`search.metric` (one objective, prunable) takes what an eval line carries."""
+    assert EVALUATED == ("eval_loss", "eval_ppl", "eval_score")
+    assert [sweep({"metric": name}).search.metric for name in EVALUATED] == list(EVALUATED)
+    allowed = "'eval_loss', 'eval_ppl' or 'eval_score'"
+    with pytest.raises(UserError, match=re.escape(
+            f"search.metric: 'tokens_per_s' is not allowed (allowed: {allowed})")):
+        sweep({"metric": "tokens_per_s"})
 
 
 def test_the_docs_list_every_metric_with_its_unit_and_direction():
