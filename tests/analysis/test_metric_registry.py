@@ -22,6 +22,10 @@ from harness.errors import UserError
 from harness.trials import Summary
 
 PROGRESS = ["trial", "method", "memory", "status", "step", "steps"]
+# t1's cells in `harness status`: its last logged loss, summary values and those written below.
+EXPECTED_CELLS = {"loss": "3.0000", "eval ppl": "25.00", "tok/s": "333,333",
+                  "peak memory": "1.23 GB", "peak RSS": "987.7 MB", "requeues": "3",
+                  "final model": "5.0 kB"}
 
 
 @pytest.fixture
@@ -58,8 +62,9 @@ def test_status_json_and_table_show_each_status_metric(runs: Path, capfd):
     header = [c.strip() for c in lines[0].split("|")[1:-1]]
     assert header == ["id", *PROGRESS[1:4], "step", *(METRICS[m].header for m in shown)]
     row = next(line for line in lines if "| t1 " in line)
-    assert [c.strip() for c in row.split("|")[1:-1]][5:] == [
-        "3.0000", "25.00", "333,333", "1.23 GB", "987.7 MB", "3", "5.0 kB"]
+    cells = dict(zip(header, (c.strip() for c in row.split("|")[1:-1]), strict=True))
+    assert {h: cells[h] for h in EXPECTED_CELLS} == EXPECTED_CELLS  # as the registry formats
+    assert lines[2 + 6:] == []  # six trials, no unreadable one
 
 
 def test_the_methods_table_folds_each_report_metric_over_seeds_as_registered(runs: Path):
