@@ -13,8 +13,10 @@ from harness.methods.base import (
     get_method,
     memory_of,
     method_names,
+    optimizer_for,
     register,
     register_memory,
+    schedule_of,
 )
 from harness.methods.memory import Memory, MemoryEstimate
 
@@ -23,4 +25,5 @@ for _module in pkgutil.iter_modules(__path__):
 check_companions()
 
 __all__ = ["Memory", "MemoryEstimate", "Method", "build_memory", "build_method", "get_memory",
-           "get_method", "memory_of", "method_names", "register", "register_memory"]
+           "get_method", "memory_of", "method_names", "optimizer_for", "register",
+           "register_memory", "schedule_of"]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import Field
 
-from harness.methods.base import Groups, Method, register
+from harness.methods.base import Groups, Method, Terms, register
 from harness.methods.full import AdamConfig
 from harness.methods.galore_optim import GaLoreOptimizer
 from harness.modifiers.compensation import own_optimizer_kwargs
@@ -34,7 +34,13 @@ class Adam8bit(Method):
     summary = "AdamW with 8-bit blockwise moments (bitsandbytes AdamW8bit; CPU and CUDA)"
     Config = Adam8bitConfig
 
-    def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+    def check(self, run: RunConfig) -> Terms:
+        """8-bit Adam shards: bitsandbytes' blockwise kernel (the one GaLore's optimizer runs
+        unprojected) on each rank's rows, whose blocks are the whole tensor's where every shard
+        is the same whole number of 256-value blocks (GaLoreOptimizer checks as it is built)."""
+        return Terms(fsdp=None)
+
+    def optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
         """bitsandbytes' AdamW8bit, which rounds its bf16-true update to nearest and keeps small
         tensors' states in float32; any other bf16-true setting, and `train.parallel: fsdp`
         (whose shards bitsandbytes' optimizer cannot take; on any number of processes, so that
@@ -50,9 +56,3 @@ class Adam8bit(Method):
         if run.memory.optimizer_offload == "paged":
             return repaged_on_load(bnb.optim.PagedAdamW8bit(groups, **kwargs))
         return bnb.optim.AdamW8bit(groups, **kwargs)
-
-    def fsdp_refusal(self, run: RunConfig) -> str | None:
-        """8-bit Adam shards: bitsandbytes' blockwise kernel (the one GaLore's optimizer runs
-        unprojected) on each rank's rows, whose blocks are the whole tensor's where every shard
-        is the same whole number of 256-value blocks (GaLoreOptimizer checks as it is built)."""
-        return None

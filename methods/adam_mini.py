@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from harness import distributed
-from harness.distributed import fsdp
-from harness.methods.base import Groups, Method, register
+from harness.distributed.rows import Rows
+from harness.methods.base import Groups, Method, Terms, register, unpaged
 from harness.methods.full import AdamConfig
 from harness.modifiers.compensation import ParamwiseOptimizer, add_update, own_optimizer_kwargs
 
@@ -91,8 +90,9 @@ class AdamMini(ParamwiseOptimizer):
     def _update(self, group: dict[str, Any], p: Tensor) -> None:
         (b1, b2), lr, wd, kind = group["betas"], group["lr"], group["weight_decay"], group["block"]
         blocks = block_count(kind, tuple(p.shape), group["head_dim"])
-        st, w = self.state[p], fsdp.local(p)  # under fsdp: this rank's rows
-        spans = fsdp.is_sharded(p) and kind in ("head", "tensor")
+        rows = Rows(p)
+        st, w = self.state[p], rows.local  # under fsdp: this rank's rows
+        spans = rows.sharded and kind in ("head", "tensor")
         here = w.shape[0] if kind == "row" else blocks  # the blocks this rank's moments hold
         if not st:
             dtype = self.dtype or p.dtype
@@ -101,13 +101,13 @@ class AdamMini(ParamwiseOptimizer):
             v_shape = w.shape if kind == "element" else (here, 1)
             st["exp_avg_sq"] = torch.zeros(v_shape, dtype=dtype, device=w.device)
         st["step"] += 1
-        g = fsdp.local(p.grad).float()
+        g = Rows(p.grad).local.float()
         m = st["exp_avg"].float().lerp_(g, 1 - b1)  # the state itself when float32
         st["exp_avg"].copy_(m)
         if kind == "element":
             square, m_blocks = g * g, m
         elif spans:
-            square, of_row = _spanning_mean_square(p, g, blocks)
+            square, of_row = _spanning_mean_square(rows, g, blocks)
             m_blocks = m.reshape(len(of_row), -1)
         else:  # one row of the view per block: its mean square is the block's
             m_blocks = m.reshape(here, -1)
@@ -126,29 +126,29 @@ class AdamMini(ParamwiseOptimizer):
         sd = super().state_dict()
         for index, (p, kind) in enumerate(self._kinds()):
             if index in sd["state"]:
-                sd["state"][index] = fsdp.rows_whole(sd["state"][index], p, WHOLE[kind])
+                sd["state"][index] = Rows(p).save(sd["state"][index], WHOLE[kind])
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         for p, kind in self._kinds():
             if p in self.state:
-                fsdp.rows_cut(self.state[p], p, WHOLE[kind])
+                Rows(p).load(self.state[p], WHOLE[kind])
 
     def _kinds(self) -> list[tuple[Tensor, str]]:
         return [(p, g["block"]) for g in self.param_groups for p in g["params"]]
 
 
-def _spanning_mean_square(p: Tensor, g: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
+def _spanning_mean_square(rows: Rows, g: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
     """fsdp, a head's or a tensor's blocks, which a shard's rows may split: each block's
     mean square from every rank's partial sums (an all-reduce of `blocks` values), and the
     block of each of this rank's rows."""
-    span = fsdp.rows(p)
+    p, span = rows.tensor, rows.span
     per_block = p.shape[0] // blocks  # rows (a 1-D tensor: elements) of one block
     of_row = torch.arange(span.start, span.stop, device=g.device) // per_block
     sums = torch.zeros(blocks, device=g.device).index_add_(
         0, of_row, g.reshape(len(of_row), -1).square().sum(1))
-    distributed.all_sum(sums)
+    rows.sum(sums)
     return (sums / (p.numel() // blocks)).unsqueeze(1), of_row
 
 
@@ -163,7 +163,11 @@ class AdamMiniMethod(Method):
     summary = "Adam-mini: Adam with one second moment per head / output row / tensor"
     Config = AdamConfig
 
-    def param_groups(self, model: nn.Module, run: RunConfig) -> Groups:
+    def check(self, run: RunConfig) -> Terms:
+        # fsdp: row blocks stay on their shard; head and tensor blocks are summed over ranks
+        return Terms(refusal=unpaged(run, "per-block second moments"), fsdp=None)
+
+    def groups(self, model: nn.Module, run: RunConfig) -> Groups:
         """One group per block kind and decay: matrices decayed, vectors (norms, biases) not."""
         head_dim, wd = head_dim_of(model), run.train.weight_decay
         groups: dict[tuple[str, bool], Groups] = {}
@@ -176,15 +180,6 @@ class AdamMiniMethod(Method):
                  "weight_decay": wd if decay else 0.0}
                 for (kind, decay), ps in groups.items()]
 
-    def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+    def optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
         c, kwargs = self.config, own_optimizer_kwargs(run.train)
         return AdamMini(groups, lr=run.train.lr, betas=c.betas, eps=c.eps, **kwargs)
-
-    def fsdp_refusal(self, run: RunConfig) -> str | None:
-        return None  # row blocks stay on their shard; head and tensor blocks are summed over
-
-    def refusal(self, run: RunConfig) -> str | None:
-        if run.memory.optimizer_offload == "paged":
-            return ("its per-block second moments are its own tensors, not a bitsandbytes "
-                    "optimizer's, so they cannot be paged; use memory.optimizer_offload: host")
-        return None

@@ -24,7 +24,7 @@ from torch import nn
 
 from harness.methods.apollo_int8_optim import APOLLOInt8Optimizer
 from harness.methods.apollo_optim import APOLLOOptimizer
-from harness.methods.base import Groups, register
+from harness.methods.base import Groups, Terms, register
 from harness.methods.full import AdamConfig
 from harness.methods.galore import GaLore
 from harness.methods.projection import side_of
@@ -97,22 +97,6 @@ class APOLLO(GaLore):
         super().__init__(*args)
         self.seeds: dict[Int8Linear, int] = {}  # int8_weights: each layer's projection seed
 
-    def fsdp_refusal(self, run: RunConfig) -> str | None:
-        """APOLLO shards (methods/apollo_optim.py): the random projection is drawn whole from
-        its seed on every rank; a right side projects this rank's rows, a left side
-        all-reduces its r×n product; norms over a shard's rows sum their squares over ranks."""
-        c = self.config
-        if c.int8_weights:
-            return ("int8_weights keeps INT8 codes as buffers updated inside backward, not "
-                    "parameters FSDP shards and reduces; use train.parallel: ddp")
-        if c.proj == "svd":
-            return ("proj svd needs each gradient gathered for its SVD, not done for APOLLO "
-                    "under fsdp yet; use proj: random (the paper's), or train.parallel: ddp")
-        if c.optimizer == "adam8bit":
-            return ("optimizer adam8bit quantizes blocks of the flattened moments, which FSDP's "
-                    "row shards would cut; use optimizer: adamw, or train.parallel: ddp")
-        return None
-
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         """int8_weights: each scaled linear becomes INT8 (nearest rounding), keeping the seed
         the float method would give it."""
@@ -129,10 +113,38 @@ class APOLLO(GaLore):
                 self.seeds[layer] = i
         return model
 
-    def param_groups(self, model: nn.Module, run: RunConfig) -> Groups:
+    def check(self, run: RunConfig) -> Terms:
+        """APOLLO shards (methods/apollo_optim.py): the random projection is drawn whole from
+        its seed on every rank; a right side projects this rank's rows, a left side
+        all-reduces its r×n product; norms over a shard's rows sum their squares over ranks.
+        int8_weights updates its INT8 layers inside backward itself."""
+        c, refusal = self.config, super().check(run).refusal
+        if c.int8_weights and run.memory.optimizer_offload != "none":
+            refusal = ("with int8_weights its INT8 layers are updated inside backward on the "
+                       "training device, so the optimizer cannot move to the host")
+        elif c.int8_weights and run.train.precision == "16-mixed":
+            refusal = ("with int8_weights its INT8 updates run inside backward, before an "
+                       "overflow in a later gradient could skip the step; use bf16-mixed")
+        fsdp = None
+        if c.int8_weights:
+            fsdp = ("int8_weights keeps INT8 codes as buffers updated inside backward, not "
+                    "parameters FSDP shards and reduces; use train.parallel: ddp")
+        elif c.proj == "svd":
+            fsdp = ("proj svd needs each gradient gathered for its SVD, not done for APOLLO "
+                    "under fsdp yet; use proj: random (the paper's), or train.parallel: ddp")
+        elif c.optimizer == "adam8bit":
+            fsdp = ("optimizer adam8bit quantizes blocks of the flattened moments, which "
+                    "FSDP's row shards would cut; use optimizer: adamw, or train.parallel: ddp")
+        return Terms(refusal=refusal, fsdp=fsdp, in_backward=c.int8_weights)
+
+    def groups(self, model: nn.Module, run: RunConfig) -> Groups:
         """One group per scaled matrix, with its projection seed (its 1-based place among
         the trained parameters, as the reference numbers them), so a layer-wise split keeps
-        each seed; then the other matrices, then vectors (decayed with `decay_vectors`)."""
+        each seed; then the other matrices, then vectors (decayed with `decay_vectors`).
+        int8_weights: one group of every parameter, with the INT8 layers (`layers`)."""
+        if self.config.int8_weights:  # Int8Linear keeps no weight parameter: the rest are others
+            layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+            return [{"params": list(model.parameters()), "layers": layers}]
         wd, rank = run.train.weight_decay, self.config.projection()[0]
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups: Groups = [{"params": [p], "rank": rank, "seed": i, "weight_decay": wd}
@@ -144,35 +156,22 @@ class APOLLO(GaLore):
         return [*groups, {"params": [p for p in rest if p.dim() >= 2], "weight_decay": wd},
                 {"params": [p for p in rest if p.dim() < 2], "weight_decay": vector_wd}]
 
-    def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
-        c, scale_type = self.config, self.config.projection()[1]
-        return APOLLOOptimizer(
-            groups, lr=run.train.lr, betas=c.betas, eps=c.eps, inner=c.optimizer,
-            update_proj_gap=c.update_proj_gap, scale=c.scale, proj=c.proj,
-            scale_type=scale_type, limiter=c.limiter, gamma=c.gamma,
-            min_8bit_size=c.min_8bit_size, **own_optimizer_kwargs(run.train))
-
-    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
-        c = self.config
+    def optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+        c, (rank, scale_type) = self.config, self.config.projection()
         if not c.int8_weights:
-            return super().optimizer(model, run)
-        rank, scale_type = self.config.projection()
-        layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
-        return APOLLOInt8Optimizer(  # Int8Linear keeps no weight parameter: the rest are others
-            layers, [self.seeds[m] for m in layers], list(model.parameters()), lr=run.train.lr,
-            betas=c.betas, eps=c.eps, weight_decay=run.train.weight_decay, inner=c.optimizer,
-            min_8bit_size=c.min_8bit_size, rank=rank, update_proj_gap=c.update_proj_gap,
-            scale=c.scale, proj=c.proj, scale_type=scale_type, limiter=c.limiter, gamma=c.gamma,
-            clip=run.train.grad_clip, seed=run.seed, **own_optimizer_kwargs(run.train))
-
-    def refusal(self, run: RunConfig) -> str | None:
-        if self.config.int8_weights and run.memory.optimizer_offload != "none":
-            return ("with int8_weights its INT8 layers are updated inside backward on the "
-                    "training device, so the optimizer cannot move to the host")
-        if self.config.int8_weights and run.train.precision == "16-mixed":
-            return ("with int8_weights its INT8 updates run inside backward, before an overflow "
-                    "in a later gradient could skip the step; use bf16-mixed")
-        return super().refusal(run)
+            return APOLLOOptimizer(
+                groups, lr=run.train.lr, betas=c.betas, eps=c.eps, inner=c.optimizer,
+                update_proj_gap=c.update_proj_gap, scale=c.scale, proj=c.proj,
+                scale_type=scale_type, limiter=c.limiter, gamma=c.gamma,
+                min_8bit_size=c.min_8bit_size, **own_optimizer_kwargs(run.train))
+        (group,) = groups
+        return APOLLOInt8Optimizer(
+            group["layers"], [self.seeds[m] for m in group["layers"]], group["params"],
+            lr=run.train.lr, betas=c.betas, eps=c.eps, weight_decay=run.train.weight_decay,
+            inner=c.optimizer, min_8bit_size=c.min_8bit_size, rank=rank,
+            update_proj_gap=c.update_proj_gap, scale=c.scale, proj=c.proj,
+            scale_type=scale_type, limiter=c.limiter, gamma=c.gamma, clip=run.train.grad_clip,
+            seed=run.seed, **own_optimizer_kwargs(run.train))
 
     def on_step(self, step: int, model: nn.Module,
                 optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:

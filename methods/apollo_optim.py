@@ -15,7 +15,7 @@ Other parameters, and targets at a rank ≥ min(m, n), get plain AdamW. The elem
 runs in methods/adam_kernel.py (fused, or 8-bit blockwise); under bf16-true with float32 states
 or an update compensation, updates are added by modifiers/compensation.add_update.
 
-Under fsdp each rank holds its rows of W and G (methods/apollo.py `fsdp_refusal` names what is
+Under fsdp each rank holds its rows of W and G (methods/apollo.py `check` names what is
 not sharded). The random P is drawn whole from its seed on every rank; a right side's R = GQᵀ
 is this rank's rows of R, a left side's PᵀG the sum over ranks of P's rows times G's (an
 all-reduce of r×n), the same R on every rank, as GaLore's. A norm over a row-split tensor's
@@ -33,8 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from harness import distributed
-from harness.distributed import fsdp
+from harness.distributed.rows import Rows
 from harness.methods.adam_kernel import AdamKernel
 from harness.methods.projection import project, safe_basis, side_of
 from harness.modifiers.compensation import add_update, restore_dtypes
@@ -121,8 +120,9 @@ class APOLLOScaling:
         """√scale · s / limiter in float32: (1, n) or (m, 1) per channel, () per tensor; under
         fsdp (m, 1) is this rank's rows."""
         dim = 0 if side == "left" else 1  # the projected dimension: channels are the other one
-        split = fsdp.is_sharded(grad)  # G is this rank's rows; a right side's R too
-        low_split, grad = split and side == "right", fsdp.local(grad)
+        rows = Rows(grad)
+        split = rows.sharded  # G is this rank's rows; a right side's R too
+        low_split, grad = split and side == "right", rows.local
         if group["scale_type"] == "channel":
             s = _norm(update, low_split, dim) / (_norm(low, low_split, dim) + TINY)
             norm = _norm(s * _norm(grad, split, dim), low_split)  # ‖G·s‖ without G·s
@@ -145,12 +145,12 @@ class APOLLOScaling:
 def _projected(grad: Tensor, basis: dict[str, Tensor], side: str) -> Tensor:
     """R of `grad`: under fsdp a right side's rows of it, a left side's PᵀG summed over ranks
     from P's rows times this rank's rows of G."""
-    if not fsdp.is_sharded(grad):
+    rows = Rows(grad)
+    if not rows.sharded:
         return project(grad, basis, side)
     if side == "left":
-        return distributed.all_sum(project(fsdp.local(grad),
-                                           {"left": basis["left"][fsdp.rows(grad)]}, side))
-    return project(fsdp.local(grad), basis, side)
+        return rows.sum(project(rows.local, {"left": rows.mine(basis["left"])}, side))
+    return project(rows.local, basis, side)
 
 
 def _norm(t: Tensor, split: bool, dim: int | None = None) -> Tensor:
@@ -160,7 +160,7 @@ def _norm(t: Tensor, split: bool, dim: int | None = None) -> Tensor:
     if not split or dim == 1:
         return torch.linalg.vector_norm(t, dtype=torch.float32, **kept)
     squares = torch.linalg.vector_norm(t, dtype=torch.float32, **kept).square()
-    return distributed.all_sum(squares).sqrt()
+    return Rows.total(squares).sqrt()
 
 
 class APOLLOOptimizer(torch.optim.Optimizer):
@@ -210,15 +210,15 @@ class APOLLOOptimizer(torch.optim.Optimizer):
             for p, st in zip(params, states, strict=True):
                 self._plain_exact(group, p, st)
             return
-        grads = self.scaling.inner_grads([fsdp.local(p.grad) for p in params])
-        self.scaling.adam(group, [fsdp.local(p) for p in params], grads, states, lr, wd)
+        grads = self.scaling.inner_grads([Rows(p.grad).local for p in params])
+        self.scaling.adam(group, [Rows(p).local for p in params], grads, states, lr, wd)
 
     def _plain_exact(self, group: dict[str, Any], p: Tensor, st: dict[str, Any]) -> None:
-        grads = self.scaling.inner_grads([fsdp.local(p.grad)])
+        grads = self.scaling.inner_grads([Rows(p.grad).local])
         update = torch.zeros_like(grads[0])  # Adam leaves -N there (lr 1, no decay)
         self.scaling.adam(group, [update], grads, [st], 1.0, 0.0)
         del grads
-        self._add(group, fsdp.local(p), update.float().mul_(group["lr"]), st)
+        self._add(group, Rows(p).local, update.float().mul_(group["lr"]), st)
 
     def _add(self, group: dict[str, Any], p: Tensor, update: Tensor, st: dict[str, Any]) -> None:
         """W ← W - lr·wd·W + update, the float32 sum rounded by the run's compensation."""
@@ -231,7 +231,7 @@ class APOLLOOptimizer(torch.optim.Optimizer):
         for p, factor, st in zip(params, factors, states, strict=True):
             if factor is None:
                 continue
-            p, grad = fsdp.local(p), fsdp.local(p.grad)
+            p, grad = Rows(p).local, Rows(p.grad).local
             if self.exact:
                 self._add(group, p, grad.float().mul_(factor).mul_(-lr), st)
                 continue
@@ -245,7 +245,7 @@ class APOLLOOptimizer(torch.optim.Optimizer):
         sd = super().state_dict()
         for index, p in enumerate(self._rowwise()):
             if index in sd["state"] and p is not None:
-                sd["state"][index] = fsdp.rows_whole(sd["state"][index], p, ())
+                sd["state"][index] = Rows(p).save(sd["state"][index], ())
         sd["svd_failures"] = self.scaling.svd_failures
         return sd
 
@@ -255,7 +255,7 @@ class APOLLOOptimizer(torch.optim.Optimizer):
         restore_dtypes(self, super().load_state_dict, state_dict)
         for p in self._rowwise():
             if p is not None and p in self.state:
-                fsdp.rows_cut(self.state[p], p, ())
+                Rows(p).load(self.state[p], ())
         self.scaling.svd_failures = state_dict.get("svd_failures", 0)
 
     def _rowwise(self) -> list[Tensor | None]:

@@ -12,6 +12,8 @@ its own with `_memory` (checked when harness.methods is imported: `check_compani
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -29,10 +31,31 @@ if TYPE_CHECKING:
 Groups = list[dict[str, Any]]  # optimizer parameter groups: {"params": [...], settings...}
 _REGISTRY: dict[str, type[Method]] = {}
 _MEMORY: dict[str, type[Memory]] = {}
+NOT_SHARDED = ("its optimizer does not take sharded parameters yet; use train.parallel: ddp "
+               "(docs/scale-out.md lists the methods fsdp trains)")
+
+
+@dataclass(frozen=True)
+class Terms:
+    """What a method makes of a run before it starts, from the settings alone: read when the
+    run is loaded (methods/resolve.py refuses, in one line) and when the trainer sets up."""
+
+    refusal: str | None = None  # why it cannot honour the run's memory modifiers or precision
+    # Why it cannot train under `train.parallel: fsdp` (None: it can, taking FSDP's sharded
+    # parameters through harness/distributed/rows.py): refused until a method says it shards.
+    fsdp: str | None = NOT_SHARDED
+    # One line said at load time and kept in the summary: a valid setting that departs from
+    # the method's reference (e.g. ReLoRA's merges inside the warmup).
+    warning: str | None = None
+    # The LR multiplier of each step (from 0); None: the run's schedule (warmup, then decay).
+    lr_factor: Callable[[int], float] | None = None
+    # Its optimizer updates the weights inside backward itself (INT8 layers): the trainer
+    # hands it the groups as they are, neither split per parameter nor moved to the host.
+    in_backward: bool = False
 
 
 class Method:
-    """Prepares the model, builds the optimizer, and hooks each step."""
+    """A method's training side: six hooks, each with a default but `optimizer`."""
 
     name: ClassVar[str]
     summary: ClassVar[str]
@@ -47,37 +70,23 @@ class Method:
         self.config = config
         self.steps = steps  # the run's step arithmetic, which its companion reads (`memory_of`)
 
+    def check(self, run: RunConfig) -> Terms:
+        """Whether and how it trains `run` (refusals, a warning, its LR schedule)."""
+        return Terms()
+
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
+        """The model as the method trains it: wrapped, quantized, factored or frozen."""
         return model
 
-    def param_groups(self, model: nn.Module, run: RunConfig) -> Groups:
-        """The trainable parameters in groups of shared settings (decay on matrices only)."""
+    def groups(self, model: nn.Module, run: RunConfig) -> Groups:
+        """The trainable parameters in groups of shared settings (decay on matrices only), as
+        the model holds them after `prepare` and, under fsdp, sharding."""
         return decay_groups(model, run.train.weight_decay)
 
-    def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
-        """The method's optimizer over `groups`: all of them, or one parameter's when layer-wise."""
+    def optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+        """The method's optimizer over `groups`: all of them, or one parameter's when the run is
+        layer-wise (`optimizer_for` does what the memory modifiers ask)."""
         raise NotImplementedError
-
-    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
-        """`build_optimizer` as the memory modifiers ask: per parameter inside backward
-        (layerwise), and with its states on the host (optimizer_offload: host)."""
-        groups = [g for g in self.param_groups(model, run) if g["params"]]
-        return make_optimizer(groups, lambda gs: self.build_optimizer(gs, run), run)
-
-    def refusal(self, run: RunConfig) -> str | None:
-        """Why this method cannot honour the run's memory modifiers or precision (None: it can)."""
-        return None
-
-    def fsdp_refusal(self, run: RunConfig) -> str | None:
-        """Why this method cannot train under `train.parallel: fsdp` (None: it can). A method
-        that can takes FSDP's sharded parameters (DTensors, harness/distributed/fsdp.py)."""
-        return ("its optimizer does not take sharded parameters yet; use train.parallel: ddp "
-                "(docs/scale-out.md lists the methods fsdp trains)")
-
-    def warning(self, run: RunConfig) -> str | None:
-        """One line said at load time and kept in the summary: a valid setting that departs
-        from the method's reference (e.g. ReLoRA's merges inside the warmup); None: none."""
-        return None
 
     def on_step(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
@@ -85,15 +94,39 @@ class Method:
         """After each optimizer step (e.g. ReLoRA's merge and reset); what it returns is logged."""
         return None
 
-    def lr_factor(self, step: int, run: RunConfig) -> float:
-        """The LR multiplier for `step` (from 0); ReLoRA makes it jagged."""
-        return lr_factor(step, run.train)
-
     def export(self, model: nn.Module) -> nn.Module:
         """The trained model (after `prepare`, its state loaded) as the plain model its base
         was, which transformers saves and loads: adapters merged, quantized weights
         dequantized, factors multiplied out. The default: the model as it is."""
         return model
+
+
+def optimizer_for(method: Method, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
+    """The method's optimizer over `model` as the memory modifiers ask: per parameter inside
+    backward (layerwise), with its states on the host (optimizer_offload: host); an optimizer
+    that updates inside backward itself (`Terms.in_backward`) as it is."""
+    groups = method.groups(model, run)
+    if method.check(run).in_backward:
+        return method.optimizer(groups, run)
+    groups = [g for g in groups if g["params"]]
+    return make_optimizer(groups, lambda gs: method.optimizer(gs, run), run)
+
+
+def unpaged(run: RunConfig, states: str, one: bool = False) -> str | None:
+    """Why an optimizer that keeps its `states` as its own tensors (`one`: a single kind)
+    refuses `memory.optimizer_offload: paged`, which pages bitsandbytes' optimizers' states."""
+    if run.memory.optimizer_offload != "paged":
+        return None
+    own, they = ("is its own tensor", "it") if one else ("are its own tensors", "they")
+    return (f"its {states} {own}, not a bitsandbytes optimizer's, so {they} cannot be paged; "
+            "use memory.optimizer_offload: host")
+
+
+def schedule_of(method: Method, run: RunConfig) -> Callable[[int], float]:
+    """The LR multiplier of each step: the method's (`Terms.lr_factor`), else the run's; a
+    plain function, which LambdaLR leaves out of its state_dict (nothing of it to resume)."""
+    own = method.check(run).lr_factor
+    return (lambda s: own(s)) if own is not None else (lambda s: lr_factor(s, run.train))
 
 
 def register(name: str):

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field
 from torch import Tensor
 
-from harness import distributed
-from harness.methods.base import Groups, register
+from harness.distributed.rows import Rows
+from harness.methods.base import Groups, Terms, register
 from harness.methods.galore import GaLore, ProjectionConfig
 from harness.methods.galore_optim import GaLoreOptimizer
 from harness.methods.projection import (
@@ -57,17 +58,18 @@ class Fira(GaLore):
     summary = "Fira: GaLore's low-rank Adam plus the residual G − PR, scaled by ‖Adam(R)‖/‖R‖"
     Config = FiraConfig
 
-    def fsdp_refusal(self, run: RunConfig) -> str | None:
+    def check(self, run: RunConfig) -> Terms:
         """Fira shards as GaLore does (methods/galore_optim.py); its residual is this rank's
         rows of G − α·PR, φ runs over the rank dimension (a left side's R is whole), and the
         limiter's ‖S‖ sums its squares over ranks."""
+        fsdp = None
         if self.config.optimizer == "adam8bit":
-            return ("optimizer adam8bit quantizes blocks of the flattened low-rank moments, "
+            fsdp = ("optimizer adam8bit quantizes blocks of the flattened low-rank moments, "
                     "which FSDP's row shards would cut; use optimizer: adamw, or "
                     "train.parallel: ddp")
-        return None
+        return replace(super().check(run), fsdp=fsdp)
 
-    def build_optimizer(self, groups: Groups, run: RunConfig) -> FiraOptimizer:
+    def optimizer(self, groups: Groups, run: RunConfig) -> FiraOptimizer:
         c = self.config
         return FiraOptimizer(
             groups, lr=run.train.lr, betas=c.betas, eps=c.eps, inner=c.optimizer,
@@ -122,7 +124,7 @@ class FiraOptimizer(GaLoreOptimizer):
         dim = 0 if side == "left" else 1  # norms over the rank dimension
         r = project(g, basis, side)
         if side == "left" and self.sharded:
-            distributed.all_sum(r)
+            Rows.total(r)
         phi = (torch.linalg.vector_norm(u, dim=dim, keepdim=True, dtype=torch.float32)
                / (torch.linalg.vector_norm(r, dim=dim, keepdim=True, dtype=torch.float32) + TINY))
         if side == "left":
@@ -135,7 +137,7 @@ class FiraOptimizer(GaLoreOptimizer):
         t = st["step"]
         norm = torch.linalg.vector_norm(s, dtype=torch.float32)
         if self.sharded:
-            norm = distributed.all_sum(norm.square()).sqrt()
+            norm = Rows.total(norm.square()).sqrt()
         norm = norm * ((1 - b1**t) / math.sqrt(1 - b2**t))
         if LIMITER not in st:
             st[LIMITER] = norm

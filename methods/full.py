@@ -8,7 +8,7 @@ import torch
 from pydantic import Field
 
 from harness.config import Strict
-from harness.methods.base import Groups, Method, register
+from harness.methods.base import Groups, Method, Terms, register
 from harness.modifiers.compensation import pure_adamw
 from harness.modifiers.offload import repaged_on_load
 
@@ -40,8 +40,8 @@ class Full(Method):
     summary = "AdamW on every parameter (torch, fused kernel)"
     Config = AdamConfig
 
-    def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
-        return adamw(groups, run, self.config)
+    def check(self, run: RunConfig) -> Terms:
+        return Terms(fsdp=None)  # torch's AdamW steps each rank's shard: elementwise
 
-    def fsdp_refusal(self, run: RunConfig) -> str | None:
-        return None  # torch's AdamW steps each rank's shard: elementwise, nothing to gather
+    def optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+        return adamw(groups, run, self.config)

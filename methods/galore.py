@@ -12,7 +12,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from harness.methods.base import Groups, Method, register
+from harness.methods.base import Groups, Method, Terms, register, unpaged
 from harness.methods.full import AdamConfig
 from harness.methods.galore_optim import GaLoreOptimizer
 from harness.methods.surgery import TARGETS, target_matrix
@@ -57,7 +57,18 @@ class GaLore(Method):
     summary = "GaLore: gradients projected to rank r, states there (AdamW, 8-bit, Adafactor)"
     Config = GaLoreConfig
 
-    def param_groups(self, model: nn.Module, run: RunConfig) -> Groups:
+    def check(self, run: RunConfig) -> Terms:
+        """GaLore shards (methods/galore_optim.py): a refresh gathers each gradient once and
+        broadcasts one SVD; between refreshes a right side projects this rank's rows, a left
+        side all-reduces its r×n product; 8-bit moments by rows where their shards are whole
+        blocks (checked as the optimizer is built). Factored inner states do not split."""
+        fsdp = None
+        if self.config.optimizer == "adafactor":
+            fsdp = ("optimizer adafactor's factored second moment averages over all rows, "
+                    "which FSDP's row shards split; use optimizer: adamw, or train.parallel: ddp")
+        return Terms(refusal=unpaged(run, "low-rank moments"), fsdp=fsdp)
+
+    def groups(self, model: nn.Module, run: RunConfig) -> Groups:
         """Projected matrices, the other matrices, and vectors (never decayed)."""
         wd = run.train.weight_decay
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -70,29 +81,13 @@ class GaLore(Method):
             {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
         ]
 
-    def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+    def optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
         c = self.config
         return GaLoreOptimizer(
             groups, lr=run.train.lr, betas=c.betas, eps=c.eps, inner=c.optimizer,
             proj_type=c.proj_type, update_proj_gap=c.update_proj_gap, scale=c.scale,
             moments=c.moments, svd=c.svd, min_8bit_size=c.min_8bit_size,
             adafactor_beta1=c.adafactor_beta1, **own_optimizer_kwargs(run.train))
-
-    def refusal(self, run: RunConfig) -> str | None:
-        if run.memory.optimizer_offload == "paged":
-            return ("its low-rank moments are its own tensors, not a bitsandbytes optimizer's, "
-                    "so they cannot be paged; use memory.optimizer_offload: host")
-        return None
-
-    def fsdp_refusal(self, run: RunConfig) -> str | None:
-        """GaLore shards (methods/galore_optim.py): a refresh gathers each gradient once and
-        broadcasts one SVD; between refreshes a right side projects this rank's rows, a left
-        side all-reduces its r×n product; 8-bit moments by rows where their shards are whole
-        blocks (checked as the optimizer is built). Factored inner states do not split."""
-        if self.config.optimizer == "adafactor":
-            return ("optimizer adafactor's factored second moment averages over all rows, "
-                    "which FSDP's row shards split; use optimizer: adamw, or train.parallel: ddp")
-        return None
 
     def on_step(self, step: int, model: nn.Module,
                 optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:

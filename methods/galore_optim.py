@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from harness import distributed
-from harness.distributed import fsdp
+from harness.distributed.rows import Rows
 from harness.errors import UserError
 from harness.methods.adafactor import adafactor
 from harness.methods.adam_kernel import BLOCK, AdamKernel
@@ -83,9 +83,9 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         for p, side, rank in self._sides():
             shape = _moment_shape(p, side, rank)
             if side != "left" and math.prod(shape) >= self.min_8bit_size \
-                    and not fsdp.aligned(shape, BLOCK):
+                    and not Rows.aligned(shape, BLOCK):
                 raise UserError(
-                    f"optimizer adam8bit with train.parallel fsdp on {distributed.world_size()} "
+                    f"optimizer adam8bit with train.parallel fsdp on {Rows.ranks()} "
                     f"processes: the {shape} moments of a {tuple(p.shape)} weight do not split "
                     f"into equal whole numbers of {BLOCK}-value blocks, which 8-bit states "
                     "quantize; use a world size that divides their rows so, or "
@@ -130,7 +130,7 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
     @property
     def sharded(self) -> bool:
         """fsdp: the parameters are DTensor row shards (all of them, or none)."""
-        return fsdp.is_sharded(self.param_groups[0]["params"][0])
+        return Rows(self.param_groups[0]["params"][0]).sharded
 
     def held_gradients(self) -> dict[Tensor, Tensor]:
         """The low-rank sums `fold` keeps between micro-batches (harness/cost/grad_peak.py)."""
@@ -145,8 +145,8 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
             for p, st, n in zip(params, states, sizes, strict=True):
                 self._plain_exact(group, p, st, n)
             return
-        grads = self._inner_grads([fsdp.local(p.grad) for p in params])
-        params, sides = [fsdp.local(p) for p in params], ["none"] * len(params)
+        grads = self._inner_grads([Rows(p.grad).local for p in params])
+        params, sides = [Rows(p).local for p in params], ["none"] * len(params)
         if self.inner == "adafactor":
             updates = adafactor(group["lr"], self.beta1, states, grads)
             self._apply(group, params, updates, states, sides, -1.0)
@@ -156,11 +156,11 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
     def _plain_exact(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], n: int) -> None:
         """Adam leaves -N in a zeroed scratch tensor (lr 1, no decay there), which `_apply`
         hands to add_update: two float32 copies of one weight at most."""
-        grads = self._inner_grads([fsdp.local(p.grad)])
+        grads = self._inner_grads([Rows(p.grad).local])
         update = torch.zeros_like(grads[0])
         self.adam(group, [update], grads, [st], 1.0, 0.0, [n])
         del grads
-        self._apply(group, [fsdp.local(p)], [update], [st], ["none"], group["lr"])
+        self._apply(group, [Rows(p).local], [update], [st], ["none"], group["lr"])
 
     def _inner_grads(self, grads: list[Tensor]) -> list[Tensor]:
         """What the inner optimizer sees, in the moments' dtype."""
@@ -200,12 +200,12 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         params = [params[i] for i in live]  # a weight whose first SVD failed waits a step
         states, sides = [states[i] for i in live], [sides[i] for i in live]
         bases = [_cut(p, st) for p, st in zip(params, states, strict=True)]
-        held = [fsdp.local(p.grad) for p in params]  # G (this rank's rows), for Fira's residual
+        held = [Rows(p.grad).local for p in params]  # G (this rank's rows), for Fira's residual
         sizes = [math.prod(_moment_shape(p, side, rank))  # whole: they choose 8-bit states
                  for p, side in zip(params, sides, strict=True)]
         grads = self._inner_grads([_low_rank(p, st, b, s) for p, st, b, s
                                    in zip(params, states, bases, sides, strict=True)])
-        params = [fsdp.local(p) for p in params]
+        params = [Rows(p).local for p in params]
         lr, scale = group["lr"], group["scale"]
         if self.inner == "adafactor":
             updates, alpha = adafactor(group["lr"], self.beta1, states, grads), -scale
@@ -219,7 +219,7 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
     def _refresh(self, group: dict[str, Any], params: list[Tensor],
                  states: list[dict[str, Any]], sides: list[str]) -> None:
         """New bases by SVD in float32; one host sync checks them all for non-finite values."""
-        if params and fsdp.is_sharded(params[0]):
+        if params and Rows(params[0]).sharded:
             self._refresh_sharded(group, params, states, sides)
             return
         rank, randomized = group["rank"], group["svd"] == "randomized"
@@ -246,16 +246,11 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         """fsdp: each gradient gathered whole once per refresh, its SVD run by one rank (the
         weights in turn, so W ranks share the work), and the basis broadcast from there."""
         rank, randomized = group["rank"], group["svd"] == "randomized"
-        me, world = distributed.rank(), distributed.world_size()
         self.svd_attempts += len(params)
         for i, (p, st, side) in enumerate(zip(params, states, sides, strict=True)):
-            whole = fsdp.full(p.grad)  # collective: every rank, in the same order
-            owner = i % world
-            found = safe_basis(whole, side, rank, randomized, st["proj_step"]) \
-                if me == owner else None
-            if found is not None and found[0] is not None:  # sent from the host
-                found = ({k: v.cpu() for k, v in found[0].items()}, found[1])
-            basis, retried = distributed.broadcast_object(found, owner)
+            whole = Rows(p.grad).whole()  # collective: every rank, in the same order
+            basis, retried = Rows.in_turn(i, partial(_basis_on_host, whole, side, rank,
+                                                     randomized, st["proj_step"]))
             if basis is None:
                 self.svd_failures += 1  # keep the previous basis (or wait for one)
                 continue
@@ -310,9 +305,10 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         sd = super().state_dict()
         for index, (p, side, rank) in enumerate(self._sides()):
             if side in ("right", "none") and index in sd["state"]:
-                rows = fsdp.rows_whole(sd["state"][index], p, (*BASIS_KEYS, *QMAPS, *ABSMAX))
+                rows = Rows(p)
+                state = rows.save(sd["state"][index], (*BASIS_KEYS, *QMAPS, *ABSMAX))
                 blocks = -(-math.prod(_moment_shape(p, side, rank)) // BLOCK)
-                sd["state"][index] = fsdp.blocks_whole(rows, p, ABSMAX, blocks)
+                sd["state"][index] = rows.save_blocks(state, ABSMAX, blocks)
         sd["svd_counts"] = self.svd_counts()
         return sd
 
@@ -323,8 +319,8 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         restore_dtypes(self, super().load_state_dict, state_dict)
         for p, side, _ in self._sides():
             if side in ("right", "none") and p in self.state:
-                fsdp.rows_cut(self.state[p], p, (*BASIS_KEYS, *QMAPS, *ABSMAX))
-                fsdp.blocks_cut(self.state[p], p, ABSMAX)
+                Rows(p).load(self.state[p], (*BASIS_KEYS, *QMAPS, *ABSMAX))
+                Rows(p).load_blocks(self.state[p], ABSMAX)
         self.load_svd_counts(state_dict)
 
     def _sides(self) -> list[tuple[Tensor, str, int | None]]:
@@ -332,6 +328,13 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         order."""
         return [(p, side_of(p.shape, g["proj_type"], g["rank"]) if g["rank"] else "none",
                  g["rank"]) for g in self.param_groups for p in g["params"]]
+
+
+def _basis_on_host(grad: Tensor, side: str, rank: int, randomized: bool,
+                   seed: int) -> tuple[dict[str, Tensor] | None, bool]:
+    """`safe_basis`, its tensors on the host: sent to the other ranks from there."""
+    basis, retried = safe_basis(grad, side, rank, randomized, seed)
+    return (None if basis is None else {k: v.cpu() for k, v in basis.items()}), retried
 
 
 def _moment_shape(p: Tensor, side: str, rank: int | None) -> tuple[int, ...]:
@@ -356,14 +359,15 @@ def _low_rank(p: Tensor, st: dict[str, Any], basis: dict[str, Any], side: str) -
     acc = st.pop("folded", None)
     if p.grad is None:
         return acc
-    r = project(fsdp.local(p.grad), basis, side)
-    if fsdp.is_sharded(p) and side in ("left", "full"):
-        distributed.all_sum(r)
+    r = project(Rows(p.grad).local, basis, side)
+    if side in ("left", "full"):
+        Rows(p).sum(r)
     return r if acc is None else acc.add_(r)
 
 
 def _cut(p: Tensor, st: dict[str, Any]) -> dict[str, Any]:
     """The bases as this rank uses them: a left basis P cut to the rows of W it holds."""
-    if not fsdp.is_sharded(p) or "left" not in st:
+    rows = Rows(p)
+    if not rows.sharded or "left" not in st:
         return st
-    return {**st, "left": st["left"][fsdp.rows(p)]}
+    return {**st, "left": rows.mine(st["left"])}

@@ -12,7 +12,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from harness.methods.base import Groups, Method, register
+from harness.methods.base import Groups, Method, Terms, register
 from harness.methods.full import AdamConfig, adamw
 from harness.methods.surgery import TARGETS
 
@@ -89,11 +89,11 @@ class Lora(Method):
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         return add_adapters(model, self.config)
 
-    def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
-        return adamw(groups, run, self.config)
+    def check(self, run: RunConfig) -> Terms:
+        return Terms(fsdp=None)  # frozen and trained rows alike sharded; AdamW steps shards
 
-    def fsdp_refusal(self, run: RunConfig) -> str | None:
-        return None  # frozen and trained rows alike sharded; AdamW steps the adapters' shards
+    def optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+        return adamw(groups, run, self.config)
 
     def export(self, model: nn.Module) -> nn.Module:
         """The adapters merged into their linears, W + (alpha / r)·B·A, and peft's wrappers

@@ -18,7 +18,7 @@ from torch import nn
 
 from harness.config import Strict
 from harness.config.steps import Steps
-from harness.distributed import fsdp
+from harness.distributed.rows import Rows
 from harness.methods.widths import widths
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ def tensor_bytes(obj: Any) -> int:
     """Bytes of every tensor inside nested dicts/lists (an optimizer's state); of a sharded
     tensor, this rank's shard: what this process holds."""
     if isinstance(obj, torch.Tensor):
-        obj = fsdp.local(obj)
+        obj = Rows(obj).local
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())

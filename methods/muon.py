@@ -27,8 +27,8 @@ from torch import Tensor, nn
 # Private to torch, but they are the arithmetic of its public torch.optim.Muon (module docstring).
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from harness.distributed import fsdp
-from harness.methods.base import Groups, Method, register
+from harness.distributed.rows import Rows
+from harness.methods.base import Groups, Method, Terms, register, unpaged
 from harness.methods.full import AdamConfig, adamw
 from harness.modifiers.compensation import ParamwiseOptimizer, add_update, own_optimizer_kwargs
 
@@ -79,14 +79,15 @@ class MuonOptimizer(ParamwiseOptimizer):
         st, mu = self.state[p], group["momentum"]
         if not st:  # placed as the weight is: under fsdp, this rank's rows of a DTensor
             st["momentum_buffer"] = torch.zeros_like(p, dtype=self.dtype or p.dtype)
-        w, g = fsdp.local(p), fsdp.local(p.grad).float()
-        buf = fsdp.local(st["momentum_buffer"])
+        rows = Rows(p)
+        w, g = rows.local, Rows(p.grad).local.float()
+        buf = Rows(st["momentum_buffer"]).local
         m = buf.float().lerp_(g, 1 - mu)  # torch's buffer: μ·B + (1 - μ)·g; in place at fp32
         buf.copy_(m)
         update = g.lerp(m, mu) if group["nesterov"] else m
-        whole = fsdp.full(fsdp.like(update, p))  # gathered when sharded: the iteration's input
+        whole = rows.gather(update)  # gathered when sharded: the iteration's input
         ortho = _zeropower_via_newtonschulz(whole, NS_COEFFICIENTS, group["ns_steps"], NS_EPS)
-        ortho = ortho[fsdp.rows(p)]
+        ortho = rows.mine(ortho)
         lr, wd = group["lr"], group["weight_decay"]
         adjusted = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
         if w.dtype != torch.bfloat16 or self.compensation == "none":
@@ -141,7 +142,11 @@ class Muon(Method):
     summary = "Muon: orthogonalized momentum on hidden matrices, AdamW on the rest (Moonlight)"
     Config = MuonConfig
 
-    def param_groups(self, model: nn.Module, run: RunConfig) -> Groups:
+    def check(self, run: RunConfig) -> Terms:
+        # fsdp: each hidden matrix's update is gathered for the iteration (module docstring)
+        return Terms(refusal=unpaged(run, "momentum", one=True), fsdp=None)
+
+    def groups(self, model: nn.Module, run: RunConfig) -> Groups:
         """Hidden matrices (Muon), embeddings and head (AdamW, decayed), vectors (AdamW,
         decayed only with `decay_vectors`); each group's LR and decay from the settings. Muon's
         group first: the chain's groups are then these, in this order."""
@@ -162,7 +167,7 @@ class Muon(Method):
              "weight_decay": adamw_wd if c.decay_vectors else 0.0},
         ]
 
-    def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+    def optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
         """Muon on the `muon` groups, the harness's AdamW (full's: fused, or bf16-true's) on
         the others; one of them alone when the groups are one parameter's (layer-wise)."""
         c = self.config
@@ -177,12 +182,3 @@ class Muon(Method):
         if rest:
             optimizers.append(adamw(rest, run, c))
         return optimizers[0] if len(optimizers) == 1 else Chain(optimizers)
-
-    def fsdp_refusal(self, run: RunConfig) -> str | None:
-        return None  # each hidden matrix's update is gathered for the iteration (docstring)
-
-    def refusal(self, run: RunConfig) -> str | None:
-        if run.memory.optimizer_offload == "paged":
-            return ("its momentum is its own tensor, not a bitsandbytes optimizer's, so it cannot "
-                    "be paged; use memory.optimizer_offload: host")
-        return None

@@ -32,7 +32,7 @@ from pydantic import Field, model_validator
 from torch import nn
 from torch.nn.utils import parametrize
 
-from harness.methods.base import Groups, register
+from harness.methods.base import Groups, Terms, register
 from harness.methods.galore import GaLore, ProjectionConfig
 from harness.methods.qgalore_optim import QGaLoreOptimizer, QGaLoreSimOptimizer
 from harness.methods.quant import Int8Linear, dequantize_int8, quantize_int8
@@ -102,10 +102,6 @@ class QGaLore(GaLore):
     summary = "Q-GaLore: INT8 weights updated in backward, INT4 projections, lazy SVDs"
     Config = QGaLoreConfig
 
-    def fsdp_refusal(self, run: RunConfig) -> str | None:
-        return ("its INT8 weights are buffers updated inside backward, not parameters FSDP "
-                "shards and reduces; use train.parallel: ddp")
-
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         c = self.config
         for name, linear in target_linears(model, c.target_modules, anywhere=True):
@@ -117,7 +113,7 @@ class QGaLore(GaLore):
                         Int8Linear.from_linear(linear, c.weight_group))
         return model
 
-    def common(self, run: RunConfig) -> dict[str, Any]:
+    def _common(self, run: RunConfig) -> dict[str, Any]:
         c = self.config
         return {"lr": run.train.lr, "betas": c.betas, "eps": c.eps, "inner": c.optimizer,
                 "min_8bit_size": c.min_8bit_size, **own_optimizer_kwargs(run.train),
@@ -125,42 +121,53 @@ class QGaLore(GaLore):
                          "threshold": c.threshold, "gamma": c.gamma,
                          "schedule": c.lazy_schedule}}
 
-    def build_optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
-        """simulate: GaLore's groups and optimizer, with the INT4 bases and lazy SVDs."""
-        c = self.config
-        snap = c.weight_group if c.simulate_mode == "snap" else None
-        return QGaLoreSimOptimizer(groups, proj_group=c.proj_group, proj_type=c.proj_type,
-                                   scale=c.scale, snap=snap, seed=run.seed,
-                                   stochastic=c.snap_rounding == "stochastic", **self.common(run))
+    def check(self, run: RunConfig) -> Terms:
+        """Refusals of the fused form (INT8 layers updated inside backward, by the optimizer
+        itself) and of the simulated one; never sharded."""
+        m, fused = run.memory, not self.config.simulate
+        refusal = super().check(run).refusal
+        if fused and m.optimizer_offload != "none":
+            refusal = ("its INT8 weights are updated inside backward on the training device, so "
+                       "the optimizer cannot move to the host (simulate: true can)")
+        elif fused and run.train.precision == "16-mixed":
+            refusal = ("its INT8 updates run inside backward, before an overflow in a later "
+                       "gradient could skip the step; use bf16-mixed (or simulate: true with "
+                       "16-mixed)")
+        elif (not fused and self.config.simulate_mode == "snap" and
+              run.train.precision == "bf16-true" and run.train.update_compensation != "none"):
+            refusal = ("simulate_mode snap rounds its targeted weights to the INT8 grid after "
+                       "every step, which discards what an update compensation keeps; use "
+                       "train.update_compensation: none")
+        elif not fused and m.layerwise:
+            refusal = ("the layer-wise form of Q-GaLore is simulate: false, whose INT8 layers "
+                       "already update inside backward")
+        fsdp = ("its INT8 weights are buffers updated inside backward, not parameters FSDP "
+                "shards and reduces; use train.parallel: ddp")
+        return Terms(refusal=refusal, fsdp=fsdp, in_backward=fused)
 
-    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
+    def groups(self, model: nn.Module, run: RunConfig) -> Groups:
+        """simulate: GaLore's groups; else one group of every parameter, with the INT8 layers
+        (`layers`)."""
+        if self.config.simulate:
+            return super().groups(model, run)
+        layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+        return [{"params": list(model.parameters()), "layers": layers}]
+
+    def optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+        """simulate: GaLore's optimizer, with the INT4 bases and lazy SVDs; else the INT8
+        layers' own, which updates them inside backward (and the rest layer-wise)."""
         c = self.config
         if c.simulate:
-            return super().optimizer(model, run)
-        layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+            snap = c.weight_group if c.simulate_mode == "snap" else None
+            return QGaLoreSimOptimizer(
+                groups, proj_group=c.proj_group, proj_type=c.proj_type, scale=c.scale,
+                snap=snap, seed=run.seed, stochastic=c.snap_rounding == "stochastic",
+                **self._common(run))
+        (group,) = groups
         return QGaLoreOptimizer(  # Int8Linear keeps no weight parameter: the rest are others
-            layers, list(model.parameters()), weight_decay=run.train.weight_decay, rank=c.rank,
-            proj_type=c.proj_type, scale=c.scale, proj_group=c.proj_group,
-            clip=run.train.grad_clip, clip_int8=c.clip_int8, seed=run.seed, **self.common(run))
-
-    def refusal(self, run: RunConfig) -> str | None:
-        m, fused = run.memory, not self.config.simulate
-        if fused and m.optimizer_offload != "none":
-            return ("its INT8 weights are updated inside backward on the training device, so "
-                    "the optimizer cannot move to the host (simulate: true can)")
-        if fused and run.train.precision == "16-mixed":
-            return ("its INT8 updates run inside backward, before an overflow in a later "
-                    "gradient could skip the step; use bf16-mixed (or simulate: true with "
-                    "16-mixed)")
-        if (not fused and self.config.simulate_mode == "snap"
-                and run.train.precision == "bf16-true" and run.train.update_compensation != "none"):
-            return ("simulate_mode snap rounds its targeted weights to the INT8 grid after "
-                    "every step, which discards what an update compensation keeps; use "
-                    "train.update_compensation: none")
-        if not fused and m.layerwise:
-            return ("the layer-wise form of Q-GaLore is simulate: false, whose INT8 layers "
-                    "already update inside backward")
-        return super().refusal(run)
+            group["layers"], group["params"], weight_decay=run.train.weight_decay,
+            rank=c.rank, proj_type=c.proj_type, scale=c.scale, proj_group=c.proj_group,
+            clip=run.train.grad_clip, clip_int8=c.clip_int8, seed=run.seed, **self._common(run))
 
     def on_step(self, step: int, model: nn.Module,
                 optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:

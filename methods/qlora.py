@@ -15,7 +15,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from harness.methods.base import register
+from harness.methods.base import Terms, register
 from harness.methods.lora import ADAPTER, Lora, LoraParams, add_adapters, lora_layers
 from harness.methods.surgery import plain_linear, target_linears
 
@@ -47,10 +47,11 @@ class QLora(Lora):
                   "LoRA's do")
     Config = QLoraParams
 
-    def fsdp_refusal(self, run: RunConfig) -> str | None:
-        return ("its NF4 base weights are bitsandbytes Params4bit, flattened packed codes whose "
-                "quantization constants live outside the tensor, so FSDP's dim-0 split would "
-                "cut codes from their constants; use train.parallel: ddp (or lora under fsdp)")
+    def check(self, run: RunConfig) -> Terms:
+        return Terms(fsdp=(
+            "its NF4 base weights are bitsandbytes Params4bit, flattened packed codes whose "
+            "quantization constants live outside the tensor, so FSDP's dim-0 split would "
+            "cut codes from their constants; use train.parallel: ddp (or lora under fsdp)"))
 
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         from peft import prepare_model_for_kbit_training

@@ -28,15 +28,16 @@ it), so resume needs no state of its own.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from harness import distributed
-from harness.distributed import fsdp
-from harness.methods.base import Groups, decay_groups, register
+from harness.config.steps import lr_factor
+from harness.distributed.rows import Rows
+from harness.methods.base import Groups, Terms, decay_groups, register
 from harness.methods.lora import (
     ADAPTER,
     Lora,
@@ -118,8 +119,12 @@ class ReLora(Lora):
     tasks_note = ""
     Config = ReLoraParams
 
-    def param_groups(self, model: nn.Module, run: RunConfig) -> Groups:
-        return decay_groups(model, run.train.weight_decay, self.config.decay_vectors)
+    def check(self, run: RunConfig) -> Terms:
+        """ReLoRA shards: a merge adds this rank's rows of s·B·A (B's rows times the whole A,
+        gathered: r×in), a new pair is drawn whole as one process draws it and each rank keeps
+        its rows, and a prune's threshold is taken over the whole (gathered) moment."""
+        return Terms(refusal=self._refusal(run), fsdp=None, warning=self._warning(run),
+                     lr_factor=partial(self._lr_factor, run=run))
 
     def prepare(self, model: nn.Module, run: RunConfig) -> nn.Module:
         model = add_adapters(model, self.config, init=PEFT_INIT[self.config.init])
@@ -137,16 +142,20 @@ class ReLora(Lora):
         self.base = [layer.get_base_layer().weight for layer in lora_layers(model)]
         self.adapters = adapter_params(model)
 
-    def optimizer(self, model: nn.Module, run: RunConfig) -> torch.optim.Optimizer:
+    def groups(self, model: nn.Module, run: RunConfig) -> Groups:
         self._find(model)
-        optimizer = super().optimizer(model, run)  # the adapters are in its groups ...
-        if self.config.two_runs:  # ... but frozen until the full-rank phase ends
-            for p in self.adapters:
+        groups = decay_groups(model, run.train.weight_decay, self.config.decay_vectors)
+        if self.config.two_runs:  # the adapters are in the groups, but frozen until the
+            for p in self.adapters:  # full-rank phase ends
                 p.requires_grad_(False)
+        return groups
+
+    def optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
+        optimizer = super().optimizer(groups, run)
         optimizer.register_load_state_dict_post_hook(self._after_load)
         return optimizer
 
-    def refusal(self, run: RunConfig) -> str | None:
+    def _refusal(self, run: RunConfig) -> str | None:
         if run.memory.layerwise or run.memory.optimizer_offload != "none":
             return (
                 "ReLoRA's warm start and resets act on the whole optimizer between steps "
@@ -155,12 +164,6 @@ class ReLora(Lora):
                 "(memory.layerwise) or moved (memory.optimizer_offload)"
             )
         return self._restart_refusal(run.train) if self.config.two_runs else None
-
-    def fsdp_refusal(self, run: RunConfig) -> str | None:
-        """ReLoRA shards: a merge adds this rank's rows of s·B·A (B's rows times the whole A,
-        gathered: r×in), a new pair is drawn whole as one process draws it and each rank keeps
-        its rows, and a prune's threshold is taken over the whole (gathered) moment."""
-        return None
 
     def _restart_refusal(self, t: TrainConfig) -> str | None:
         """The reference's own assertions on its second run's schedule (training_utils.py)."""
@@ -184,7 +187,7 @@ class ReLora(Lora):
             return "warm_start reference: reset_every 1 never merges on the reference's timing"
         return None
 
-    def warning(self, run: RunConfig) -> str | None:
+    def _warning(self, run: RunConfig) -> str | None:
         """One line when merges fall inside the global warmup or the last cycle is cut short:
         the run is valid here, but the reference's scheduler refuses such a setting."""
         cfg, t = self.config, run.train
@@ -261,13 +264,13 @@ class ReLora(Lora):
             events.update(relora_merge=merge, optimizer_reset=reset, moments_zeroed=zeroed)
         return events or None
 
-    def lr_factor(self, step: int, run: RunConfig) -> float:
+    def _lr_factor(self, step: int, run: RunConfig) -> float:
         """The global schedule, but the steps after each merge ramp linearly up to it again.
         Two runs: the global schedule in the warm start, then the reference's restarted one."""
         cfg = self.config
         if cfg.two_runs:
             if step < cfg.warm_start_steps:
-                return super().lr_factor(step, run)
+                return lr_factor(step, run.train)
             t = run.train
             return cosine_restarts(
                 step - cfg.warm_start_steps, total=t.steps - cfg.warm_start_steps,
@@ -277,9 +280,9 @@ class ReLora(Lora):
         since = step % cfg.reset_every
         warmup = cfg.restart_warmup_steps
         if step < cfg.reset_every or since >= warmup:
-            return super().lr_factor(step, run)
+            return lr_factor(step, run.train)
         # the ramp ends on the global value of its last step
-        return (since + 1) / warmup * super().lr_factor(step - since + warmup - 1, run)
+        return (since + 1) / warmup * lr_factor(step - since + warmup - 1, run.train)
 
 
 def cosine_restarts(k: int, *, total: int, warmup: int, restart_warmup: int, every: int,
@@ -306,20 +309,20 @@ def merge_and_redraw(layer: LoraLayer, init: str) -> None:
     alike, as one process draws it, and each rank keeps its rows."""
     weight = layer.get_base_layer().weight
     a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
-    if fsdp.is_sharded(weight):
-        delta = fsdp.local(b).float() @ fsdp.full(a).float() * layer.scaling[ADAPTER]
-        fsdp.local(weight).add_(delta.to(weight.dtype))
+    if Rows(weight).sharded:
+        delta = Rows(b).local.float() @ Rows(a).whole().float() * layer.scaling[ADAPTER]
+        Rows(weight).local.add_(delta.to(weight.dtype))
     else:
         weight.add_(layer.get_delta_weight(ADAPTER))
     for module, held in ((layer.lora_A[ADAPTER], a), (layer.lora_B[ADAPTER], b)):
         module.weight = nn.Parameter(torch.empty(held.shape, dtype=held.dtype,
-                                                 device=fsdp.local(held).device))
+                                                 device=Rows(held).local.device))
     if init == "orthogonal":
         layer.orthogonal_init(ADAPTER)  # peft assigns new Parameters: copied back below
     else:
         layer.reset_lora_parameters(ADAPTER, PEFT_INIT[init])
     for module, held in ((layer.lora_A[ADAPTER], a), (layer.lora_B[ADAPTER], b)):
-        fsdp.local(held).copy_(module.weight[fsdp.rows(held)])
+        Rows(held).local.copy_(Rows(held).mine(module.weight))
         module.weight = held
 
 
@@ -336,19 +339,19 @@ def reset_moments(
             moment = optimizer.state.get(p, {}).get(key)
             if moment is None:
                 continue
-            rows = fsdp.local(moment)  # under fsdp this rank's rows; the mask is the whole's
+            rows = Rows(moment).local  # under fsdp this rank's rows; the mask is the whole's
             if cfg.optimizer_reset == "full":
                 rows.zero_()
             elif cfg.prune == "random":
                 keep = torch.rand(moment.shape, dtype=rows.dtype, device=rows.device)
-                rows.mul_(keep[fsdp.rows(moment)] > cfg.prune_ratio)
+                rows.mul_(Rows(moment).mine(keep) > cfg.prune_ratio)
             else:
-                whole = fsdp.full(moment)
+                whole = Rows(moment).whole()
                 rows.mul_(rows.abs() > magnitude_threshold(whole, cfg.prune_ratio))
             zeros += int((rows == 0).sum())
             total += rows.numel()
-    if any(fsdp.is_sharded(p) for p in params):  # each rank counted its own rows
-        zeros, total = (int(n) for n in distributed.all_sum(torch.tensor([zeros, total])))
+    if any(Rows(p).sharded for p in params):  # each rank counted its own rows
+        zeros, total = (int(n) for n in Rows.total(torch.tensor([zeros, total])))
     return zeros / total if total else 0.0
 
 

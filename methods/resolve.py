@@ -52,12 +52,11 @@ def check_modifiers(run: RunConfig) -> None:
         raise UserError("memory.optimizer_offload paged with train.precision bf16-true: "
                         "bitsandbytes' paged optimizers neither honour train.state_dtype nor "
                         "compensate updates; use optimizer_offload: host")
-    method = build_method(run)
-    reason = method.refusal(run)
-    if reason:
-        raise UserError(f"method {run.method_name}: {reason}")
+    terms = build_method(run).check(run)
+    if terms.refusal:
+        raise UserError(f"method {run.method_name}: {terms.refusal}")
     if run.train.parallel == "fsdp":
-        check_fsdp(run, method.fsdp_refusal(run))
+        check_fsdp(run, terms.fsdp)
 
 
 def check_fsdp(run: RunConfig, reason: str | None) -> None:

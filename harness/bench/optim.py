@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from harness.bench.loop import optim_verdict
-from harness.methods import build_method
+from harness.methods import build_method, optimizer_for
 from harness.methods.resolve import load_run
 from harness.models import build_model
 
@@ -40,7 +40,7 @@ def _optimizer(preset: str, method: dict[str, Any], model: nn.Module,
                seq_len: int = 64) -> torch.optim.Optimizer:
     """The optimizer `method` builds for `model`, as a run of it would."""
     run = _run(preset, method, seq_len)
-    return build_method(run).optimizer(model, run)
+    return optimizer_for(build_method(run), model, run)
 
 
 def _galore_torch(model: nn.Module, rank: int, gap: int, targeted: Callable) -> Any:
@@ -120,7 +120,7 @@ def bench_optim(preset: str = "llama_60m", gap: int = 200, steps: int = 20, rank
             p.grad = g
     opts = {
         "adamw": _optimizer(preset, {"name": "full"}, models["adamw"]),
-        "galore": method.optimizer(models["galore"], _run(preset, galore)),
+        "galore": optimizer_for(method, models["galore"], _run(preset, galore)),
         "galore_rsvd": _optimizer(preset, rsvd, models["galore_rsvd"]),
         "galore_torch": _galore_torch(models["galore_torch"], rank, gap, method.config.targeted),
     }

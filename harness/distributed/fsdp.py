@@ -6,15 +6,15 @@ A sharded parameter is a DTensor split on dim 0: rank r holds rows [r·c, r·c +
 c = ceil(m / W), the last ranks fewer (or none). FSDP reduce-scatters each layer's gradients in
 its backward, averaged over ranks as DDP's all-reduce is, and runs the parameters'
 post-accumulate-grad hooks on the sharded gradient (layer-wise updates work unchanged). The
-helpers below are how methods and modifiers see a parameter that may be sharded (`local`,
-`full`, `rows`), so that none of them tests for DTensor itself.
+helpers below are how the trainer and the modifiers see a parameter that may be sharded
+(`local`, `full`, `rows`); methods ask one helper built on them (harness/distributed/rows.py
+`Rows`), so that none of them tests for DTensor itself.
 """
 
 from __future__ import annotations
 
-import math
 import sys
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -93,10 +93,10 @@ def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     saved and resharded by torch.distributed.checkpoint like the weights."""
     if not is_sharded(param):
         return value
-    return _row_shard(value, param, param.shape)
+    return row_shard(value, param, param.shape)
 
 
-def _row_shard(local: torch.Tensor, ref: DTensor, shape: Iterable[int]) -> DTensor:
+def row_shard(local: torch.Tensor, ref: DTensor, shape: Iterable[int]) -> DTensor:
     """`local`, this rank's rows of a tensor of `shape`, placed as the sharded `ref` is."""
     from torch.distributed.tensor import DTensor
 
@@ -146,7 +146,7 @@ def templates(skeleton: Any, model: nn.Module) -> dict[str, torch.Tensor]:
             span = rows(torch.empty(slot.shape, device="meta"), sharded=True)
             local = torch.empty((span.stop - span.start, *slot.shape[1:]), dtype=slot.dtype,
                                 device=ref.to_local().device)
-            out[slot.key] = _row_shard(local, ref, slot.shape)
+            out[slot.key] = row_shard(local, ref, slot.shape)
         else:
             out[slot.key] = torch.empty(slot.shape, dtype=slot.dtype)
     return out
@@ -190,68 +190,3 @@ def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-
-
-def rows_whole(state: dict[str, Any], param: torch.Tensor, whole: Collection[str]) -> dict:
-    """An optimizer state kept as plain tensors of this rank's rows (dim 0 the shard's rows,
-    keys outside `whole`, which every rank holds entire) with those tensors placed as row
-    shards of the whole, which a checkpoint writes shard by shard and reads at any world size."""
-    if not is_sharded(param):
-        return state
-    span = rows(param)
-    out = dict(state)
-    for key, value in state.items():
-        if key in whole or not _holds_rows(value, span):
-            continue
-        out[key] = _row_shard(value, param, (param.shape[0], *value.shape[1:]))
-    return out
-
-
-def rows_cut(state: dict[str, Any], param: torch.Tensor, whole: Collection[str]) -> None:
-    """The inverse of `rows_whole` on load: each whole tensor of the parameter's rows (dim 0
-    the parameter's, keys outside `whole`) cut to this rank's rows, in place."""
-    if not is_sharded(param):
-        return
-    for key, value in state.items():
-        if key in whole or not isinstance(value, torch.Tensor):
-            continue
-        if is_sharded(value):  # read from a sharded checkpoint: already its rows
-            state[key] = value.to_local()
-        elif value.dim() and value.shape[0] == param.shape[0]:
-            state[key] = value[rows(param)].clone()
-
-
-def blocks_whole(state: dict[str, Any], param: torch.Tensor, keys: Collection[str],
-                 blocks: int) -> dict:
-    """Per-block values of this rank's rows (8-bit states' absmax: one a block of the
-    flattened shard) placed as shards of the whole tensor's `blocks`; sound where every shard
-    is a whole number of blocks and the ranks hold equal rows (`aligned`)."""
-    if not is_sharded(param):
-        return state
-    return {k: _row_shard(v, param, (blocks,)) if k in keys and isinstance(v, torch.Tensor)
-            and not is_sharded(v) else v for k, v in state.items()}
-
-
-def blocks_cut(state: dict[str, Any], param: torch.Tensor, keys: Collection[str]) -> None:
-    """The inverse of `blocks_whole` on load: this rank's blocks of each whole tensor."""
-    if not is_sharded(param):
-        return
-    for key in keys:
-        value = state.get(key)
-        if is_sharded(value):
-            state[key] = value.to_local()
-        elif isinstance(value, torch.Tensor):
-            state[key] = value[rows(value, sharded=True)].clone()
-
-
-def aligned(shape: Iterable[int], block: int) -> bool:
-    """Whether each rank's rows of a `shape` tensor are the same whole number of `block`-value
-    blocks of the flattened tensor: then blockwise states on the shards are the whole's."""
-    rows, *rest = shape
-    world = distributed.world_size()
-    return rows % world == 0 and (rows // world) * math.prod(rest) % block == 0
-
-
-def _holds_rows(value: Any, span: slice) -> bool:
-    return (isinstance(value, torch.Tensor) and not is_sharded(value) and value.dim() > 0
-            and value.shape[0] == span.stop - span.start)

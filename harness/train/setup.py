@@ -17,7 +17,7 @@ from harness import distributed
 from harness.config import RunConfig, TrainConfig
 from harness.config.steps import Steps
 from harness.distributed import fsdp, pick_device
-from harness.methods import Method, build_method
+from harness.methods import Method, build_method, optimizer_for, schedule_of
 from harness.methods.rank import rank_warning
 from harness.models import describe
 from harness.modifiers import recompute
@@ -64,7 +64,7 @@ def method(run: RunConfig, steps: Steps, built: nn.Module) -> tuple[Method, list
     """The method, and its warnings about this model's shapes: said now, kept for the summary."""
     chosen = build_method(run, steps)
     shapes = {n: p.shape for n, p in built.named_parameters()}
-    said = (rank_warning(chosen, shapes), chosen.warning(run))
+    said = (rank_warning(chosen, shapes), chosen.check(run).warning)
     warnings = [line for line in said if line]
     for line in warnings:
         distributed.say(f"warning: {line}")
@@ -109,10 +109,10 @@ def optimizer(chosen: Method, built: nn.Module, run: RunConfig, device: torch.de
     """The method's optimizer over the (sharded) model, and the precision context and fp16
     grad scaler its steps run under (fsdp casts itself: no autocast)."""
     precision = Precision(run.train, device, cast=not sharded)
-    return chosen.optimizer(built, run), precision
+    return optimizer_for(chosen, built, run), precision
 
 
 def schedule(opt: torch.optim.Optimizer, chosen: Method,
              run: RunConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """The LR as the method's factor of `train.lr` at each step (warmup, then decay)."""
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: chosen.lr_factor(s, run))
+    return torch.optim.lr_scheduler.LambdaLR(opt, schedule_of(chosen, run))

@@ -8,7 +8,7 @@ import torch
 from conftest import micro_model, micro_run
 
 from harness.cost.grad_peak import GradPeak
-from harness.methods import build_method
+from harness.methods import build_method, optimizer_for
 from harness.methods.quant import Int8Linear
 from harness.methods.resolve import load_run
 from harness.modifiers.layerwise import LayerwiseOptimizer
@@ -34,11 +34,11 @@ def watched(net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return watch.close()
 
 
-def optimizer_for(net: torch.nn.Module, method: dict, layerwise: bool) -> tuple:
+def prepared(net: torch.nn.Module, method: dict, layerwise: bool) -> tuple:
     run = load_run({**micro_run(), "method": method, "memory": {"layerwise": layerwise}})
     m = build_method(run)
     net = m.prepare(net, run)
-    return net, m.optimizer(net, run)
+    return net, optimizer_for(m, net, run)
 
 
 def test_shapes_this_file_assumes():
@@ -48,13 +48,13 @@ def test_shapes_this_file_assumes():
 
 
 def test_a_plain_step_peaks_with_every_gradient_alive():
-    net, opt = optimizer_for(model(), {"name": "full"}, layerwise=False)
+    net, opt = prepared(model(), {"name": "full"}, layerwise=False)
     n = sum(p.numel() for p in net.parameters())
     assert watched(net, opt) == 4 * n  # every fp32 gradient, all alive once backward ends
 
 
 def test_layerwise_holds_the_largest_gradient_only():
-    net, opt = optimizer_for(model(), {"name": "full"}, layerwise=True)
+    net, opt = prepared(model(), {"name": "full"}, layerwise=True)
     assert watched(net, opt) == 4 * MLP
     assert all(p.grad is None for p in net.parameters())
 
@@ -80,7 +80,7 @@ def int8(net: torch.nn.Module) -> list[Int8Linear]:
 def test_int8_weights_count_their_g_one_layer_at_a_time():
     """Q-GaLore: 14 INT8 linears take G (float32, out x in) in backward and drop it after their
     update; the float parameters step layer-wise. The largest alive at once is one MLP G."""
-    net, opt = optimizer_for(model(), {"name": "qgalore", "rank": 8}, layerwise=False)
+    net, opt = prepared(model(), {"name": "qgalore", "rank": 8}, layerwise=False)
     assert len(int8(net)) == 14
     assert watched(net, opt) == 4 * MLP
 
@@ -98,7 +98,7 @@ def test_int8_gradients_nobody_takes_are_summed_in_the_layer_and_counted():
 
 
 def test_close_restores_the_layers_and_stops_counting():
-    net, opt = optimizer_for(model(), {"name": "qgalore", "rank": 8}, layerwise=False)
+    net, opt = prepared(model(), {"name": "qgalore", "rank": 8}, layerwise=False)
     watch = GradPeak(net, opt)
     watch.close()
     assert all("_receive" not in vars(m) for m in int8(net))

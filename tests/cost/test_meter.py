@@ -24,7 +24,7 @@ from harness.cost.meter import (
     peak_memory,
     weight_counts,
 )
-from harness.methods import build_method, memory_of
+from harness.methods import build_method, memory_of, optimizer_for
 from harness.methods.quant import Int8Linear
 from harness.methods.resolve import load_run
 
@@ -95,7 +95,7 @@ def test_cpu_memory_is_the_process_rss_and_its_peak_kept_apart_from_the_tensor_p
 def test_breakdown_counts_full_adamw_after_a_step(tiny_model):
     run = load_run(micro_run())
     method = build_method(run)
-    optimizer = method.optimizer(tiny_model, run)
+    optimizer = optimizer_for(method, tiny_model, run)
     ids = torch.randint(0, SAMPLE_VOCAB, (1, 8))
     watch = GradPeak(tiny_model, optimizer)
     tiny_model(input_ids=ids, labels=ids).loss.backward()

@@ -20,7 +20,7 @@ from conftest import (
 from torch import nn
 
 from harness.errors import UserError
-from harness.methods import build_memory, build_method, memory_of
+from harness.methods import build_memory, build_method, memory_of, optimizer_for
 from harness.methods.resolve import load_run, modifier_support
 from harness.models import param_shapes
 from harness.modifiers.compensation import KAHAN
@@ -67,7 +67,7 @@ def test_matches_the_reference_package_step_for_step(kind):
     model, ref, heads = reference_pair(kind)
     run = load_run({**mini_run(lr=0.01, weight_decay=0.1),
                     "method": {**METHOD, "betas": [0.9, 0.95]}})
-    ours = build_method(run).optimizer(model, run)
+    ours = optimizer_for(build_method(run), model, run)
     reference = Adam_mini(ref.named_parameters(), lr=0.01, betas=(0.9, 0.95), eps=1e-8,
                           weight_decay=0.1, verbose=False, **heads)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -94,7 +94,7 @@ def test_partition_of_llama_micro_and_its_state_bytes():
     model = micro_model()
     run = load_run(mini_run())
     method = build_method(run)
-    optimizer = method.optimizer(model, run)
+    optimizer = optimizer_for(method, model, run)
     ids = torch.randint(0, SAMPLE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()

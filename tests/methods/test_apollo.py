@@ -20,7 +20,7 @@ from package_steps import assert_stepped_as_package, package_groups
 from test_galore import assert_steps_like_adamw, check_estimate, steps_of
 
 from harness.errors import UserError
-from harness.methods import build_method, memory_of
+from harness.methods import build_method, memory_of, optimizer_for
 from harness.methods.apollo_optim import APOLLOOptimizer, next_seed
 from harness.methods.resolve import load_run
 from harness.train import train
@@ -151,7 +151,7 @@ def test_state_bytes_of_each_matrix_are_2_r_max_side_plus_the_limiters_norm(meth
     ids = torch.randint(0, SAMPLE_VOCAB, (1, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     m = build_method(run)
-    opt = m.optimizer(model, run)
+    opt = optimizer_for(m, model, run)
     opt.step()
     targeted = [(n, p) for n, p in model.named_parameters() if m.config.projects(n, tuple(p.shape))]
     assert len(targeted) == TARGETS
@@ -215,7 +215,7 @@ def test_the_built_method_at_its_defaults_steps_as_the_package(decay_vectors):
 
     model, ref = micro_model(), micro_model()
     run = load_run(apollo_run(20, {**APOLLO, "decay_vectors": decay_vectors}, weight_decay=0.1))
-    ours = build_method(run).optimizer(model, run)
+    ours = optimizer_for(build_method(run), model, run)
     apollo = {"rank": 8, "proj": "random", "scale_type": "channel", "scale": 1.0,
               "update_proj_gap": 8, "proj_type": "std"}
     reference = APOLLOAdamW(package_groups(ref, apollo), lr=0.01, eps=1e-8, weight_decay=0.1)

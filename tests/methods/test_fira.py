@@ -20,7 +20,7 @@ from package_steps import assert_stepped_as_package, package_groups
 from test_galore import TARGETS, check_estimate, rows, steps_of
 
 from harness.errors import UserError
-from harness.methods import build_memory, build_method
+from harness.methods import build_memory, build_method, optimizer_for
 from harness.methods.fira import LIMITER, FiraOptimizer
 from harness.methods.galore_optim import GaLoreOptimizer
 from harness.methods.resolve import load_run
@@ -217,7 +217,7 @@ def test_the_built_method_at_its_defaults_steps_as_the_package():
     model, ref = micro_model(), micro_model()
     run = load_run(fira_run(20, {**FIRA, "update_proj_gap": 8},
                             train={"weight_decay": 0.1, "lr": 0.01}))
-    ours = build_method(run).optimizer(model, run)
+    ours = optimizer_for(build_method(run), model, run)
     settings = {"rank": 8, "update_proj_gap": 8, "alpha": 0.25, "proj_type": "std"}
     groups = package_groups(ref, settings)
     with warnings.catch_warnings():

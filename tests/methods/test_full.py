@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import SAMPLE_VOCAB, micro_model, micro_run
 
-from harness.methods import build_method, memory_of
+from harness.methods import build_method, memory_of, optimizer_for
 from harness.methods.resolve import load_run
 from harness.models import param_shapes
 
@@ -16,7 +16,7 @@ from harness.models import param_shapes
 def one_step(model, method: dict, **train):
     run = load_run({**micro_run(**train), "method": method})
     m = build_method(run)
-    optimizer = m.optimizer(model, run)
+    optimizer = optimizer_for(m, model, run)
     ids = torch.randint(0, SAMPLE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import SAMPLE_VOCAB, micro_model, micro_run
 
-from harness.methods import build_memory, build_method, memory_of
+from harness.methods import build_memory, build_method, memory_of, optimizer_for
 from harness.methods.galore_optim import GaLoreOptimizer
 from harness.methods.projection import compute_basis
 from harness.methods.resolve import load_run
@@ -193,7 +193,7 @@ def test_svd_failures_never_crash_and_are_counted(monkeypatch):
     with torch.no_grad():
         w.zero_()
         b.zero_()
-    opt = method.optimizer(model, run)
+    opt = optimizer_for(method, model, run)
     real_svd = torch.linalg.svd
 
     def broken(a, *args, **kwargs):
@@ -260,7 +260,7 @@ def test_estimate_equals_measure_on_llama_60m():
         run = load_run({**micro_run(), "model": "llama_60m", "method": {
             "name": "galore", "optimizer": inner, "svd": "randomized"}})
         method = build_method(run)
-        opt = method.optimizer(model, run)
+        opt = optimizer_for(method, model, run)
         opt.step()
         memory = memory_of(method)
         assert memory.measure(model, opt) == memory.estimate(shapes, run), inner

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import SAMPLE_VOCAB, assert_estimate_matches, micro_model, micro_run
 
-from harness.methods import MemoryEstimate, build_memory, build_method, memory_of
+from harness.methods import MemoryEstimate, build_memory, build_method, memory_of, optimizer_for
 from harness.methods.lora import adapter_params, lora_layers
 from harness.methods.resolve import load_run
 from harness.models import PRESETS, param_shapes
@@ -77,7 +77,7 @@ def estimate_and_measure(
     run = load_run({**micro_run(), "model": preset, "method": method})
     m = build_method(run)
     model = m.prepare(micro_model(0, preset, vocab, run.task.seq_len), run)
-    optimizer = m.optimizer(model, run)
+    optimizer = optimizer_for(m, model, run)
     ids = torch.randint(vocab, (1, 8))
     loss_sum(model, ids, ids).backward()
     optimizer.step()
@@ -142,7 +142,7 @@ def test_lora_starts_as_the_base_model_and_freezes_fp32_base_linears():
         id(p) for p in adapter_params(model)
     }
     copies = [w.clone() for w in frozen]
-    optimizer = m.optimizer(model, run)
+    optimizer = optimizer_for(m, model, run)
     loss_sum(model, ids, ids).backward()
     a, b = adapter_params(model)[:2]
     assert not a.grad.any() and b.grad.any()  # peft's init: only B moves at the first step

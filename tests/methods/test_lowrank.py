@@ -11,7 +11,7 @@ from conftest import SAMPLE_VOCAB, assert_estimate_matches, micro_model, micro_r
 from torch import nn
 
 from harness.errors import UserError
-from harness.methods import build_memory, build_method, memory_of
+from harness.methods import build_memory, build_method, memory_of, optimizer_for
 from harness.methods.lowrank import TARGETS, LowRankLinear
 from harness.methods.resolve import load_run
 from harness.models import PRESETS, param_shapes
@@ -84,7 +84,7 @@ def test_estimate_equals_the_real_tensors_for_llama_60m_at_the_default_rank():
     method = build_method(run)
     assert method.config.rank == 128
     model = method.prepare(micro_model(0, "llama_60m", seq_len=8, pad_id=0), run)
-    optimizer = method.optimizer(model, run)
+    optimizer = optimizer_for(method, model, run)
     ids = torch.randint(0, SAMPLE_VOCAB, (1, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()

@@ -21,7 +21,7 @@ from conftest import (
 from package_steps import feed
 
 from harness.errors import UserError
-from harness.methods import build_method, memory_of
+from harness.methods import build_method, memory_of, optimizer_for
 from harness.methods.resolve import load_run
 from harness.models import param_shapes
 from harness.modifiers.compensation import KAHAN
@@ -49,7 +49,7 @@ def test_hidden_matrices_step_as_torch_muon_and_the_rest_as_torch_adamw(adjust, 
     model, ref = micro_model(), micro_model()
     settings = {"adjust_lr_fn": adjust, "nesterov": nesterov, "ns_steps": 4, "momentum": 0.9}
     run = load_run(muon_run(method=settings, lr=0.02, weight_decay=0.1))
-    ours = build_method(run).optimizer(model, run)
+    ours = optimizer_for(build_method(run), model, run)
     hidden = [p for n, p in ref.named_parameters()
               if p.dim() == 2 and "embed" not in n and "lm_head" not in n]
     muon = torch.optim.Muon(hidden, lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov,
@@ -110,7 +110,7 @@ def test_moonlights_recipe_is_the_example_optimizers_update():
     model, ref = micro_model(), micro_model()
     settings = {"decay_vectors": True, "betas": [0.9, 0.95]}
     run = load_run(muon_run(method=settings, lr=0.01, weight_decay=0.1))
-    ours = build_method(run).optimizer(model, run)
+    ours = optimizer_for(build_method(run), model, run)
     params, state = dict(ref.named_parameters()), {}
     start = [p.detach().clone() for p in model.parameters()]
 
@@ -133,7 +133,7 @@ def test_split_and_state_bytes_of_llama_micro():
     model = micro_model()
     run = load_run(muon_run())
     method = build_method(run)
-    optimizer = method.optimizer(model, run)
+    optimizer = optimizer_for(method, model, run)
     ids = torch.randint(0, SAMPLE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
@@ -149,7 +149,7 @@ def test_split_and_state_bytes_of_llama_micro():
 def test_each_groups_lr_and_decay_are_settable():
     run = load_run(muon_run(method={"muon_lr": 0.02, "adamw_lr": 3e-4, "muon_weight_decay": 0.1,
                                     "adamw_weight_decay": 0.01}, weight_decay=0.5))
-    groups = build_method(run).param_groups(micro_model(), run)
+    groups = build_method(run).groups(micro_model(), run)
     assert [(g["muon"], len(g["params"]), g["lr"], g["weight_decay"]) for g in groups] == [
         (True, 14, 0.02, 0.1), (False, 2, 3e-4, 0.01), (False, 5, 3e-4, 0.0)]
 
@@ -169,7 +169,7 @@ def test_bf16_true_honours_state_dtype_and_compensation(tmp_path, state_dtype, c
                             update_compensation=compensation))
     method = build_method(run)
     model = micro_model().to(torch.bfloat16)
-    optimizer = method.optimizer(model, run)
+    optimizer = optimizer_for(method, model, run)
     ids = torch.randint(0, SAMPLE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()

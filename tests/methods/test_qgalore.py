@@ -14,7 +14,7 @@ from test_galore import rows
 from torch import nn
 
 from harness.cost.grad_peak import GradPeak
-from harness.methods import build_memory, build_method, memory_of
+from harness.methods import build_memory, build_method, memory_of, optimizer_for
 from harness.methods.qgalore_optim import QGaLoreOptimizer
 from harness.methods.quant import Int8Linear, dequantize_int8, quantize_int8
 from harness.methods.resolve import load_run
@@ -82,7 +82,7 @@ def tiny(rank: int = 4, gap: int = 2, grad_clip: float | None = None, **method) 
     method_ = build_method(run)
     torch.manual_seed(0)
     model = method_.prepare(nn.ModuleDict({"q_proj": nn.Linear(64, 32, bias=False)}), run)
-    return model, method_, method_.optimizer(model, run)
+    return model, method_, optimizer_for(method_, model, run)
 
 
 def backward(model, opt, x: torch.Tensor, c: torch.Tensor, sync: bool = True) -> None:
@@ -245,7 +245,7 @@ def test_estimate_equals_measure_on_llama_60m():
     run = load_run({**data, "method": {"name": "qgalore"}})  # rank 128, 8-bit inner
     method = build_method(run)
     model = method.prepare(base, run)
-    opt = method.optimizer(model, run)
+    opt = optimizer_for(method, model, run)
     ids = torch.randint(0, VOCAB, (1, 8))
     watch = GradPeak(model, opt)  # G is dropped in backward: counted while it is alive
     model(input_ids=ids, labels=ids).loss.backward()

@@ -18,7 +18,7 @@ from test_lora import (
     resumes_exactly,
 )
 
-from harness.methods import build_memory, build_method
+from harness.methods import build_memory, build_method, optimizer_for
 from harness.methods.lora import TARGETS, adapter_params, lora_layers
 from harness.methods.resolve import load_run
 from harness.models import param_shapes
@@ -152,7 +152,7 @@ def test_only_adapters_train_and_the_nf4_weights_never_change():
     assert {id(p) for p in model.parameters() if p.requires_grad} == set(
         map(id, adapter_params(model))
     )
-    optimizer = method.optimizer(model, run)
+    optimizer = optimizer_for(method, model, run)
     ids = torch.randint(VOCAB, (2, 16))
     for _ in range(3):
         loss_sum(model, ids, ids).backward()

@@ -19,7 +19,7 @@ from test_lora import (
 )
 
 from harness.config.steps import lr_factor
-from harness.methods import build_memory, build_method
+from harness.methods import build_memory, build_method, optimizer_for
 from harness.methods.lora import adapter_params, lora_layers
 from harness.methods.relora import reset_moments
 from harness.methods.resolve import load_run
@@ -44,7 +44,7 @@ def prepared(**params: Any):
     method = build_method(run)
     model = method.prepare(micro_model(seed=0), run)
     ids = torch.randint(VOCAB, (2, 16))
-    return method, model, method.optimizer(model, run), ids
+    return method, model, optimizer_for(method, model, run), ids
 
 
 def steps(method, model, optimizer, ids, n: int, first: int = 1) -> None:
@@ -110,7 +110,7 @@ def test_schedule_drops_at_each_merge_and_ramps_back_to_the_global_cosine():
         }
     )
     method = build_method(run)
-    factor = [method.lr_factor(s, run) for s in range(100)]
+    factor = [method.check(run).lr_factor(s) for s in range(100)]
     cosine = [lr_factor(s, run.train) for s in range(100)]
     assert factor[:30] == cosine[:30]  # warmup and cosine untouched before the first merge
     for reset in (30, 60, 90):
@@ -209,7 +209,7 @@ def test_vectors_are_decayed_only_with_decay_vectors(decay_vectors):
     run = load_run(data)
     method = build_method(run)
     model = method.prepare(micro_model(seed=0), run)
-    optimizer = method.optimizer(model, run)
+    optimizer = optimizer_for(method, model, run)
     norm = model.base_model.model.model.norm.weight
     before = norm.detach().clone()
     for p in model.parameters():

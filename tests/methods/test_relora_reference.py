@@ -147,7 +147,7 @@ def test_two_runs_lr_trace_is_the_global_one_then_the_references_restarted_sched
                     "method": {"name": "relora", "warm_start_steps": 10, "reset_every": 10,
                                "restart_warmup_steps": 3, "warm_start_warmup_steps": 2}})
     method = build_method(run)
-    factor = [method.lr_factor(s, run) for s in range(40)]
+    factor = [method.check(run).lr_factor(s) for s in range(40)]
     assert factor[:10] == [lr_factor(s, run.train) for s in range(10)]
     reference = [reference_lambda(k, num_training_steps=30, first_warmup_steps=2,
                                   restart_warmup_steps=3, restart_every=10, min_lr_ratio=0.1)
@@ -171,7 +171,7 @@ def test_two_runs_merge_only_after_the_warm_start_on_the_references_steps(two_ru
     run = load_run(data)
     method = build_method(run)
     assert [lrs[s] for s in range(1, 25)] == pytest.approx(
-        [run.train.lr * method.lr_factor(s - 1, run) for s in range(1, 25)])
+        [run.train.lr * method.check(run).lr_factor(s - 1) for s in range(1, 25)])
     assert lrs[9] == lrs[13] == lrs[17] == lrs[21] == 0.0  # each merge follows a step at LR 0
 
 
@@ -213,11 +213,11 @@ def test_two_runs_train_the_base_alone_then_the_adapters_on_a_fresh_optimizer():
 ])
 def test_merges_inside_the_warmup_or_a_cut_cycle_are_said_at_load(train_, said):
     run = load_run({**micro_run(**train_), "method": {"name": "relora", "reset_every": 5000}})
-    warning = build_method(run).warning(run)
+    warning = build_method(run).check(run).warning
     assert warning.startswith("method.reset_every 5000: ") and all(s in warning for s in said)
     fine = load_run({**micro_run(steps=60000, warmup_steps=6000),
                      "method": {"name": "relora", "reset_every": 6000}})
-    assert build_method(fine).warning(fine) is None
+    assert build_method(fine).check(fine).warning is None
 
 
 def test_the_warning_is_kept_in_the_summary(tmp_path):

@@ -20,6 +20,7 @@ from conftest import hf_eval_loss, micro_run, ranks, write_yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from harness.distributed import fsdp
+from harness.distributed.rows import Rows
 from harness.errors import UserError
 from harness.methods.resolve import load_run
 from harness.train import train
@@ -240,11 +241,11 @@ def test_8bit_states_need_shards_of_whole_blocks(monkeypatch):
     rank: 64 x 64 over 4 ranks is 16 x 64 = 4 blocks each; 66 x 64 over 3 is 22 x 64 = 5.5
     blocks, and 2 x 128 over 2 half a block."""
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert fsdp.aligned((64, 64), 256)
+    assert Rows.aligned((64, 64), 256)
     monkeypatch.setenv("WORLD_SIZE", "3")
-    assert not fsdp.aligned((66, 64), 256)
+    assert not Rows.aligned((66, 64), 256)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not fsdp.aligned((2, 128), 256)
+    assert not Rows.aligned((2, 128), 256)
 
 
 def test_what_fsdp_cannot_shard_is_refused_in_one_line():

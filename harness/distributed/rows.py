@@ -1,0 +1,136 @@
+"""What an optimizer needs of a tensor that FSDP may have split by rows, behind one helper:
+`Rows(t)` gives this rank's rows, the whole tensor gathered, sums over the ranks that each hold
+a part, states saved and loaded by rows, and (its static methods) which rank computes what.
+Methods ask it and nothing else of the strategy: none tests for DTensor or calls the process
+group itself. Unsharded (one process, or DDP) each answer is the tensor itself and a sum is
+one process's (harness/distributed/fsdp.py has the layout: rank r holds rows
+[r·c, r·c + c), c = ceil(m / W)).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
+
+import torch
+
+from harness import distributed
+from harness.distributed import fsdp
+
+
+class Rows:
+    """A parameter, its gradient or a state shaped as it, as this rank holds it."""
+
+    def __init__(self, t: torch.Tensor | None) -> None:
+        self.tensor = t
+        self.sharded = fsdp.is_sharded(t)
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's rows, a view (writes reach the shard); unsharded, the tensor."""
+        return fsdp.local(self.tensor)
+
+    @property
+    def span(self) -> slice:
+        """The rows of the whole tensor this rank holds (all of them unsharded)."""
+        return fsdp.rows(self.tensor)
+
+    def whole(self) -> torch.Tensor:
+        """The whole tensor on every rank: an all-gather, every rank in the same order."""
+        return fsdp.full(self.tensor)
+
+    def mine(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of `whole`, a tensor with the rows of this one (a left basis)."""
+        return whole[self.span]
+
+    def gather(self, value: torch.Tensor) -> torch.Tensor:
+        """`value`, this rank's rows of a tensor shaped as this one, whole on every rank."""
+        return fsdp.full(fsdp.like(value, self.tensor))
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the ranks in place where this tensor is split (each rank's part
+        of a sum over its rows); else `t` as it is."""
+        return distributed.all_sum(t) if self.sharded else t
+
+    @staticmethod
+    def total(t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over every rank, in place (a count or norm each rank took of its rows)."""
+        return distributed.all_sum(t)
+
+    @staticmethod
+    def ranks() -> int:
+        return distributed.world_size()
+
+    @staticmethod
+    def in_turn(i: int, compute: Callable[[], Any]) -> Any:
+        """`compute()` run by one rank for the `i`-th of a list of whole matrices (rank
+        i mod W: W ranks share the work), its answer (picklable: host tensors) on every rank."""
+        owner = i % distributed.world_size()
+        return distributed.broadcast_object(compute() if distributed.rank() == owner else None,
+                                            owner)
+
+    @staticmethod
+    def aligned(shape: Iterable[int], block: int) -> bool:
+        """Whether each rank's rows of a `shape` tensor are the same whole number of
+        `block`-value blocks of the flattened tensor: then blockwise states on the shards
+        are the whole's."""
+        rows, *rest = shape
+        world = distributed.world_size()
+        return rows % world == 0 and (rows // world) * math.prod(rest) % block == 0
+
+    # -- an optimizer's states of this parameter, in checkpoints ------------------------------
+    def save(self, state: dict[str, Any], whole: Collection[str]) -> dict[str, Any]:
+        """A state kept as plain tensors of this rank's rows (dim 0 the shard's rows, keys
+        outside `whole`, which every rank holds entire) with those tensors placed as row shards
+        of the whole, which a checkpoint writes shard by shard and reads at any world size."""
+        if not self.sharded:
+            return state
+        param, span = self.tensor, self.span
+        out = dict(state)
+        for key, value in state.items():
+            if key in whole or not _holds_rows(value, span):
+                continue
+            out[key] = fsdp.row_shard(value, param, (param.shape[0], *value.shape[1:]))
+        return out
+
+    def load(self, state: dict[str, Any], whole: Collection[str]) -> None:
+        """The inverse of `save` on load: each whole tensor of the parameter's rows (dim 0 the
+        parameter's, keys outside `whole`) cut to this rank's rows, in place."""
+        if not self.sharded:
+            return
+        param = self.tensor
+        for key, value in state.items():
+            if key in whole or not isinstance(value, torch.Tensor):
+                continue
+            if fsdp.is_sharded(value):  # read from a sharded checkpoint: already its rows
+                state[key] = value.to_local()
+            elif value.dim() and value.shape[0] == param.shape[0]:
+                state[key] = value[self.span].clone()
+
+    def save_blocks(self, state: dict[str, Any], keys: Collection[str],
+                    blocks: int) -> dict[str, Any]:
+        """Per-block values of this rank's rows (8-bit states' absmax: one a block of the
+        flattened shard) placed as shards of the whole tensor's `blocks`; sound where every
+        shard is a whole number of blocks and the ranks hold equal rows (`aligned`)."""
+        if not self.sharded:
+            return state
+        return {k: fsdp.row_shard(v, self.tensor, (blocks,))
+                if k in keys and isinstance(v, torch.Tensor) and not fsdp.is_sharded(v) else v
+                for k, v in state.items()}
+
+    def load_blocks(self, state: dict[str, Any], keys: Collection[str]) -> None:
+        """The inverse of `save_blocks` on load: this rank's blocks of each whole tensor."""
+        if not self.sharded:
+            return
+        for key in keys:
+            value = state.get(key)
+            if fsdp.is_sharded(value):
+                state[key] = value.to_local()
+            elif isinstance(value, torch.Tensor):
+                state[key] = value[fsdp.rows(value, sharded=True)].clone()
+
+
+def _holds_rows(value: Any, span: slice) -> bool:
+    return (isinstance(value, torch.Tensor) and not fsdp.is_sharded(value) and value.dim() > 0
+            and value.shape[0] == span.stop - span.start)
