@@ -10,14 +10,7 @@ from typing import TYPE_CHECKING
 from harness.methods.adam8bit import own_kernel
 from harness.methods.adam_kernel import BLOCK, QMAP
 from harness.methods.base import register_memory
-from harness.methods.memory import (
-    Memory,
-    MemoryEstimate,
-    Shapes,
-    grad_bytes,
-    numel,
-    row_share,
-)
+from harness.methods.memory import Memory, MemoryEstimate, Shapes, grad_bytes, numel, row_share
 from harness.methods.widths import widths
 
 if TYPE_CHECKING:

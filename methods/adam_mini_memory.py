@@ -7,14 +7,7 @@ from typing import TYPE_CHECKING
 
 from harness.methods.adam_mini import block_count, block_kind
 from harness.methods.base import register_memory
-from harness.methods.memory import (
-    Memory,
-    MemoryEstimate,
-    Shapes,
-    grad_bytes,
-    numel,
-    row_share,
-)
+from harness.methods.memory import Memory, MemoryEstimate, Shapes, grad_bytes, numel, row_share
 from harness.methods.widths import widths
 from harness.models import architecture
 

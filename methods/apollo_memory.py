@@ -18,7 +18,7 @@ from harness.methods.memory import (
     MemoryEstimate,
     Shapes,
     grad_bytes,
-    grad_bytes_of,
+    int8_grad_bytes,
     live_grad_bytes,
     numel,
     row_share,
@@ -67,9 +67,7 @@ class APOLLOMemory(GaLoreMemory):
                 shape = row_share(shape, world)
             state += state_bytes(shape, c.optimizer, c.min_8bit_size, None, w.state)
         if c.int8_weights:  # every update runs in backward; the INT8 layers' G is float32
-            int8 = [numel(s) for n, s in shapes.items() if c.projects(n, tuple(s))]
-            floats = [numel(s) for n, s in shapes.items() if not c.projects(n, tuple(s))]
-            grads = grad_bytes_of(floats, True, self.steps.accumulation, w.grad, int8)
+            grads = int8_grad_bytes(shapes, c.projects, run, self.steps)
         else:
             grads = grad_bytes(sizes, run, self.steps)
         return MemoryEstimate(weights, grads, state, extra)

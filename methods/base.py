@@ -129,20 +129,20 @@ def schedule_of(method: Method, run: RunConfig) -> Callable[[int], float]:
     return (lambda s: own(s)) if own is not None else (lambda s: lr_factor(s, run.train))
 
 
-def register(name: str):
-    def wrap(cls: type[Method]) -> type[Method]:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
+def register(name: str) -> Callable[[type[Method]], type[Method]]:
+    """A method class, registered as `name`."""
+    return _entry(_REGISTRY, name)
 
 
-def register_memory(name: str):
+def register_memory(name: str) -> Callable[[type[Memory]], type[Memory]]:
     """The companion of the method registered as `name`."""
-    def wrap(cls: type[Memory]) -> type[Memory]:
+    return _entry(_MEMORY, name)
+
+
+def _entry(table: dict[str, Any], name: str) -> Callable[[type], type]:
+    def wrap(cls: type) -> type:
         cls.name = name
-        _MEMORY[name] = cls
+        table[name] = cls
         return cls
 
     return wrap

@@ -9,7 +9,7 @@ through the registry (methods/base.py `build_memory`, `memory_of`), never the tr
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -124,6 +124,16 @@ def grad_bytes_of(sizes: list[int], layerwise: bool, accumulation: int, width: i
 def grad_bytes(sizes: list[int], run: RunConfig, steps: Steps) -> int:
     """The estimate's gradient bytes for the trained tensors of `sizes` under `run`."""
     return grad_bytes_of(sizes, run.memory.layerwise, steps.accumulation, widths(run).grad)
+
+
+def int8_grad_bytes(shapes: Shapes, is_int8: Callable[[str, tuple[int, ...]], bool],
+                    run: RunConfig, steps: Steps) -> int:
+    """Gradients where every update runs inside backward (INT8 layers, `is_int8` by name and
+    shape): an INT8 layer's G is float32 whatever the precision, the others' at the run's
+    width; without accumulation one at a time."""
+    int8 = [numel(s) for n, s in shapes.items() if is_int8(n, tuple(s))]
+    floats = [numel(s) for n, s in shapes.items() if not is_int8(n, tuple(s))]
+    return grad_bytes_of(floats, True, steps.accumulation, widths(run).grad, int8)
 
 
 def row_share(shape: torch.Size | tuple[int, ...], world: int) -> tuple[int, ...]:

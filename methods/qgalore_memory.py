@@ -17,7 +17,7 @@ from harness.methods.memory import (
     MemoryEstimate,
     Shapes,
     grad_bytes,
-    grad_bytes_of,
+    int8_grad_bytes,
     live_grad_bytes,
     numel,
     tensor_bytes,
@@ -63,9 +63,7 @@ class QGaLoreMemory(GaLoreMemory):
         if c.simulate:
             grads = grad_bytes([numel(s) for s in shapes.values()], run, self.steps)
         else:  # every update runs in backward; the INT8 layers' G is float32
-            int8 = [numel(s) for n, s in shapes.items() if c.targeted(n, tuple(s))]
-            floats = [numel(s) for n, s in shapes.items() if not c.targeted(n, tuple(s))]
-            grads = grad_bytes_of(floats, True, self.steps.accumulation, w.grad, int8)
+            grads = int8_grad_bytes(shapes, c.targeted, run, self.steps)
         return MemoryEstimate(weights, grads, state, extra)
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
