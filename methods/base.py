@@ -1,13 +1,30 @@
-"""The method interface and registry: a method is one file that registers one class, and a
-companion beside it (methods/<file>_memory.py) that registers its byte arithmetic.
+"""The method interface and registry. A method is one file that registers one class, and a
+companion beside it (methods/<file>_memory.py) that registers its byte arithmetic:
 
-The training class (`Method`, here) prepares the model, builds the optimizer and hooks each
-step; the companion (`Memory`, methods/memory.py) predicts and counts bytes. They share the
-typed settings (`Config`) and nothing else: harness/cost and `harness bench memory` build the
-companion (`build_memory`, `memory_of`) and never the training class, so a change to how a
-method trains cannot move its estimate, and the cost model reads one interface. Every
-registered method has a companion registered under the same name, in the module named after
-its own with `_memory` (checked when harness.methods is imported: `check_companions`).
+    @register("lion")                                # methods/lion.py
+    class Lion(Method):
+        summary = "Lion: the sign of an interpolated momentum"
+        Config = LionConfig                          # typed, validated hyperparameters
+        def optimizer(self, groups, run): ...        # over param groups (the one required hook)
+        # optional, each with a default:
+        def check(self, run) -> Terms: ...           # refusals, fsdp, a warning, its LR schedule
+        def prepare(self, model, run): ...           # wrap, quantize, factor or freeze modules
+        def groups(self, model, run): ...            # param groups (default: decay on matrices)
+        def on_step(self, step, model, optimizer): ...   # work after a step; returns events
+        def export(self, model): ...                 # the plain model transformers saves
+
+    @register_memory("lion")                         # methods/lion_memory.py
+    class LionMemory(Memory):
+        def estimate(self, shapes, run): ...         # bytes from shapes; `measure` counts them
+
+The harness, not the method, wraps the optimizer for the memory modifiers (`optimizer_for`) and
+builds the LR schedule (`schedule_of`); under fsdp an optimizer asks harness/distributed/rows.py
+(`Rows`) for its rows, gathers and sums. The two classes share the typed settings and nothing
+else: harness/cost and `harness bench memory` build the companion (`build_memory`,
+`memory_of`), never the training class, so how a method trains cannot move its estimate. Every
+registered method has a companion registered under its name in the module named after its own
+with `_memory` (checked as harness.methods is imported: `check_companions`); no list elsewhere
+names the methods.
 """
 
 from __future__ import annotations
