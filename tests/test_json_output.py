@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import FINISHED_SWEEP, REPO, harness, write_yaml
 
+from harness.bench.memory import METHODS
+from harness.bench.syncs import VARIANTS
 from harness.cli import main
 
 
@@ -44,7 +46,8 @@ def test_bench_syncs_json(capfd):
     records, _ = json_out(capfd, "bench", "syncs", "--preset", "llama_micro", "--steps", "3",
                             "--seq-len", "32", "--batch-size", "1", "--json")
     reads = {r["name"].removeprefix("syncs/llama_micro/"): r["value"] for r in records}
-    assert len(reads) == 22  # the 15 methods of bench memory and 7 variants
+    assert reads.keys() == set(METHODS) | set(VARIANTS)  # bench memory's (the registry's)
+    assert len(VARIANTS) == 7 and len(reads) == len(METHODS) + 7  # and syncs' own variants
     assert {"full", "galore", "qgalore", "adam_mini", "muon", "full+16-mixed", "galore+16-mixed",
             "full+offload", "full+accumulation"} <= reads.keys()
     assert reads == {name: float(name == "galore+16-mixed") for name in reads}
