@@ -52,6 +52,8 @@ REGISTRY: tuple[Metric, ...] = (
            live="eval", field=False),  # a GLUE task's main metric
     Metric("tokens_per_s", "tok/s", "tokens/s", ",.0f", direction="maximize", objective=True,
            status=True, report=True, at_start=True, live="train"),
+    Metric("grad_norm", "grad norm", "", ".3g", objective=True, status=True, report=True,
+           live="train"),  # before clipping, the mean over logged steps; layer-wise: none
     Metric("mfu", "MFU", "", ".1%", direction="maximize", at_start=True),
     Metric("peak_memory_bytes", "peak memory", "bytes", BYTES, across_seeds="max",
            objective=True, status=True, report=True, at_start=True),  # live tensors

@@ -66,21 +66,24 @@ class Precision:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
-             clip: float | None, step: int) -> None:
-        """Unscale, clip (if `clip`) and step. Whether 16-mixed overflowed (GradScaler then skips
+             clip: float | None, step: int, measure: bool = False) -> torch.Tensor | None:
+        """Unscale, clip (if `clip`) and step; return the gradients' global L2 norm before
+        clipping (a device tensor, a DTensor under fsdp) where it was computed: to clip, for
+        16-mixed, or as `measure` asks. Whether 16-mixed overflowed (GradScaler then skips
         the update) stays on the device until `settle`: a non-finite gradient norm, which is
         what GradScaler checks, so the loop reads no value per step."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True) if clip else None
+        if norm is None and (measure or self.scaler is not None):
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         if self.scaler is None:
             optimizer.step()
-            return
-        if norm is None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        self.overflows.append((step, ~norm.isfinite()))
+            return norm
+        self.overflows.append((step, ~norm.isfinite()))  # type: ignore[union-attr]
         self.scaler.step(optimizer)
         self.scaler.update()
+        return norm
 
     def settle(self) -> list[int]:
         """The steps skipped since the last call, read in one go; counted in `skipped`."""

@@ -65,6 +65,7 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         self.best: dict[str, float] = {}  # fine-tuning: the evaluation with the best score
         self.costs: dict[str, Any] = {}
+        self.grad_norms = [0.0, 0]  # the logged steps' pre-clip gradient norms: sum, count
         state = self.rec.load_checkpoint()
         if state is None:
             self.rec.truncate_metrics(0)  # a start from scratch owns no earlier lines
@@ -75,6 +76,7 @@ class Trainer:
         set_rng_state(state["rng"])
         self.step, self.tokens = state["step"], state["tokens"]
         self.last_eval, self.costs, self.best = state["last_eval"], state["costs"], state["best"]
+        self.grad_norms = state.get("grad_norms", self.grad_norms)  # older checkpoints: none
         self.precision.load_state_dict(state["precision"])
         self.rec.truncate_metrics(self.step)
         self.rec.set_aside_skipped()  # newer ones that did not load: one line each
@@ -117,6 +119,7 @@ class Trainer:
         self.first_step = self.step
         self.first_step_at: float | None = None  # set as `fit` starts
         self.window: list[torch.Tensor] = []  # this rank's step losses since the last log
+        self.grad_norm: torch.Tensor | None = None  # this step's, on a step a line logs
         self.eval_every = self.run.eval.every or (self.data.steps_per_epoch or 0)  # glue: epochs
 
     def _register(self) -> None:
@@ -164,6 +167,7 @@ class Trainer:
             "last_eval": self.last_eval,
             "best": self.best,
             "costs": self.costs,
+            "grad_norms": self.grad_norms,
             "precision": self.precision.state_dict(),
         }
 
@@ -186,10 +190,13 @@ class Trainer:
                 self.precision.backward(loss * world / targets)  # × W undoes DDP's average
             total += loss.detach()
         clip = None if self.layerwise else self.run.train.grad_clip  # layer-wise: per parameter
-        grads = clip or self.precision.scaler is not None  # fp16 checks their norm
+        # the norm a log line records; layer-wise updates free each gradient inside backward
+        measure = not self.layerwise and self._logged(self.step + 1)
+        grads = clip or measure or self.precision.scaler is not None  # fp16 checks their norm
         params = [p for p in self.model.parameters() if p.grad is not None] if grads else []
         self.lr = self.optimizer.param_groups[0]["lr"]
-        self.precision.step(self.optimizer, params, clip, self.step + 1)
+        norm = self.precision.step(self.optimizer, params, clip, self.step + 1, measure)
+        self.grad_norm = norm if measure else None  # read at the log line: no sync before it
         self.scheduler.step()
         loss = total / targets
         self.hooks.fire("update", Step(self.step + 1, loss, self.step + 1 == self.run.train.steps))
@@ -259,10 +266,14 @@ class Trainer:
         if step.number == self.first_step + 1:  # one-off costs: the first step is not steady
             self.meter.lap(steady=step.last)
 
+    def _logged(self, number: int) -> bool:
+        return number % self.run.train.log_every == 0 or number == self.run.train.steps
+
     def _log(self, step: Step) -> None:
-        """Every `log_every` steps and the last: the step's loss summed over ranks. A loss
-        that became NaN or Inf since the last line ends the trial at the step it happened."""
-        if step.number % self.run.train.log_every and not step.last:
+        """Every `log_every` steps and the last: the step's loss summed over ranks and its
+        gradient norm. A loss that became NaN or Inf since the last line ends the trial at the
+        step it happened."""
+        if not self._logged(step.number):
             return
         losses = distributed.all_sum(torch.stack(self.window))  # each step's, over ranks
         self.window = []
@@ -283,6 +294,7 @@ class Trainer:
                 "tokens_per_s": tps,
                 "step_time_s": seconds,
                 "memory_bytes": meter.current_memory(self.device),
+                **self._grad_norm(),
                 **self.precision.log(),
             }
         )
@@ -290,6 +302,18 @@ class Trainer:
             f"step {self.step}/{self.run.train.steps} loss {value:.4f} lr {lr:.2e} "
             f"tok/s {tps:,.0f}"
         )
+
+    def _grad_norm(self) -> dict[str, float]:
+        """The logged step's pre-clip gradient norm, over every rank's shard under fsdp, and
+        counted toward the trial's mean; none under layer-wise updates or where fp16's
+        gradients overflowed (the step was skipped)."""
+        if self.grad_norm is None:
+            return {}
+        value = float(fsdp.full(self.grad_norm))
+        if not math.isfinite(value):
+            return {}
+        self.grad_norms = [self.grad_norms[0] + value, self.grad_norms[1] + 1]
+        return {"grad_norm": value}
 
     def _eval(self, step: Step) -> None:
         """Every `eval.every` steps (GLUE: every epoch) and the last; then "eval"."""
@@ -343,6 +367,7 @@ class Trainer:
             **self.last_eval,
             **self.best,
             "tokens_per_s": tps,
+            "grad_norm": self.grad_norms[0] / self.grad_norms[1] if self.grad_norms[1] else None,
             "mfu": mfu,
             "processes": self.steps.world,
             **self.meter.conditions(),

@@ -196,8 +196,8 @@ def test_summary_orders_alphabetically_without_sweep(runs: Path) -> None:
 def test_status_table_shows_progress(runs: Path) -> None:
     lines = status_table(load_runs(runs)).splitlines()
     assert [cell.strip() for cell in lines[0].split("|")[1:-1]] == [
-        "id", "method", "memory", "status", "step", "loss", "eval ppl", "tok/s", "peak memory",
-        "peak RSS", "requeues", "final model",
+        "id", "method", "memory", "status", "step", "loss", "eval ppl", "tok/s", "grad norm",
+        "peak memory", "peak RSS", "requeues", "final model",
     ]  # fmt: skip
     t4 = next(line for line in lines if "| t4 " in line)
     assert "failed" in t4 and "20/40" in t4 and "| 3.0000 |" in t4
