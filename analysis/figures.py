@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, MaxNLocator
 from scipy import stats
 
+from harness.config.metrics import METRICS
 from harness.trials import RunsDir, Status
 
 from .caveats import SHARED, shared
@@ -96,9 +97,8 @@ def method_points(best: pd.DataFrame) -> pd.DataFrame:
     """One row per variant: mean eval ppl and tok/s over seeds (with the tok/s interval), and
     the largest peak memory, as the summary table counts it."""
     points = best.groupby("variant", sort=False).agg(
-        eval_ppl=("eval_ppl", "mean"),
-        peak_memory_bytes=("peak_memory_bytes", "max"),
-        tokens_per_s=("tokens_per_s", "mean"),
+        **{m: (m, METRICS[m].across_seeds) for m in ("eval_ppl", "peak_memory_bytes",
+                                                     "tokens_per_s")},
         rate_std=("tokens_per_s", "std"),
         rate_n=("tokens_per_s", "count"),
     )

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from harness.config.metrics import METRICS
 from harness.cost.estimate import human_bytes
 
 from .format import ordered
@@ -77,5 +78,10 @@ def _method_row(label: str, group: pd.DataFrame, tasks: list[str]) -> dict[str, 
 
 def _best_lr(group: pd.DataFrame) -> pd.Series | None:
     """Mean score, max peak memory and mean tok/s at the LR with the highest mean score."""
-    return at_best_lr(group, "score", minimize=False, peak=("peak_memory_bytes", "max"),
-                      rate=("tokens_per_s", "mean"))
+    return at_best_lr(group, "score", minimize=False, peak=_folded("peak_memory_bytes"),
+                      rate=_folded("tokens_per_s"))
+
+
+def _folded(metric: str) -> tuple[str, str]:
+    """The metric's column and how the registry folds its seeds."""
+    return metric, METRICS[metric].across_seeds
