@@ -96,7 +96,10 @@ from pathlib import Path
 from harness.cli import main
 from harness.sweep.expand import load_sweep
 from harness.sweep.forecast import check_disk
-check_disk(load_sweep("sweeps/quickstart.yaml", {{}}), Path({str(tmp_path)!r}), False)
+from harness.sweep.search import open_search
+sweep = load_sweep("sweeps/quickstart.yaml", {{}})
+check_disk(sweep.launcher, open_search(sweep, Path({str(tmp_path)!r})).left(False),
+           Path({str(tmp_path)!r}))
 main(["estimate", "sweeps/quickstart.yaml"])
 print(sorted(m for m in sys.modules if m.split(".")[0] == "transformers"))
 """

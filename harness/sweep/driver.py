@@ -1,89 +1,115 @@
-"""Run a sweep: its unfinished trials, on the launcher it names. A grid hands its trials to
-the workers as a fixed list, a search asks Optuna; both run through `launch`. A trial left
-interrupted with a checkpoint (a preemption its job could not survive) runs again before the
-sweep ends, and a sweep that still has unfinished trials says so in its exit code."""
+"""Run a sweep: its unfinished trials, on the launcher it names. The sweep's search (a grid or
+an Optuna study, search.py) gives the worker sources and the run part launches them, never
+knowing which kind they are. A trial left interrupted with a checkpoint (a preemption its job
+could not survive) runs again before the sweep ends, and a sweep that still has unfinished
+trials says so in its exit code."""
 
 from __future__ import annotations
 
-import threading
+import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
 from harness.config import ModelFrom, SweepConfig
 from harness.errors import UserError
-from harness.sweep.expand import expand, load_sweep, preflight
+from harness.sweep.expand import load_sweep, preflight
 from harness.sweep.forecast import check_disk
 from harness.sweep.launchers.launch import launch
 from harness.sweep.lock import hold
-from harness.sweep.source import GridSource
-from harness.sweep.study_source import (
-    StudySource,
-    open_studies,
-    recover_studies,
-    studies_failed,
-)
+from harness.sweep.search import open_search
+from harness.sweep.source import Search, Work
+from harness.sweep.stop import signal_name, stop_on_signals
 from harness.sweep.trial_state import trial_statuses
 from harness.trials import FAILED, FINISHED, RunsDir, Status, TrialDir
 
 Show = Callable[[Path], None]  # prints a finished sweep's table (the CLI's, from analysis)
+SOME_FAILED = 1  # run_sweep's code for a sweep whose trials all ended, some not ok
 UNFINISHED = 3  # run_sweep's code for a sweep that ended with trials still to run
 
 
 def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False,
               show: Show | None = None) -> int:
-    """Run every unfinished trial; 0 if all are ok, 1 if any failed (all are still recorded),
-    UNFINISHED if some trial is still unfinished (`unfinished` names them). `show` is called
-    on the runs directory at the end (the sweep room sits below analysis)."""
+    """Run every unfinished trial; 0 if all are ok, SOME_FAILED if any failed (all are still
+    recorded), UNFINISHED if some trial is still unfinished (`unfinished` names them). `show`
+    is called on the runs directory at the end (the sweep room sits below analysis)."""
+    return run(open_search(sweep, out), retry_failed, show)
+
+
+def run(search: Search, retry_failed: bool = False, show: Show | None = None) -> int:
+    """`run_sweep` on the sweep's search, made once for the run."""
+    sweep, out = search.sweep, search.out
     preflight(sweep, out)
     if sweep.task.kind == "pretrain":
-        check_disk(sweep, out, retry_failed)
+        check_disk(sweep.launcher, search.left(retry_failed), out)
     out.mkdir(parents=True, exist_ok=True)
-    with nullcontext() if shares_study(sweep) else hold(out):
-        pretrain_first(sweep, show)
+    with nullcontext() if search.shared else hold(out):
+        pretrain_first(sweep.model, show)
         RunsDir(out).write_sweep(sweep.model_dump())
-        if sweep.search.sampler == "grid":
-            any_failed = run_grid(sweep, out, retry_failed)
-        else:
-            any_failed = run_search(sweep, out, retry_failed)
+        work(search, search.start(retry_failed))
+        resubmit(sweep.launcher.max_requeues, search.trial_dirs,
+                 lambda again: work(search, search.again(again)))
+        any_failed = search.failed()
     if show is not None:
         show(out)
-    if unfinished(sweep, out):
+    if unfinished(search):
         return UNFINISHED
-    return 1 if any_failed else 0
+    return SOME_FAILED if any_failed else 0
 
 
-def shares_study(sweep: SweepConfig) -> bool:
-    """A search whose study is in a database: the documented way for several sweep processes
-    to work one runs folder (the study hands each trial to one of them), so it takes no lock."""
-    return sweep.search.sampler != "grid" and "://" in (sweep.storage or "")
+def work(search: Search, todo: Work) -> None:
+    launch(todo.sources, search.sweep.launcher, search.out, total=todo.total)
 
 
-def unfinished(sweep: SweepConfig, out: Path) -> list[tuple[TrialDir, str]]:
+def run_and_report(sweep: SweepConfig, out: Path, retry_failed: bool, resume: str,
+                   show: Show | None = None) -> int:
+    """`harness sweep`: run it, stopping as Ctrl-C does on any stop signal, and say how it
+    ended on stderr: each unfinished trial, or each trial stopped with a checkpoint, with
+    `resume`, the command that resumes the sweep. A stop raises KeyboardInterrupt on, once
+    said."""
+    search = open_search(sweep, out)
+    try:
+        with stop_on_signals():  # SIGTERM, SIGHUP and SIGUSR2 stop it as Ctrl-C does
+            code = run(search, retry_failed, show)
+    except KeyboardInterrupt as stop:
+        saved = [f"{t.name} at step {step_of(t)}"
+                 for t, status in unfinished(search) if status == Status.INTERRUPTED]
+        stopped = (f": {len(saved)} trials stopped with a checkpoint ({', '.join(saved)})"
+                   if saved else "")
+        print(f"\ninterrupted by {signal_name(stop)}{stopped}; resume: {resume}", file=sys.stderr)
+        raise
+    if code == UNFINISHED:  # never a success while a trial has not ended: name each one
+        for trial, status in unfinished(search):
+            at = f" at step {step}" if (step := step_of(trial)) else ""
+            print(f"unfinished: {trial.name} ({status}{at}); resume: {resume}", file=sys.stderr)
+    if code == SOME_FAILED:
+        print(f"{len(failed(search))} trials failed; run them again: {resume} --retry-failed",
+              file=sys.stderr)
+    return code
+
+
+def step_of(trial: TrialDir) -> int:
+    """The step a trial's summary says it reached (0 before its first)."""
+    return int((trial.read_summary() or {}).get("step") or 0)
+
+
+def unfinished(search: Search) -> list[tuple[TrialDir, str]]:
     """The sweep's trials without an end, each with its status (interrupted, queued, ...)."""
-    dirs = _trial_dirs(sweep, out)
+    dirs = search.trial_dirs()
     return [(d, s) for d, s in zip(dirs, trial_statuses(dirs), strict=True) if s not in FINISHED]
 
 
-def failed(sweep: SweepConfig, out: Path) -> list[TrialDir]:
+def failed(search: Search) -> list[TrialDir]:
     """The sweep's trials that ended failed, oom, nan or killed: `--retry-failed` runs them."""
-    dirs = _trial_dirs(sweep, out)
+    dirs = search.trial_dirs()
     return [d for d, s in zip(dirs, trial_statuses(dirs), strict=True) if s in FAILED]
 
 
-def _trial_dirs(sweep: SweepConfig, out: Path) -> list[TrialDir]:
-    """A grid's planned trials; a search's, those it has asked for."""
-    if sweep.search.sampler == "grid":
-        return [RunsDir(out).trial(t.id) for t in expand(sweep)]
-    return RunsDir(out).trial_dirs()
-
-
-def resubmit(sweep: SweepConfig, trials: Callable[[], list[TrialDir]],
+def resubmit(limit: int, trials: Callable[[], list[TrialDir]],
              relaunch: Callable[[list[TrialDir]], None]) -> None:
     """Trials left interrupted with a checkpoint (a preemption their job could not survive, a
-    trial stopped by a signal) run again, each resubmission a requeue, at most
-    `launcher.max_requeues` times, before the sweep ends."""
-    limit = sweep.launcher.max_requeues
+    trial stopped by a signal) run again, each resubmission a requeue, at most `limit`
+    (`launcher.max_requeues`) times, before the sweep ends."""
     for n in range(1, limit + 1):
         dirs = trials()
         again = [d for d, s in zip(dirs, trial_statuses(dirs), strict=True)
@@ -103,10 +129,9 @@ def has_checkpoint(trial: TrialDir) -> bool:
     return folder.is_dir() and any(p.is_file() for p in folder.rglob("*"))
 
 
-def pretrain_first(sweep: SweepConfig, show: Show | None = None) -> None:
-    """Fine-tuning from a sweep's best checkpoint: run that pretraining sweep when its runs
-    directory does not exist yet, so pretrain → fine-tune is one command."""
-    source = sweep.model
+def pretrain_first(source: str | ModelFrom, show: Show | None = None) -> None:
+    """Fine-tuning from a sweep's best checkpoint (`model:`): run that pretraining sweep when
+    its runs directory does not exist yet, so pretrain → fine-tune is one command."""
     if not isinstance(source, ModelFrom) or not source.sweep or Path(source.from_).exists():
         return
     print(f"model.from: {source.from_} does not exist yet; running {source.sweep} first",
@@ -114,42 +139,3 @@ def pretrain_first(sweep: SweepConfig, show: Show | None = None) -> None:
     if run_sweep(load_sweep(source.sweep, {}), Path(source.from_), show=show) != 0:
         raise UserError(f"model.from: the pretraining sweep {source.sweep} had failed trials "
                         f"(see {source.from_}); fix or re-run it, then this sweep")
-
-
-def run_grid(sweep: SweepConfig, out: Path, retry_failed: bool) -> bool:
-    """Run the plan's unfinished trials; True if any trial ended failed, oom, nan or killed.
-    Trials whose Slurm job is still queued or running are left to it (a sweep run again
-    collects)."""
-    source, dirs, live, ended_failed = GridSource.unfinished(sweep, out, retry_failed)
-    in_slurm = f"{live} still in Slurm, " if live else ""
-    retry = (f"; {ended_failed} of them failed (run them again with --retry-failed)"
-             if ended_failed else "")
-    print(
-        f"{sweep.name}: {len(dirs)} trials, {len(dirs) - len(source) - live} already "
-        f"finished, {in_slurm}{len(source)} to run in {out}{retry}",
-        flush=True,
-    )
-    launch(source.split(), sweep.launcher, out, total=len(source))
-    resubmit(sweep, lambda: dirs, lambda again: launch(
-        GridSource([(d.name, d.path) for d in again]).split(), sweep.launcher, out, len(again)))
-    return any(status in FAILED for status in trial_statuses(dirs))
-
-
-def run_search(sweep: SweepConfig, out: Path, retry_failed: bool = False) -> bool:
-    """Run each method's study to `n_trials` with `jobs` workers; True if some trial failed
-    (pruned is fine). Interrupted trials are queued again in their study, and the workers
-    started again, as `resubmit` says."""
-    storage = open_studies(sweep, out, retry_failed)
-    lock = threading.Lock()  # local workers check the budget and ask as one step
-
-    def workers() -> None:
-        launch([StudySource(sweep, out, i, lock) for i in range(sweep.launcher.jobs)],
-               sweep.launcher, out)
-
-    def again(_: list[TrialDir]) -> None:
-        recover_studies(sweep, out, storage)
-        workers()
-
-    workers()
-    resubmit(sweep, RunsDir(out).trial_dirs, again)
-    return studies_failed(sweep, storage)

@@ -1,4 +1,5 @@
-"""`harness sweep S --dry-run`: what the sweep will cost before a cluster is spent on it.
+"""`harness sweep S --dry-run`: what the sweep will cost before a cluster is spent on it, and
+the disk check before its first trial.
 
 Per trial: the predicted peak a process holds (`harness estimate`), device-hours, and the disk
 its checkpoints take; then the sweep's totals. Device-hours are the tokens over a tokens/s: the
@@ -7,7 +8,7 @@ median that finished trials of the same method measured in the runs folder, wher
 (harness/cost/plan.py `DEVICE`: an H100 at 400 TFLOP/s bf16), times the processes a trial
 uses. Disk (harness/cost/disk.py): what a trial keeps once it ends (its final model, and its
 checkpoints under `train.keep_final: full`), and the most the sweep needs at once.
-Pretraining only: a GLUE sweep's model is measured by running it.
+The forecast is pretraining's: a GLUE sweep's model is measured by running it.
 """
 
 from __future__ import annotations
@@ -16,14 +17,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from harness.config import SweepConfig
+from harness.config import LauncherConfig, SweepConfig
 from harness.cost.disk import disk_needed, free_bytes
 from harness.cost.estimate import estimate_run, human_bytes
 from harness.cost.plan import DEVICE, step_work
 from harness.errors import UserError
-from harness.sweep.expand import Trial, expand
-from harness.sweep.source import runs_again
-from harness.sweep.trial_state import trial_statuses
+from harness.sweep.expand import Trial, plan_table
 from harness.trials import RunsDir, Status
 from harness.trials.writable import check_writable
 
@@ -61,6 +60,17 @@ def forecast(sweep: SweepConfig, trials: list[Trial], out: Path) -> list[dict[st
     return records
 
 
+def plan_text(sweep: SweepConfig, trials: list[Trial], out: Path) -> str:
+    """The dry-run's view of a grid's `trials`: a row each and their count; for pretraining,
+    what each will cost (peak, device time, disk) and the sweep's totals."""
+    if sweep.task.kind != "pretrain":  # a GLUE model is measured by running it
+        return f"{plan_table(trials)}\n{len(trials)} trials"
+    tokens = sum(t.tokens for t in trials if not t.run.train.epochs)
+    records = forecast(sweep, trials, out)
+    return (f"{plan_table(trials, forecast_columns(records))}\n"
+            f"{forecast_totals(records, tokens, sweep.launcher.at_once)}")
+
+
 def device_time(hours: float) -> str:
     """Hours where there are some; minutes or seconds for a small sweep's trials."""
     if hours >= 1:
@@ -93,33 +103,15 @@ def forecast_totals(records: list[dict[str, Any]], tokens: int, at_once: int) ->
             f"while {at_once} run at once); the largest peak {largest} a process")
 
 
-def trials_left(sweep: SweepConfig, out: Path, retry_failed: bool) -> list[Trial]:
-    """The trials a run of the sweep will start (`runs_again`, as the grid's source picks
-    them); a search's base point of each method once for each trial left of its `n_trials`
-    (its searched keys' sizes taken at their defaults)."""
-    trials = expand(sweep)
-    if sweep.search.sampler == "grid":
-        dirs = [RunsDir(out).trial(t.id) for t in trials]
-        return [t for t, s in zip(trials, trial_statuses(dirs), strict=True)
-                if runs_again(s, retry_failed)]
-    done: dict[str, int] = {}
-    for summary in filter(None, (d.read_summary() for d in RunsDir(out).trial_dirs())):
-        if not runs_again(str(summary.get("status")), retry_failed):
-            done[str(summary.get("method"))] = done.get(str(summary.get("method")), 0) + 1
-    n = sweep.search.n_trials or 0
-    return [t for t in trials for _ in range(max(0, n - done.get(t.label, 0)))]
-
-
-def check_disk(sweep: SweepConfig, out: Path, retry_failed: bool) -> None:
-    """Refuse, before the first trial starts, a sweep whose trials left cannot fit the runs
-    folder's file system: what each keeps once ended, plus what the trials running at once
-    hold beyond that (harness/cost/disk.py). A folder it cannot write is refused for that
-    (its free bytes are not the cause)."""
+def check_disk(launcher: LauncherConfig, left: list[Trial], out: Path) -> None:
+    """Refuse, before the first trial starts, a sweep whose trials `left` to run cannot fit
+    the runs folder's file system: what each keeps once ended, plus what the trials running
+    at once hold beyond that (harness/cost/disk.py). A folder it cannot write is refused for
+    that (its free bytes are not the cause)."""
     check_writable(out)
-    left = trials_left(sweep, out, retry_failed)
     if not left:
         return
-    ranks, at_once = sweep.launcher.ranks, sweep.launcher.at_once
+    ranks, at_once = launcher.ranks, launcher.at_once
     estimates = {t.id: estimate_run(t.run, ranks) for t in left}  # a search repeats its trials
     records = [estimates[t.id] for t in left]
     needed, free = disk_needed(records, at_once), free_bytes(out)

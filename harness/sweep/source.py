@@ -1,25 +1,25 @@
-"""Where a worker loop gets its trials: a grid's fixed list, or an Optuna study (search.py).
+"""The search's interface: where a sweep's trials come from, a grid's fixed list or an Optuna
+study, behind two small classes the run part asks without knowing which it is.
 
-A sweep has one way to run trials, the `Worker` loop; a source is all that differs between a
-grid and a search. It hands out a `Pick` (a trial folder, what to write there first, whether
-it still has to run), records its end (`finish`: Optuna is told), and after a requeue gives a
-source that resumes the trial the job was running.
+A `Search` is made once per run of a sweep from its config (search.py `open_search`): the
+dry-run's view, the trials a run will start (the disk check's), the worker sources to launch,
+those again for the trials left interrupted, and the outcome. A `Source` is one worker loop's
+view: it hands out a `Pick` (a trial folder, what to write there first, whether it still has
+to run), records its end (`finish`: Optuna is told), and after a requeue gives a source that
+resumes the trial the job was running. The grid's are in grid.py, Optuna's in study_source.py.
 """
 
 from __future__ import annotations
 
-import sys
-import threading
-from collections import deque
+from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple
 
 from harness.config import RunConfig, SweepConfig
-from harness.sweep.expand import expand
-from harness.sweep.trial_state import trial_states
-from harness.trials import FAILED, FINISHED, RunsDir, Status, TrialDir
+from harness.sweep.expand import Trial
+from harness.trials import FAILED, FINISHED, Status, TrialDir
 
 Assigned = list[tuple[str, Path]]
 
@@ -43,30 +43,80 @@ class Pick:
     run: bool = True  # False: its folder already holds a result, only `finish` it
 
 
-class Source(Protocol):
+class Source(ABC):
     """What a `Worker` asks; each method is called from the worker's own thread."""
 
     @property
     def assigned(self) -> Assigned:
         """The trials fixed when the source was made (a grid's): a job running it records
         their launch at submission, so that `harness status` sees them queued."""
-        ...
+        return []
 
+    @abstractmethod
     def next(self) -> Pick | None:
         """The next trial to run or record; None when the source has none left."""
-        ...
 
     def running(self, pick: Pick) -> AbstractContextManager[None]:
         """Held while the trial runs (Optuna beats its heartbeat)."""
-        ...
+        return nullcontext()
 
+    @abstractmethod
     def finish(self, pick: Pick) -> bool:
         """Record the trial's end; False stops the worker (a trial left unfinished)."""
-        ...
 
+    @abstractmethod
     def resumed(self, pick: Pick | None) -> Source:
         """The source a requeued job works on: `pick` (its trial when stopped) first."""
-        ...
+
+    def spent(self) -> bool:
+        """Whether it has handed out every trial it will: a job stopped once its last one
+        has ended is not requeued. A study may always ask another."""
+        return False
+
+
+class Work(NamedTuple):
+    """What a launcher is given: the sources, one worker loop each, and the count of trials
+    fixed in them (a grid's: its progress bar), None where they are asked as they run."""
+
+    sources: list[Source]
+    total: int | None = None
+
+
+class Search(ABC):
+    """A sweep's way of choosing its trials, made once per run of the sweep from its config."""
+
+    def __init__(self, sweep: SweepConfig, out: Path) -> None:
+        self.sweep, self.out = sweep, Path(out)
+
+    @property
+    def shared(self) -> bool:
+        """Whether several sweep processes may work one runs folder at once (so a run takes
+        no lock on it)."""
+        return False
+
+    @abstractmethod
+    def describe(self) -> str:
+        """The dry-run's view of the plan, offline."""
+
+    @abstractmethod
+    def left(self, retry_failed: bool) -> list[Trial]:
+        """The trials a run will start, as the disk check counts them."""
+
+    @abstractmethod
+    def start(self, retry_failed: bool) -> Work:
+        """Get the trials ready (say how many are left) and the sources that run them."""
+
+    @abstractmethod
+    def again(self, dirs: list[TrialDir]) -> Work:
+        """The sources that run the trials left interrupted with a checkpoint (`dirs`)."""
+
+    @abstractmethod
+    def trial_dirs(self) -> list[TrialDir]:
+        """The sweep's trials: a grid's planned ones; a search's, those it has asked for."""
+
+    @abstractmethod
+    def failed(self) -> bool:
+        """Whether some trial that counts ended failed (pruned is fine)."""
 
 
 HELD = (Status.QUEUED, Status.RUNNING)  # by a live job or process
@@ -88,74 +138,3 @@ def unreadable_line(trial: TrialDir, error: str, retry_failed: bool) -> str:
                 f"{trial.corrupt_summary.name}")
     return (f"unreadable: {trial.name} ({error}): counted as failed and not run again; fix the "
             "file, or pass --retry-failed to train the trial again")
-
-
-class GridSource:
-    """A fixed list of trials whose configs are written, handed out one at a time to any
-    number of worker loops; each trial records its own end (or its launcher records a crash)."""
-
-    def __init__(self, trials: Assigned) -> None:
-        self.trials = [(trial_id, Path(trial_dir)) for trial_id, trial_dir in trials]
-        self.left = deque(self.trials)
-        self.lock = threading.Lock()
-
-    @classmethod
-    def unfinished(cls, sweep: SweepConfig, out: Path,
-                   retry_failed: bool) -> tuple[GridSource, list[TrialDir], int, int]:
-        """The grid's trials to run (not finished; with `retry_failed` the failed ones too; not
-        held by a live job or process), their configs written; every trial's folder, for the
-        retries; how many are held; how many ended failed and are left so (without
-        `retry_failed`). Each trial whose summary cannot be read is named on stderr
-        (`unreadable_line`)."""
-        trials = expand(sweep)
-        todo, live, failed = [], 0, 0
-        dirs = [RunsDir(out).trial(t.id) for t in trials]
-        for t, trial, (status, summary) in zip(trials, dirs, trial_states(dirs), strict=True):
-            live += status in HELD
-            if status == Status.UNREADABLE:
-                print(unreadable_line(trial, summary.error or "", retry_failed), file=sys.stderr,
-                      flush=True)
-            if not runs_again(status, retry_failed):
-                failed += status in FAILED
-                continue
-            trial.write_config(t.run)
-            todo.append((t.id, trial.path))
-        return cls(todo), dirs, live, failed
-
-    @property
-    def assigned(self) -> Assigned:
-        return self.trials
-
-    def __len__(self) -> int:
-        return len(self.left)
-
-    def next(self) -> Pick | None:
-        with self.lock:
-            if not self.left:
-                return None
-            trial_id, trial_dir = self.left.popleft()
-        return Pick(trial_id, trial_dir)
-
-    def running(self, pick: Pick) -> AbstractContextManager[None]:
-        return nullcontext()
-
-    def finish(self, pick: Pick) -> bool:
-        return True  # a failed grid trial is recorded; the next one still runs
-
-    def resumed(self, pick: Pick | None) -> GridSource:
-        """`pick` first unless its folder records an end (running it again would redo a
-        failed trial)."""
-        with self.lock:
-            left = list(self.left)
-        return GridSource(([(pick.id, pick.dir)] if pick and not finished(pick.dir) else [])
-                          + left)
-
-    def split(self) -> list[GridSource]:
-        """One source per trial: a job each (on Slurm one array), or a thread slot each."""
-        return [GridSource([trial]) for trial in self.left]
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"trials": list(self.left)}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["trials"])

@@ -52,8 +52,9 @@ DONE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 RACE_TRIES = 5
 
 
-def storage_target(sweep: SweepConfig, out: Path) -> str:
-    return sweep.storage or str(RunsDir(out).journal)
+def storage_target(storage: str | None, out: Path) -> str:
+    """The sweep's `storage:`, or by default the journal file in its runs folder."""
+    return storage or str(RunsDir(out).journal)
 
 
 def open_storage(target: str, heartbeat_s: int | None = None) -> BaseStorage:
@@ -120,15 +121,15 @@ def make_pruner(name: str) -> optuna.pruners.BasePruner:
     return optuna.pruners.NopPruner()
 
 
-def make_sampler(sweep: SweepConfig, worker: str = "") -> optuna.samplers.BaseSampler:
+def make_sampler(kind: str, seed: int, worker: str = "") -> optuna.samplers.BaseSampler:
     """Seeded by the sweep's first seed; each further worker draws its own stream, since
     workers with equal seeds would propose the same points."""
-    seed = sweep.seeds[0] if not worker else zlib.crc32(f"{sweep.seeds[0]}/{worker}".encode())
-    if sweep.search.sampler == "random":
+    seed = seed if not worker else zlib.crc32(f"{seed}/{worker}".encode())
+    if kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
-    if sweep.search.sampler == "cmaes":
+    if kind == "cmaes":
         return optuna.samplers.CmaEsSampler(seed=seed)
-    if sweep.search.sampler == "nsga2":
+    if kind == "nsga2":
         return optuna.samplers.NSGAIISampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed)  # multi-objective TPE with several objectives
 
@@ -152,11 +153,12 @@ def method_space(sweep: SweepConfig, label: str) -> dict[str, BaseDistribution]:
 
 
 def enqueued(
-    sweep: SweepConfig, spaces: dict[str, dict[str, BaseDistribution]]
+    fixed: list[dict[str, Any]], spaces: dict[str, dict[str, BaseDistribution]]
 ) -> dict[str, list[dict[str, Any]]]:
-    """Each fixed point, cut to the keys a method's space holds; every value must lie in it."""
+    """Each fixed point (`search.enqueue`), cut to the keys a method's space holds; every value
+    must lie in it."""
     points: dict[str, list[dict[str, Any]]] = {label: [] for label in spaces}
-    for i, point in enumerate(sweep.search.enqueue):
+    for i, point in enumerate(fixed):
         for key, value in point.items():
             holders = [s[key] for s in spaces.values() if key in s]
             if not holders:
@@ -194,7 +196,7 @@ def open_study(
     study = optuna.create_study(
         storage=storage,
         study_name=f"{sweep.name}/{label}",
-        sampler=make_sampler(sweep, worker),
+        sampler=make_sampler(sweep.search.sampler, sweep.seeds[0], worker),
         pruner=make_pruner(sweep.search.pruner),
         directions=[goal.direction for goal in sweep.search.goals],
         load_if_exists=True,
@@ -307,7 +309,7 @@ def describe(sweep: SweepConfig) -> str:
     """The dry-run view: each method's space and the trial budget, in place of a trial table."""
     s = sweep.search
     spaces = {label: method_space(sweep, label) for label in sweep.methods}
-    enqueued(sweep, spaces)
+    enqueued(s.enqueue, spaces)
     goals = ", ".join(f"{g.direction} {g.metric}" for g in s.goals)
     lines = [f"sampler {s.sampler}, pruner {s.pruner}, {goals}"]
     lines += [f"constraint: {limit.key}" for limit in s.limits]

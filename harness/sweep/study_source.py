@@ -1,7 +1,7 @@
-"""The Optuna source: ask a method's study for a point, hand it out as a harness trial, tell
+"""The Optuna search: ask a method's study for a point, hand it out as a harness trial, tell
 its result; method after method, until each study's budget is spent.
 
-Any number of sources (one per worker loop: threads of the sweep, or submitit jobs, in any
+Any number of sources (one per worker loop: threads of the sweep, or a launcher's jobs, in any
 number of sweep processes) share a study through its storage: each asked trial is a new
 number, and the budget check and the ask are one step (`study_lock`), so none is run twice and
 none past the budget. With a database every asked trial sends heartbeats from the moment it is
@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,12 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 from harness.config import SweepConfig
-from harness.sweep.source import Assigned, Pick
+from harness.sweep.expand import Trial, expand
+from harness.sweep.source import Pick, Search, Source, Work, runs_again
 from harness.sweep.study import (
     DONE,
     counted,
+    describe,
     enqueued,
     harness_trial,
     method_space,
@@ -88,7 +91,7 @@ def heartbeat(storage: BaseStorage, trial_id: int) -> Iterator[None]:
         thread.join()
 
 
-class StudySource:
+class StudySource(Source):
     """One worker's view of the sweep's studies. `index` tells the workers apart (each samples
     its own stream); `lock` is shared by the sweep's local workers, so that the budget check
     and the ask are one step; `resume` (label, number) is the trial a requeued job finishes
@@ -104,7 +107,7 @@ class StudySource:
     ) -> None:
         self.sweep, self.out, self.index, self.resume = sweep, Path(out), index, resume
         self.lock = lock or threading.Lock()
-        self.target = storage_target(sweep, out)
+        self.target = storage_target(sweep.storage, self.out)
         self.storage = open_storage(self.target, sweep.search.heartbeat_s)
         # A database study may have workers in other sweep processes too: tell them apart.
         shared = isinstance(self.storage, RDBStorage)
@@ -113,10 +116,6 @@ class StudySource:
         self.study: optuna.Study | None = None
         self.space: dict[str, BaseDistribution] = {}
         self.deadline: float | None = None
-
-    @property
-    def assigned(self) -> Assigned:
-        return []  # every trial is asked inside the worker
 
     def next(self) -> Pick | None:
         while self.labels:
@@ -230,24 +229,81 @@ class StudySource:
         self.__init__(**state)
 
 
-def open_studies(sweep: SweepConfig, out: Path, retry_failed: bool) -> BaseStorage:
-    """Each method's study in the sweep's storage, ready for the workers: a journal's trials
-    left running by a dead sweep recovered (a database's heartbeats find them), failed ones
-    queued again with `retry_failed`, the sweep's enqueued points added once."""
-    storage = open_storage(storage_target(sweep, out), sweep.search.heartbeat_s)
-    name_unreadable(out)
-    points = enqueued(sweep, {label: method_space(sweep, label) for label in sweep.methods})
-    for label in sweep.methods:
-        study = open_study(sweep, label, storage)
-        if not isinstance(storage, RDBStorage):  # heartbeats find dead workers there
-            recover(study, out, sweep.search)
-        if retry_failed:
-            retry_failures(study, out)
-        for point in points[label]:
-            study.enqueue_trial(point, skip_if_exists=True)
-        done = sum(t.state in DONE for t in counted(study.get_trials(deepcopy=False)))
-        print(f"{study.study_name}: {done} of {sweep.search.n_trials} trials finished", flush=True)
-    return storage
+class StudySearch(Search):
+    """An Optuna search: a study per method in the sweep's storage, `launcher.jobs` worker
+    loops asking them until each study's budget is spent."""
+
+    def __init__(self, sweep: SweepConfig, out: Path) -> None:
+        super().__init__(sweep, out)
+        self.target = storage_target(sweep.storage, self.out)
+        self.lock = threading.Lock()  # local workers check the budget and ask as one step
+
+    @property
+    def shared(self) -> bool:
+        """A study in a database: the documented way for several sweep processes to work one
+        runs folder (the study hands each trial to one of them)."""
+        return "://" in (self.sweep.storage or "")
+
+    def describe(self) -> str:
+        return describe(self.sweep)
+
+    def left(self, retry_failed: bool) -> list[Trial]:
+        """Each method's base point once for each trial left of its `n_trials` (its searched
+        keys' sizes taken at their defaults)."""
+        done: dict[str, int] = {}
+        for summary in filter(None, (d.read_summary() for d in self.trial_dirs())):
+            if not runs_again(str(summary.get("status")), retry_failed):
+                done[str(summary.get("method"))] = done.get(str(summary.get("method")), 0) + 1
+        n = self.sweep.search.n_trials or 0
+        return [t for t in expand(self.sweep) for _ in range(max(0, n - done.get(t.label, 0)))]
+
+    def start(self, retry_failed: bool) -> Work:
+        self.open_studies(retry_failed)
+        return self.workers()
+
+    def workers(self) -> Work:
+        return Work([StudySource(self.sweep, self.out, i, self.lock)
+                     for i in range(self.sweep.launcher.jobs)])
+
+    def again(self, dirs: list[TrialDir]) -> Work:
+        """The workers started again, a journal's interrupted trials queued again first (a
+        database's heartbeats find them)."""
+        if not isinstance(self.storage, RDBStorage):
+            for label in self.sweep.methods:
+                recover(open_study(self.sweep, label, self.storage), self.out, self.sweep.search)
+        return self.workers()
+
+    def trial_dirs(self) -> list[TrialDir]:
+        return RunsDir(self.out).trial_dirs()
+
+    def failed(self) -> bool:
+        """Whether some counted trial of some study failed (pruned is fine)."""
+        return any(t.state == TrialState.FAIL for label in self.sweep.methods for t in
+                   counted(open_study(self.sweep, label, self.storage).get_trials(deepcopy=False)))
+
+    @cached_property
+    def storage(self) -> BaseStorage:
+        return open_storage(self.target, self.sweep.search.heartbeat_s)
+
+    def open_studies(self, retry_failed: bool) -> None:
+        """Each method's study, ready for the workers: a journal's trials left running by a
+        dead sweep recovered (a database's heartbeats find them), failed ones queued again
+        with `retry_failed`, the sweep's enqueued points added once."""
+        sweep = self.sweep
+        name_unreadable(self.out)
+        spaces = {label: method_space(sweep, label) for label in sweep.methods}
+        points = enqueued(sweep.search.enqueue, spaces)
+        for label in sweep.methods:
+            study = open_study(sweep, label, self.storage)
+            if not isinstance(self.storage, RDBStorage):  # heartbeats find dead workers there
+                recover(study, self.out, sweep.search)
+            if retry_failed:
+                retry_failures(study, self.out)
+            for point in points[label]:
+                study.enqueue_trial(point, skip_if_exists=True)
+            done = sum(t.state in DONE for t in counted(study.get_trials(deepcopy=False)))
+            print(f"{study.study_name}: {done} of {sweep.search.n_trials} trials finished",
+                  flush=True)
 
 
 def name_unreadable(out: Path) -> None:
@@ -261,16 +317,3 @@ def name_unreadable(out: Path) -> None:
                   "state and value; status and the report show it unreadable until the file "
                   "is fixed",
                   file=sys.stderr, flush=True)
-
-
-def recover_studies(sweep: SweepConfig, out: Path, storage: BaseStorage) -> None:
-    """Before the workers start again: a journal's interrupted trials queued again."""
-    if not isinstance(storage, RDBStorage):
-        for label in sweep.methods:
-            recover(open_study(sweep, label, storage), out, sweep.search)
-
-
-def studies_failed(sweep: SweepConfig, storage: BaseStorage) -> bool:
-    """Whether some counted trial of some study failed (pruned is fine)."""
-    return any(t.state == TrialState.FAIL for label in sweep.methods
-               for t in counted(open_study(sweep, label, storage).get_trials(deepcopy=False)))

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.sweep.follow import Board
+from harness.sweep.grid import GridSource
 from harness.sweep.process import ChildProcess
-from harness.sweep.source import GridSource, Pick, Source, finished
+from harness.sweep.source import Pick, Source, finished
 from harness.trials import TrialDir
 
 RunTrial = Callable[[str, Path], int]
@@ -109,7 +110,7 @@ class TrialJob:
         self.stopping = True
         self.child.stop()
         current = self.worker.current if self.worker else None
-        last = isinstance(self.source, GridSource) and not len(self.source)
+        last = self.source.spent()
         if last and (current is None or finished(current.dir)):
             print("the trial had finished: no requeue, the job ends", flush=True)
             return

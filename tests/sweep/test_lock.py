@@ -16,9 +16,9 @@ from conftest import harness_here, micro_run, start_sweep, wait_for_step, write_
 
 from harness.errors import UserError
 from harness.sweep import lock
-from harness.sweep.driver import shares_study
 from harness.sweep.expand import load_sweep
 from harness.sweep.lock import hold
+from harness.sweep.search import open_search
 
 
 def write_lock(out: Path, host: str, pid: int, process_start: float, age_s: float = 0) -> Path:
@@ -109,10 +109,11 @@ def test_only_a_search_on_a_database_shares_its_folder(tmp_path):
         "search": {"sampler": "tpe", "n_trials": 2,
                    "space": {"train.lr": {"low": 1e-3, "high": 1e-2, "log": True}}}})
     database = {"storage": "postgresql://u:p@db/h"}
-    assert not shares_study(load_sweep(grid, {}))
-    assert not shares_study(load_sweep(grid, database))  # a grid has no study
-    assert not shares_study(load_sweep(search, {}))  # its journal file, in the folder
-    assert shares_study(load_sweep(search, database))
+    out = tmp_path / "runs"
+    assert not open_search(load_sweep(grid, {}), out).shared
+    assert not open_search(load_sweep(grid, database), out).shared  # a grid has no study
+    assert not open_search(load_sweep(search, {}), out).shared  # its journal, in the folder
+    assert open_search(load_sweep(search, database), out).shared
 
 
 def test_a_second_sweep_on_one_folder_exits_2_and_the_first_finishes_alone(tmp_path):

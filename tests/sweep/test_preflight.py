@@ -14,7 +14,7 @@ from conftest import micro_run, write_yaml
 from harness.cli import main
 from harness.config import SweepConfig, validate
 from harness.errors import UserError
-from harness.sweep.expand import preflight
+from harness.sweep.expand import expand, preflight
 from harness.sweep.forecast import check_disk
 
 
@@ -105,5 +105,5 @@ def test_the_disk_check_names_an_unwritable_folder_not_its_free_bytes(read_only)
     folder, cause = read_only
     sweep = validate(SweepConfig, sweep_data())
     with pytest.raises(UserError, match=cause) as refusal:
-        check_disk(sweep, folder / "runs", retry_failed=False)
+        check_disk(sweep.launcher, expand(sweep), folder / "runs")
     assert "free" not in str(refusal.value)

@@ -11,7 +11,8 @@ import optuna
 from conftest import micro_run, write_yaml
 
 from harness.sweep.expand import load_sweep
-from harness.sweep.source import GridSource, Pick
+from harness.sweep.grid import GridSource
+from harness.sweep.source import Pick
 from harness.sweep.study import open_storage
 from harness.sweep.study_source import StudySource
 from harness.sweep.worker import TrialJob, Worker

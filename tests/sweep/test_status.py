@@ -10,10 +10,10 @@ import pytest
 
 from harness.config import SweepConfig
 from harness.sweep.expand import expand, load_sweep
+from harness.sweep.grid import GridSource
 from harness.sweep.launchers import slurm_cluster as status_module
 from harness.sweep.launchers.slurm_cluster import SlurmCluster
-from harness.sweep.source import GridSource
-from harness.sweep.study_source import open_studies
+from harness.sweep.study_source import StudySearch
 from harness.sweep.trial_state import trial_statuses
 from harness.trials import RunsDir, TrialDir
 
@@ -151,20 +151,21 @@ def grid(tmp_path: Path) -> tuple[SweepConfig, list]:
 
 
 def test_a_sweep_names_an_unreadable_trial_and_reruns_it_only_when_asked(tmp_path, capsys):
-    """The sweep's trial list (GridSource.unfinished): a trial whose summary cannot be read
+    """The grid's trials to run (GridSource.unfinished): a trial whose summary cannot be read
     may hold a result, so it counts as failed, is not trained over, and the sweep names it;
     with --retry-failed it runs again."""
     sweep, (_, damaged) = grid(tmp_path)
     out = tmp_path / "runs"
     trial = RunsDir(out).trial(damaged.id)
     trial.summary.write_text(DAMAGED)
-    source, dirs, live, failed = GridSource.unfinished(sweep, out, retry_failed=False)
+    dirs = [RunsDir(out).trial(t.id) for t in expand(sweep)]
+    source, live, failed = GridSource.unfinished(expand(sweep), dirs, retry_failed=False)
     assert len(source) == 0 and live == 0 and len(dirs) == 2 and failed == 1
     assert capsys.readouterr().err == (
         f"unreadable: {damaged.id} ({trial.summary}: {WHY}): counted as failed and not run "
         "again; fix the file, or pass --retry-failed to train the trial again\n")
     assert trial.summary.read_text() == DAMAGED  # nothing written over it
-    source, _, _, failed = GridSource.unfinished(sweep, out, retry_failed=True)
+    source, _, failed = GridSource.unfinished(expand(sweep), dirs, retry_failed=True)
     assert failed == 0  # each failed one runs again
     assert [pick_id for pick_id, _ in source.assigned] == [damaged.id]
     assert capsys.readouterr().err == (
@@ -182,7 +183,7 @@ def test_a_search_sweep_names_an_unreadable_trial_as_it_opens_its_studies(tmp_pa
     trial = RunsDir(out).trial("full-x")
     trial.summary.parent.mkdir(parents=True)
     trial.summary.write_text(DAMAGED)
-    open_studies(load_sweep(path, {}), out, retry_failed=False)
+    StudySearch(load_sweep(path, {}), out).open_studies(retry_failed=False)
     err = capsys.readouterr().err
     assert f"unreadable: full-x ({trial.summary}: {WHY}): its study keeps" in err
     assert trial.summary.read_text() == DAMAGED

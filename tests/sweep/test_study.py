@@ -186,7 +186,8 @@ def test_each_sampler_is_built_seeded(tmp_path, sampler, kind):
     data = {"name": "s", "model": "llama_micro", "methods": {"full": {}}, "seeds": [3],
             "search": {"sampler": sampler, "n_trials": 2,
                        "space": {"train.lr": {"low": 1e-4, "high": 1e-2, "log": True}}}}
-    built = make_sampler(load_sweep(write_yaml(tmp_path / "s.yaml", data), {}))
+    sweep = load_sweep(write_yaml(tmp_path / "s.yaml", data), {})
+    built = make_sampler(sweep.search.sampler, sweep.seeds[0])
     assert type(built).__name__ == kind
 
 
