@@ -20,7 +20,9 @@ FAREWELL_S = 60  # rank 0 waits this long for the followers to read the end befo
 
 
 class Board:
-    """Rank 0 posts trial folders, in order, then the end; each other rank takes them."""
+    """Rank 0 posts trial folders, in order, then the end; each other rank takes them. Every
+    rank of the job makes one, with the job's id, rank 0's host, its rank and the job's
+    ranks (its launcher reads them)."""
 
     def __init__(self, job_id: str, host: str, rank: int, world: int) -> None:
         from torch.distributed import TCPStore  # only in a multi-task job
@@ -31,16 +33,6 @@ class Board:
         self.store = TCPStore(host, port, world, is_master=rank == 0,
                               timeout=timedelta(days=30), wait_for_workers=False)
         self.world, self.posted = world, 0
-
-    @classmethod
-    def of_job(cls) -> Board | None:
-        """The board of the submitit job this runs in; None for a job of one task."""
-        import submitit
-
-        job = submitit.JobEnvironment()
-        if job.num_tasks == 1:
-            return None
-        return cls(job.job_id, job.hostnames[0], job.global_rank, job.num_tasks)
 
     def post(self, trial_dir: Path | None) -> None:
         """Rank 0: the next trial folder, or None for the end."""

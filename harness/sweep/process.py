@@ -2,8 +2,8 @@
 
 Every launcher runs a trial the same way, as `harness train` on the folder's config in a child
 process, so a trial behaves identically everywhere and a crash of the child is recorded by its
-parent. Inside a submitit job the child is a `ChildProcess`, which the job stops (the trial
-saves a checkpoint) before it requeues itself.
+parent. Inside a launcher's job the child is a `ChildProcess`, which the job stops (the trial
+saves a checkpoint) before it is requeued.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import signal
 import subprocess
 import sys
 import time
-import zlib
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
-from harness.sweep.launchers import allocated_cpus
 from harness.trials import Status, TrialDir
 
 RESEND_S = 2.0  # a stop request is repeated this often until the trial process has ended
@@ -50,56 +50,33 @@ def record_end(trial_dir: Path, code: int) -> None:
         TrialDir(trial_dir).record_crash(code)
 
 
-def rank_env() -> dict[str, str]:
-    """torchrun's variables from submitit's environment: a multi-task job is one DDP trial;
-    its threads are the job's CPUs per task, or fewer where the job was given an
-    OMP_NUM_THREADS below that."""
-    import submitit  # only inside a job: the CLI does not pay for it
-
-    job = submitit.JobEnvironment()
-    threads = allocated_cpus(job.num_tasks // job.num_nodes)
-    asked = os.environ.get("OMP_NUM_THREADS", "")
-    env = trial_env(min(threads, int(asked)) if asked.isdigit() and int(asked) else threads)
-    if job.num_tasks > 1:
-        env.update(
-            RANK=str(job.global_rank),
-            WORLD_SIZE=str(job.num_tasks),
-            LOCAL_RANK=str(job.local_rank),
-            MASTER_ADDR=job.hostnames[0],
-            MASTER_PORT=str(20000 + zlib.crc32(job.job_id.encode()) % 20000),
-        )
-    return env
-
-
-def is_rank_zero() -> bool:
-    import submitit
-
-    return submitit.JobEnvironment().global_rank == 0
-
-
-def _ignore_usr2() -> None:
-    """The child starts with USR2 ignored, so a preemption signal that Slurm sends to the
+def _ignore(signum: signal.Signals) -> None:
+    """The child starts with the requeue signal ignored, so one that a scheduler sends to the
     whole job step while the child imports torch cannot kill it; `harness train` installs its
     own handler, and `ChildProcess.stop` repeats its request until that handler has it."""
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    signal.signal(signum, signal.SIG_IGN)
 
 
 class ChildProcess:
-    """The trial process of a submitit job; stopping it makes it save its checkpoint."""
+    """The trial process of a launcher's job; stopping it (with `stop_signal`, the launcher's
+    requeue signal) makes it save its checkpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: Callable[[], dict[str, str]], stop_signal: signal.Signals) -> None:
+        """`env`: the trial process's environment, read as it starts."""
+        self.env, self.stop_signal = env, stop_signal
         self.proc: subprocess.Popen | None = None
         self.code: int | None = None  # the exit status `stop` reaped, if it did
 
     def run(self, trial_dir: Path) -> int:
         """Run the trial; rank 0 records a crash the trial could not record itself."""
         self.code = None
-        self.proc = subprocess.Popen(trial_command(trial_dir), env=rank_env(),
-                                     preexec_fn=_ignore_usr2)
+        env = self.env()
+        self.proc = subprocess.Popen(trial_command(trial_dir), env=env,
+                                     preexec_fn=partial(_ignore, self.stop_signal))
         code = self.proc.wait()
         self.proc = None
         code = self.code if self.code is not None else code  # `stop` reaped it first
-        if is_rank_zero():
+        if env.get("RANK", "0") == "0":
             record_end(trial_dir, code)
         return code
 
@@ -120,7 +97,7 @@ class ChildProcess:
                 if time.time() > deadline:
                     os.kill(pid, signal.SIGKILL)
                 elif time.time() - asked > RESEND_S:  # idempotent for the trial
-                    os.kill(pid, signal.SIGUSR2)
+                    os.kill(pid, self.stop_signal)
                     asked = time.time()
                 time.sleep(0.1)
         except (ProcessLookupError, ChildProcessError):

@@ -8,7 +8,7 @@ import pytest
 from conftest import write_yaml
 
 from harness.config import parse_overrides, read_yaml, set_dotted, validate
-from harness.config.launchers import SlurmConfig
+from harness.config.launchers.slurm import SlurmConfig
 from harness.errors import UserError, render
 from harness.methods.resolve import load_run
 from harness.sweep.expand import expand, load_sweep

@@ -76,6 +76,8 @@ def value(annotation: Any, metadata: list[Any]) -> st.SearchStrategy[Any]:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
         return st.sampled_from(args)
+    if origin is typing.Annotated:  # a tagged union's member (`launcher:`): its own keys
+        return value(args[0], metadata)
     if origin in (typing.Union, types.UnionType):
         return st.one_of([st.none() if a is type(None) else value(a, metadata) for a in args])
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):

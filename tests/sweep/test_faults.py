@@ -24,9 +24,9 @@ from conftest import (
     write_yaml,
 )
 
-from harness.config.launchers import SlurmConfig
+from harness.config.launchers.slurm import SlurmConfig
 from harness.sweep.launchers.slurm import submit
-from harness.sweep.worker import TrialJob
+from harness.sweep.launchers.slurm_job import TrialJob
 from harness.trials import read_json
 
 

@@ -12,10 +12,11 @@ from conftest import micro_run, write_yaml
 
 from harness.sweep.expand import load_sweep
 from harness.sweep.grid import GridSource
+from harness.sweep.launchers.slurm_job import TrialJob
 from harness.sweep.source import Pick
 from harness.sweep.study import open_storage
 from harness.sweep.study_source import StudySource
-from harness.sweep.worker import TrialJob, Worker
+from harness.sweep.worker import Worker
 from harness.trials import RunsDir, TrialDir
 
 

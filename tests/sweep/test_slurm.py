@@ -28,7 +28,7 @@ from conftest import (
 from services import require_service
 from submitit.core.utils import cloudpickle_dump
 
-from harness.config.launchers import SlurmConfig
+from harness.config.launchers.slurm import SlurmConfig
 from harness.methods.resolve import load_run
 from harness.sweep.launchers.slurm import submit, wait
 from harness.sweep.launchers.slurm_cluster import SlurmCluster

@@ -12,14 +12,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from harness.config.launchers import SlurmConfig
+from harness.config.launchers.slurm import SlurmConfig
 from harness.errors import last_line
 from harness.sweep.launchers.base import Launcher, register
 from harness.sweep.launchers.local import pool
 from harness.sweep.launchers.slurm_cluster import SlurmCluster
+from harness.sweep.launchers.slurm_job import TrialJob
 from harness.sweep.source import Source
 from harness.sweep.stop import raise_if_stopped
-from harness.sweep.worker import TrialJob
 from harness.trials import RunsDir, Status, TrialDir
 
 
