@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 INTEGRATION_FILES = {  # every test in these files
     "sweep/test_faults.py", "sweep/test_launchers.py", "sweep/test_postgres.py",
     "sweep/test_run.py", "sweep/test_slurm.py", "sweep/test_study.py", "sweep/test_sweep.py",
-    "sweep/test_starter.py",
+    "sweep/test_starter.py", "sweep/test_ray.py",
     "train/test_ddp.py", "train/test_fsdp.py", "test_distributed.py", "analysis/test_html.py",
     "trials/test_wandb.py",
     "bench/test_bench.py",  # `harness bench`: many trainings (every method, every config)
@@ -103,7 +103,7 @@ def is_integration(item: pytest.Item) -> bool:
 # sweeps never compete for the one Slurm node's CPUs or the same database, and no GPU check
 # shares the device (an over-budget batch fills it before it fails).
 SERVICE_GROUPS = {"sweep/test_slurm.py": "slurm", "sweep/test_postgres.py": "postgres",
-                  "gpu/test_gpu.py": "gpu"}
+                  "sweep/test_ray.py": "ray", "gpu/test_gpu.py": "gpu"}
 
 
 def service_group(nodeid: str) -> str | None:

@@ -25,9 +25,12 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext, suppress
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psutil
+from torch.distributed import TCPStore
 from tqdm import tqdm
 
 from harness.sweep.launchers.base import Ranks, register, say
@@ -48,6 +51,7 @@ from harness.sweep.worker import Worker
 from harness.trials import Status, TrialDir
 
 STOP_WAIT_S = 120  # a trial asked to stop gets this long to checkpoint, then SIGKILL
+EXCHANGE = timedelta(minutes=30)  # a trial's processes wait this long for each other to start
 # What the worker sets for its own resources and threads; the rest of the sweep's environment
 # reaches the trial, as Slurm exports a submitting shell's.
 OWNED = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED")
@@ -62,19 +66,26 @@ def owned(name: str) -> bool:
 
 def run_trial(trial_dir: str, cwd: str, sweep_env: dict[str, str], threads: int,
               place: tuple[int, int, int, int] | None = None,
-              master: tuple[str, int] | None = None) -> Iterator[tuple]:
+              master: tuple[str, int, int] | None = None) -> Iterator[tuple]:
     """A trial process's task: `harness train` on the trial, forked warm, in the sweep's
     working directory and environment; `place` (rank, world, local rank, local world) and
-    `master` (rank 0's address and port) for a process of several. Yields ("pid", node, pid),
-    ("out", line) for each line it prints, then ("exit", code)."""
+    `master` (rank 0's address, its port and a port for the GPU exchange) for a process of
+    several. Yields ("pid", node, pid), ("out", line) for each line it prints, then ("exit",
+    code)."""
     import ray
 
     os.chdir(cwd)  # the trial's relative paths are the sweep's
     env = {k: v for k, v in sweep_env.items() if not owned(k)}
     env.update({k: v for k, v in trial_env(threads).items() if owned(k)})
+    store = None  # rank 0's serves the GPU exchange as long as the trial runs
     if place is not None and master is not None:
         rank, world, local, local_world = place
-        env.update(Ranks(rank, world, local, *master).env(), LOCAL_WORLD_SIZE=str(local_world))
+        addr, port, store_port = master
+        env.update(Ranks(rank, world, local, addr, port).env(), LOCAL_WORLD_SIZE=str(local_world))
+        gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+        if gpus:
+            store = TCPStore(addr, store_port, world, is_master=rank == 0, timeout=EXCHANGE)
+            env["CUDA_VISIBLE_DEVICES"] = node_devices(store, rank, local_world, gpus)
     with TrialDir(trial_dir).open_stderr() as stderr:
         proc = start_trial(Path(trial_dir), env, stderr)
         yield ("pid", ray.get_runtime_context().get_node_id(), proc.pid)
@@ -84,16 +95,28 @@ def run_trial(trial_dir: str, cwd: str, sweep_env: dict[str, str], threads: int,
         except KeyboardInterrupt:  # the task cancelled as it started: the trial checkpoints
             proc.send_signal(signal.SIGINT)
         yield ("exit", proc.wait())
+    del store
 
 
-def rendezvous() -> tuple[str, int]:
-    """Rank 0's node address and a free port there, for torch.distributed."""
+def node_devices(store: TCPStore, rank: int, local_world: int, own: list[str]) -> str:
+    """The GPUs of every process of the trial on this node, in local-rank order: Ray shows a
+    task only its own, but a trial process takes cuda:LOCAL_RANK among its node's, as under
+    torchrun (and NCCL reaches its peers' GPUs directly when it sees them)."""
+    store.set(f"gpus/{rank}", ",".join(own))
+    first = rank - rank % local_world
+    return ",".join(store.get(f"gpus/{r}").decode() for r in range(first, first + local_world))
+
+
+def rendezvous() -> tuple[str, int, int]:
+    """Rank 0's node address and two free ports there: torch.distributed's, the GPU
+    exchange's."""
     import ray
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("", 0))
+        b.bind(("", 0))
+        ports = a.getsockname()[1], b.getsockname()[1]
+    return ray.util.get_node_ip_address(), *ports
 
 
 def stop_pids(pids: list[int], sig: int, wait_s: float) -> None:
@@ -104,23 +127,13 @@ def stop_pids(pids: list[int], sig: int, wait_s: float) -> None:
             with suppress(ProcessLookupError):
                 os.kill(pid, sig)
     deadline = time.time() + wait_s
-    while wait_s and any(_exists(pid) for pid in pids):
+    while wait_s and any(psutil.pid_exists(pid) for pid in pids):
         if time.time() > deadline:
             for pid in pids:
                 with suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             return
         time.sleep(0.2)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ------------------------------------------------------------ the sweep's side
@@ -142,9 +155,10 @@ class Remote:
         except ConnectionError:
             raise unreachable(self.address) from None
         finally:
-            for sig, handler in handlers.items():
-                if handler is not None:
-                    signal.signal(sig, handler)
+            if threading.current_thread() is threading.main_thread():  # only it sets them
+                for sig, handler in handlers.items():
+                    if handler is not None:
+                        signal.signal(sig, handler)
         self.gcs = self.context.address_info["gcs_address"]
         self.run = ray.remote(num_returns="streaming", max_retries=0)(run_trial)
         self.rendezvous = ray.remote(num_cpus=0, max_retries=0)(rendezvous)

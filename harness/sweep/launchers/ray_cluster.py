@@ -91,7 +91,7 @@ def _live_tasks(address: str) -> dict[str, str]:
 
         tasks = list_tasks(address=address, filters=[
             ("name", "=", TASK_NAME), ("state", "!=", "FINISHED"), ("state", "!=", "FAILED")],
-            limit=100_000, detail=False, raise_on_missing_output=False, timeout=30)
+            limit=10_000, detail=False, raise_on_missing_output=False, timeout=30)
     except Exception:  # Ray not installed, or its state API unreachable: the folder speaks
         return {}
     return {t.task_id: Status.QUEUED if t.state in WAITING else Status.RUNNING
