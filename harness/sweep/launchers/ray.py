@@ -53,7 +53,7 @@ from harness.trials import Status, TrialDir
 STOP_WAIT_S = 120  # a trial asked to stop gets this long to checkpoint, then SIGKILL
 EXCHANGE = timedelta(minutes=30)  # a trial's processes wait this long for each other to start
 # What the worker sets for its own resources and threads; the rest of the sweep's environment
-# reaches the trial, as Slurm exports a submitting shell's.
+# reaches the trial, as a batch scheduler exports a submitting shell's.
 OWNED = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED")
 
 
