@@ -285,7 +285,7 @@ def load_studies(sweep: dict[str, Any], runs_dir: Path) -> dict[str, optuna.Stud
         return {}
     import optuna
 
-    from harness.sweep.study import open_storage
+    from harness.sweep.search.study import open_storage
 
     storage = open_storage(target)
     stored = set(optuna.study.get_all_study_names(storage))

@@ -36,7 +36,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from harness.distributed import pick_device
     from harness.methods.resolve import load_run
     from harness.sweep.launchers import follow_allocation, requeue_signals
-    from harness.sweep.prune import pruner_for
+    from harness.sweep.search.prune import pruner_for
     from harness.train import train
     from harness.trials import Status
     from harness.trials.writable import check_writable
@@ -111,7 +111,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    from harness.sweep.dashboard import serve
+    from harness.sweep.search.dashboard import serve
 
     serve(Path(args.runs_dir), args.port)
     return EXIT_OK
@@ -120,7 +120,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from harness.config import parse_overrides
     from harness.cost.estimate import format_table, paper_comparison, to_json
-    from harness.sweep.expand import estimate_sweep, expand, load_sweep
+    from harness.sweep.plan.expand import estimate_sweep, expand, load_sweep
 
     with logs_to_stderr(args.json):
         sweep = load_sweep(args.sweep, parse_overrides(args.set))

@@ -1,5 +1,5 @@
 """`harness sweep`: read the sweep file and its `--set`s, then print its plan (`--dry-run`) or
-run it (harness/sweep/driver.py `run_and_report`); and the outcome table a finished sweep
+run it (harness/sweep/run/driver.py `run_and_report`); and the outcome table a finished sweep
 prints, which reads the analysis room, above the sweep's."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from harness.errors import UserError
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from harness.config import parse_overrides
-    from harness.sweep.driver import run_and_report
-    from harness.sweep.expand import load_sweep
-    from harness.sweep.search import open_search
+    from harness.sweep.plan.expand import load_sweep
+    from harness.sweep.run.driver import run_and_report
+    from harness.sweep.search.open import open_search
 
     sweep = load_sweep(args.sweep, parse_overrides(args.set))
     out = Path(args.out) if args.out else Path("runs") / sweep.name
@@ -59,7 +59,7 @@ def show_outcome(out: Path) -> None:
 def load_trials(runs_dir: str) -> Any:
     """A runs folder's trials, each with its live status (its job's, a dead process's)."""
     from harness.analysis import load_runs
-    from harness.sweep.trial_state import trial_statuses
+    from harness.sweep.run.trial_state import trial_statuses
     from harness.trials import RunsDir
 
     try:

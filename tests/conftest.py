@@ -50,7 +50,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     the collector's sight: each `train()` ends with a full `gc.collect()`, which in a test
     process walked every object the imports made, a large share of a short training.
     Objects the tests create later are collected as before."""
-    from harness.sweep.starter import PRELOAD
+    from harness.sweep.run.starter import PRELOAD
 
     for name in PRELOAD:
         importlib.import_module(name)

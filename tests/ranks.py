@@ -1,6 +1,6 @@
 """Data-parallel `harness train` for the many FSDP and DDP cases, and the fsdp peak ranks of
 tests/cost/fsdp_peaks.py: ranks forked from the harness's warm fork server
-(harness/sweep/starter.py) with the environment torchrun gives its workers, instead of
+(harness/sweep/run/starter.py) with the environment torchrun gives its workers, instead of
 torchrun's agent starting each cold (each rank's and the agent's imports, most of the
 suite's FSDP time). What torchrun itself adds, the user's command and its agent stopping the
 other ranks once one ends, is tested with torchrun: tests/train/test_ddp.py's interrupted pair."""
@@ -13,7 +13,7 @@ import threading
 import time
 from multiprocessing.connection import wait
 
-from harness.sweep.starter import ForkedTrial
+from harness.sweep.run.starter import ForkedTrial
 
 
 class Ranks:

@@ -366,7 +366,7 @@ def test_the_room_table_names_every_module_file() -> None:
                 for f in sorted(there - named)]
         bad += [f"docs/architecture.md:{n}: room {cells[0]} names {f}, not in {folder.group(1)}"
                 for f in sorted(named - there)]
-    inits = [*REPO.glob("harness/*/__init__.py"), *REPO.glob("*/__init__.py")]
+    inits = [*REPO.glob("harness/**/__init__.py"), *REPO.glob("*/__init__.py")]
     packages = {f"{p.parent.relative_to(REPO)}/" for p in inits
                 if p.parent.name not in ("harness", "tests")}
     bad += [f"docs/architecture.md: no room row for {p}" for p in sorted(packages - folders)]

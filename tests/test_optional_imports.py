@@ -78,10 +78,10 @@ HEAVY = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distribute
 
 
 def test_a_jobs_interpreter_leaves_the_fsdp_stack_and_pandas_unloaded():
-    """What submitit's job interpreter and the CLI import (harness.sweep.worker, harness.cli)
+    """What submitit's job interpreter and the CLI import (harness.sweep.run.worker, harness.cli)
     loads none of them: harness/distributed/fsdp.py and harness/cost/estimate.py import them
     where used, a large share of every job's start."""
-    code = (f"import sys, harness.cli, harness.sweep.worker\n"
+    code = (f"import sys, harness.cli, harness.sweep.run.worker\n"
             f"print(sorted(m for m in {HEAVY} if m in sys.modules))")
     assert run(dict(os.environ), "-c", code).stdout.strip() == "[]"
 
@@ -94,9 +94,9 @@ def test_a_presets_preflight_and_estimate_leave_transformers_unloaded(tmp_path):
 import sys
 from pathlib import Path
 from harness.cli import main
-from harness.sweep.expand import load_sweep
-from harness.sweep.forecast import check_disk
-from harness.sweep.search import open_search
+from harness.sweep.plan.expand import load_sweep
+from harness.sweep.plan.forecast import check_disk
+from harness.sweep.search.open import open_search
 sweep = load_sweep("sweeps/quickstart.yaml", {{}})
 check_disk(sweep.launcher, open_search(sweep, Path({str(tmp_path)!r})).left(False),
            Path({str(tmp_path)!r}))

@@ -18,8 +18,8 @@ from typing import Any
 from tabulate import tabulate
 
 from harness.config.launchers import standalone_kinds
-from harness.sweep.driver import run_sweep
-from harness.sweep.expand import load_sweep
+from harness.sweep.plan.expand import load_sweep
+from harness.sweep.run.driver import run_sweep
 from harness.trials import RunsDir, write_yaml
 
 KINDS = standalone_kinds()  # the launchers that need no cluster

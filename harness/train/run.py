@@ -60,7 +60,7 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
     """Run (or resume) one trial in `out`; returns its summary, which is also on disk.
     Under DDP every rank calls this; only rank 0's records write. `profile_steps`: trace that
     many steps (harness/cost/profile.py); `prune`: asked at each evaluation whether to stop
-    (an Optuna sweep's trial: its entry hands over its study's, harness/sweep/prune.py);
+    (an Optuna sweep's trial: its entry hands over its study's, harness/sweep/search/prune.py);
     `requeue`: the signals its launcher sends to have it checkpoint and stop, to be resumed."""
     rec = distributed.main_only(Records(out, run))
     previous = rec.summary()

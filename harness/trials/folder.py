@@ -189,7 +189,7 @@ class RunsDir(Folder):
     journal = Entry("optuna.journal")
     jobs = Entry("jobs")
     report = Entry("report")
-    lock = Entry("sweep.lock")  # the sweep process that owns the folder (harness/sweep/lock.py)
+    lock = Entry("sweep.lock")  # the sweep process that owns the folder (harness/sweep/run/lock.py)
 
     def trial(self, trial_id: str) -> TrialDir:
         return TrialDir(self.trials / str(trial_id))

@@ -13,7 +13,7 @@ import yaml
 
 from harness.analysis import load_runs, write_report
 from harness.analysis.glue import glue_table
-from harness.sweep.expand import expand, load_sweep
+from harness.sweep.plan.expand import expand, load_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEP_ORDER = ["galore_r4", "lora_r4", "full"]  # not alphabetical, to see the sweep's order win

@@ -14,7 +14,7 @@ from conftest import REPO
 
 from harness.analysis import load_runs, load_steps, status_table, summary_table, write_report
 from harness.analysis.plots import trial_labels
-from harness.sweep.expand import load_sweep
+from harness.sweep.plan.expand import load_sweep
 
 # label -> (method config, [(trial id, lr, status, eval ppl)]); None status = never started.
 TRIALS: dict[str, tuple[dict[str, Any], list[tuple[str, float, str | None, float | None]]]] = {

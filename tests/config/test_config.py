@@ -10,7 +10,7 @@ from conftest import REPO, harness, micro_run, write_yaml
 from harness.cli import main
 from harness.errors import UserError
 from harness.methods.resolve import load_run
-from harness.sweep.expand import expand, load_sweep
+from harness.sweep.plan.expand import expand, load_sweep
 
 
 def user_error(capsys: pytest.CaptureFixture, *argv: str) -> str:

@@ -11,7 +11,7 @@ from harness.config import parse_overrides, read_yaml, set_dotted, validate
 from harness.config.launchers.slurm import SlurmConfig
 from harness.errors import UserError, render
 from harness.methods.resolve import load_run
-from harness.sweep.expand import expand, load_sweep
+from harness.sweep.plan.expand import expand, load_sweep
 
 SWEEP = {"name": "s", "model": "llama_micro", "methods": {"full": {}}}
 

@@ -32,7 +32,7 @@ from harness.cost.plan import parse_memory
 from harness.errors import UserError, one_line
 from harness.methods import get_method, method_names
 from harness.methods.resolve import load_run
-from harness.sweep.expand import expand, load_sweep
+from harness.sweep.plan.expand import expand, load_sweep
 
 
 def fuzz(examples: int) -> settings:

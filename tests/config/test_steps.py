@@ -14,7 +14,7 @@ from harness.errors import UserError
 from harness.methods import build_method, memory_of
 from harness.methods.resolve import load_run
 from harness.models import param_shapes
-from harness.sweep.expand import estimate_sweep, load_sweep
+from harness.sweep.plan.expand import estimate_sweep, load_sweep
 
 LAYERWISE = {  # the two layer-wise forms whose gradient bytes depend on accumulation
     "galore_layerwise": ({"name": "galore", "rank": 8}, True),

@@ -14,7 +14,7 @@ from harness.config import SweepConfig
 from harness.cost import estimate as est
 from harness.data.c4 import load_tokenizer
 from harness.models import PRESETS
-from harness.sweep.expand import estimate_sweep, expand, load_sweep
+from harness.sweep.plan.expand import estimate_sweep, expand, load_sweep
 
 KEYS = {"trial", "method", "method_name", "params", "weight_bytes", "grad_bytes",
         "optimizer_state_bytes", "extra_bytes", "total_bytes", "activation_bytes",

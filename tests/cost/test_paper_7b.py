@@ -11,7 +11,7 @@ from harness.cost import estimate as est
 from harness.cost.paper_7b import PAPER_7B, TOLERANCE, comparison_7b, parts_bytes
 from harness.methods import build_memory
 from harness.models import param_shapes
-from harness.sweep.expand import estimate_sweep, expand, load_sweep
+from harness.sweep.plan.expand import estimate_sweep, expand, load_sweep
 
 SWEEP = "sweeps/c4_7b_paper.yaml"
 ROWS = {"full": "BF16 AdamW", "adam8bit": "8-bit Adam",

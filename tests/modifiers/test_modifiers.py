@@ -252,7 +252,7 @@ def test_recompute_keeps_fewer_activations():
 def test_a_sweep_varies_modifiers_and_a_method_sets_its_own(tmp_path):
     from conftest import write_yaml
 
-    from harness.sweep.expand import expand, load_sweep
+    from harness.sweep.plan.expand import expand, load_sweep
 
     base = micro_run()
     sweep = {

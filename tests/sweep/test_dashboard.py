@@ -16,9 +16,9 @@ from conftest import free_port, micro_run, write_yaml
 from services import chromium, headless, require_service
 
 from harness.errors import UserError
-from harness.sweep.dashboard import name_objectives, storage_of
-from harness.sweep.expand import load_sweep
-from harness.sweep.study import open_storage, open_study
+from harness.sweep.plan.expand import load_sweep
+from harness.sweep.search.dashboard import name_objectives, storage_of
+from harness.sweep.search.study import open_storage, open_study
 
 VALUES = [(310.0, 2.0e7), (290.0, 2.6e7), (330.0, 1.8e7), (320.0, 2.7e7)]  # the last: dominated
 

@@ -1,4 +1,4 @@
-"""harness/sweep/forecast.py: `harness sweep --dry-run` predicts each trial's peak, device time
+"""harness/sweep/plan/forecast.py: `harness sweep --dry-run` predicts each trial's peak, device time
 and checkpoint bytes, and the sweep's totals."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import yaml
 from conftest import micro_model
 
 from harness.cli import main
-from harness.sweep.expand import expand, load_sweep
-from harness.sweep.forecast import device_time, forecast
+from harness.sweep.plan.expand import expand, load_sweep
+from harness.sweep.plan.forecast import device_time, forecast
 
 
 def _sweep(tmp_path: Path, steps: int = 10, keep: int = 2, every: int = 0,

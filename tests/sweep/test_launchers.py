@@ -26,11 +26,11 @@ from harness.config import LauncherConfig
 from harness.config.launchers.slurm import SlurmConfig
 from harness.errors import UserError
 from harness.methods.resolve import load_run
-from harness.sweep.expand import load_sweep
 from harness.sweep.launchers.local import LocalLauncher
 from harness.sweep.launchers.slurm import submit
 from harness.sweep.launchers.slurm_job import TrialJob
-from harness.sweep.study import open_storage
+from harness.sweep.plan.expand import load_sweep
+from harness.sweep.search.study import open_storage
 from harness.train import train
 from harness.trials import RunsDir, read_json
 

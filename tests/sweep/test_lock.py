@@ -15,10 +15,10 @@ import pytest
 from conftest import harness_here, micro_run, start_sweep, wait_for_step, write_yaml
 
 from harness.errors import UserError
-from harness.sweep import lock
-from harness.sweep.expand import load_sweep
-from harness.sweep.lock import hold
-from harness.sweep.search import open_search
+from harness.sweep.plan.expand import load_sweep
+from harness.sweep.run import lock
+from harness.sweep.run.lock import hold
+from harness.sweep.search.open import open_search
 
 
 def write_lock(out: Path, host: str, pid: int, process_start: float, age_s: float = 0) -> Path:

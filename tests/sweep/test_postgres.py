@@ -19,7 +19,7 @@ from conftest import REPO, STEPS_LEFT, micro_run, train_losses, wait_for_step, w
 from optuna.trial import TrialState
 from services import require_service
 
-from harness.sweep.study import open_storage
+from harness.sweep.search.study import open_storage
 from harness.trials import read_json, read_jsonl
 
 
@@ -108,9 +108,9 @@ def test_a_killed_workers_trial_is_retried_by_the_other(tmp_path, url):
 FAST_WORKER = """
 import sys, time
 from pathlib import Path
-from harness.sweep.expand import load_sweep
-from harness.sweep.study_source import StudySource
-from harness.sweep.worker import Worker
+from harness.sweep.plan.expand import load_sweep
+from harness.sweep.search.study_source import StudySource
+from harness.sweep.run.worker import Worker
 from harness.trials import TrialDir
 
 def run_trial(trial_id, trial_dir):

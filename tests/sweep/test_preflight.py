@@ -14,8 +14,8 @@ from conftest import micro_run, write_yaml
 from harness.cli import main
 from harness.config import SweepConfig, validate
 from harness.errors import UserError
-from harness.sweep.expand import expand, preflight
-from harness.sweep.forecast import check_disk
+from harness.sweep.plan.expand import expand, preflight
+from harness.sweep.plan.forecast import check_disk
 
 
 def sweep_data(**top) -> dict:

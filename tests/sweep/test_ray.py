@@ -30,7 +30,7 @@ from conftest import (
 from services import require_service
 
 from harness.methods.resolve import load_run
-from harness.sweep.trial_state import trial_statuses
+from harness.sweep.run.trial_state import trial_statuses
 from harness.train import train
 from harness.trials import read_json
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import optuna
 from conftest import micro_run, write_yaml
 
-from harness.sweep.expand import load_sweep
-from harness.sweep.grid import GridSource
 from harness.sweep.launchers.slurm_job import TrialJob
-from harness.sweep.source import Pick
-from harness.sweep.study import open_storage
-from harness.sweep.study_source import StudySource
-from harness.sweep.worker import Worker
+from harness.sweep.plan.expand import load_sweep
+from harness.sweep.run.worker import Worker
+from harness.sweep.search.grid import GridSource
+from harness.sweep.search.source import Pick
+from harness.sweep.search.study import open_storage
+from harness.sweep.search.study_source import StudySource
 from harness.trials import RunsDir, TrialDir
 
 

@@ -1,4 +1,4 @@
-"""The sweep's search behind one interface (harness/sweep/source.py): a grid's or an Optuna
+"""The sweep's search behind one interface (harness/sweep/search/source.py): a grid's or an Optuna
 search's plan, the trials a run will start, and a grid expanded once per run of a sweep. No
 trial trains here: every trial is finished by hand or none is asked."""
 
@@ -8,13 +8,13 @@ from pathlib import Path
 
 from conftest import micro_run, write_yaml
 
-from harness.sweep import expand as expand_module
-from harness.sweep.driver import run_sweep
-from harness.sweep.expand import load_sweep
-from harness.sweep.forecast import plan_text
-from harness.sweep.grid import GridSearch
-from harness.sweep.search import open_search
-from harness.sweep.study_source import StudySearch
+from harness.sweep.plan import expand as expand_module
+from harness.sweep.plan.expand import load_sweep
+from harness.sweep.plan.forecast import plan_text
+from harness.sweep.run.driver import run_sweep
+from harness.sweep.search.grid import GridSearch
+from harness.sweep.search.open import open_search
+from harness.sweep.search.study_source import StudySearch
 from harness.trials import RunsDir
 
 LRS = [0.001, 0.003]

@@ -208,7 +208,7 @@ def test_a_sigkilled_trial_is_recorded_killed_and_the_sweep_ends(tmp_path):
 def test_optuna_workers_run_as_array_tasks(tmp_path):
     import optuna
 
-    from harness.sweep.study import open_storage
+    from harness.sweep.search.study import open_storage
 
     path = sweep_file(tmp_path, 4, [3e-3])
     out = tmp_path / "runs"

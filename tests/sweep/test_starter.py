@@ -12,8 +12,8 @@ import sys
 from conftest import micro_run, write_yaml
 from conftest import train_losses as losses
 
-from harness.sweep.process import trial_command, trial_env
-from harness.sweep.starter import PRELOAD, start_trial
+from harness.sweep.run.process import trial_command, trial_env
+from harness.sweep.run.starter import PRELOAD, start_trial
 from harness.trials import TrialDir, read_json
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from harness.config import SweepConfig
-from harness.sweep.expand import expand, load_sweep
-from harness.sweep.grid import GridSource
 from harness.sweep.launchers import slurm_cluster as status_module
 from harness.sweep.launchers.slurm_cluster import SlurmCluster
-from harness.sweep.study_source import StudySearch
-from harness.sweep.trial_state import trial_statuses
+from harness.sweep.plan.expand import expand, load_sweep
+from harness.sweep.run.trial_state import trial_statuses
+from harness.sweep.search.grid import GridSource
+from harness.sweep.search.study_source import StudySearch
 from harness.trials import RunsDir, TrialDir
 
 

@@ -16,9 +16,9 @@ from conftest import STEPS_LEFT, harness_here, micro_run, wait_for_step, write_y
 
 from harness.errors import UserError
 from harness.methods.resolve import load_run
-from harness.sweep.expand import load_sweep, make_trial
-from harness.sweep.prune import pruner_for
-from harness.sweep.study import method_space, open_storage, open_study, tell
+from harness.sweep.plan.expand import load_sweep, make_trial
+from harness.sweep.search.prune import pruner_for
+from harness.sweep.search.study import method_space, open_storage, open_study, tell
 from harness.train import train
 from harness.trials import read_json, write_json
 
@@ -181,7 +181,7 @@ def test_a_trial_reads_its_study_link_once_as_it_starts(tmp_path, monkeypatch):
                                                ("cmaes", "CmaEsSampler"),
                                                ("nsga2", "NSGAIISampler")])
 def test_each_sampler_is_built_seeded(tmp_path, sampler, kind):
-    from harness.sweep.study import make_sampler
+    from harness.sweep.search.study import make_sampler
 
     data = {"name": "s", "model": "llama_micro", "methods": {"full": {}}, "seeds": [3],
             "search": {"sampler": sampler, "n_trials": 2,

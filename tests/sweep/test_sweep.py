@@ -7,7 +7,7 @@ import json
 from conftest import harness, harness_here, micro_run, write_yaml
 
 from harness.methods.resolve import load_run
-from harness.sweep.expand import expand, load_sweep
+from harness.sweep.plan.expand import expand, load_sweep
 from harness.train import train
 
 

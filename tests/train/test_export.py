@@ -287,7 +287,7 @@ def test_a_final_model_and_its_export_have_the_modes_of_every_other_file(tmp_pat
 
 def test_export_help_names_a_trial_folder_the_quickstart_writes(capsys):
     from harness.cli import main
-    from harness.sweep.expand import expand, load_sweep
+    from harness.sweep.plan.expand import expand, load_sweep
 
     with pytest.raises(SystemExit):
         main(["export", "--help"])

@@ -9,7 +9,7 @@ import pytest
 from conftest import micro_model
 from transformers import conversion_mapping
 
-from harness.sweep.starter import PRELOAD
+from harness.sweep.run.starter import PRELOAD
 
 
 def test_an_export_after_the_warm_up_builds_no_conversion_table(tmp_path, monkeypatch):

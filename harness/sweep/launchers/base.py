@@ -2,7 +2,7 @@
 it starts) and a `Launcher` (how a sweep's worker loops get there), each registered by kind.
 
 A launcher is two classes because they sit at two heights of the sweep: a trial's state
-(harness/sweep/trial_state.py) asks the cluster whether the trial's job is still queued, and
+(harness/sweep/run/trial_state.py) asks the cluster whether the trial's job is still queued, and
 the sweep's sources ask for trial states, while a launcher runs those sources. So a `Cluster`
 imports nothing of the sweep, and a `Launcher` may import all of it. See
 harness/sweep/launchers/__init__.py for how to add one.
@@ -25,7 +25,7 @@ from harness.config import LauncherConfig
 from harness.distributed.allocation import affinity_cpus, use_threads
 
 if TYPE_CHECKING:
-    from harness.sweep.source import Source
+    from harness.sweep.search.source import Source
 
 
 class Cluster:
@@ -74,9 +74,9 @@ class Cluster:
 
 
 class Launcher(ABC):
-    """Runs a sweep's worker loops (`harness.sweep.worker.Worker`, one per source) where its
+    """Runs a sweep's worker loops (`harness.sweep.run.worker.Worker`, one per source) where its
     cluster's jobs run: each loop takes trials from its source and runs each as `harness
-    train` on the trial's folder (harness/sweep/process.py). A launcher records each trial's
+    train` on the trial's folder (harness/sweep/run/process.py). A launcher records each trial's
     launch (`TrialDir.record_launch(kind, job_id)`, which `harness status` follows through
     `cluster.job_states`), gives each trial process `trial_env(threads)` and, for a trial of
     several processes, each one its `Ranks.env()`, asks a running trial to checkpoint with
@@ -93,7 +93,7 @@ class Launcher(ABC):
     def launch(self, sources: list[Source], total: int | None = None) -> None:
         """Work every source to its end, `config.at_once` loops at a time, and return when all
         have ended; `total`, a grid's trial count, may draw a progress bar. A stop signal
-        (harness/sweep/stop.py) arrives as KeyboardInterrupt where the launcher polls
+        (harness/sweep/run/stop.py) arrives as KeyboardInterrupt where the launcher polls
         (`raise_if_stopped`): running trials are stopped with a checkpoint, or jobs that
         outlive the sweep are left running and named, and it is re-raised."""
 

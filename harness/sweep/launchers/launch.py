@@ -8,8 +8,8 @@ from pathlib import Path
 from harness.config import LauncherConfig
 from harness.sweep.launchers import local, ray, slurm  # noqa: F401  (each registers itself)
 from harness.sweep.launchers.base import LAUNCHERS
-from harness.sweep.source import Source
-from harness.sweep.stop import deferred
+from harness.sweep.run.stop import deferred
+from harness.sweep.search.source import Source
 
 
 def launch(sources: list[Source], launcher: LauncherConfig, out: Path,

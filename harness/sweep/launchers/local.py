@@ -18,11 +18,11 @@ from tqdm import tqdm
 
 from harness.config import LauncherConfig
 from harness.sweep.launchers.base import Launcher, allocated_cpus, register, say
-from harness.sweep.process import record_end, trial_env
-from harness.sweep.source import Source
-from harness.sweep.starter import ForkedTrial, start_server, start_trial
-from harness.sweep.stop import raise_if_stopped
-from harness.sweep.worker import Worker
+from harness.sweep.run.process import record_end, trial_env
+from harness.sweep.run.starter import ForkedTrial, start_server, start_trial
+from harness.sweep.run.stop import raise_if_stopped
+from harness.sweep.run.worker import Worker
+from harness.sweep.search.source import Source
 from harness.trials import TrialDir
 
 POLL_S = 0.5  # how often a sweep's main thread looks for a stop signal while trials run
@@ -30,7 +30,7 @@ POLL_S = 0.5  # how often a sweep's main thread looks for a stop signal while tr
 
 @register
 class LocalLauncher(Launcher):
-    """Runs trials as child processes; Ctrl-C (or any stop signal, harness/sweep/stop.py)
+    """Runs trials as child processes; Ctrl-C (or any stop signal, harness/sweep/run/stop.py)
     lets each one checkpoint before the sweep exits."""
 
     kinds = ("local",)

@@ -2,7 +2,7 @@
 `harness train` as the local launcher does; a trial of several processes a placement group of
 such tasks (one bundle per node), each given torch's rank variables.
 
-A task forks its trial from a fork server it keeps (harness/sweep/starter.py), and Ray reuses
+A task forks its trial from a fork server it keeps (harness/sweep/run/starter.py), and Ray reuses
 the worker process for the sweep's next task, so from its second trial on a worker starts
 trials warm, as the local launcher does. A task streams back its process's id, each line the
 process prints and its exit status; the sweep prints the lines under the trial's id.
@@ -44,10 +44,10 @@ from harness.sweep.launchers.ray_cluster import (
     job_id,
     unreachable,
 )
-from harness.sweep.process import record_end, trial_env
-from harness.sweep.source import Source
-from harness.sweep.starter import STOP_SIGNALS, start_trial
-from harness.sweep.worker import Worker
+from harness.sweep.run.process import record_end, trial_env
+from harness.sweep.run.starter import STOP_SIGNALS, start_trial
+from harness.sweep.run.worker import Worker
+from harness.sweep.search.source import Source
 from harness.trials import Status, TrialDir
 
 STOP_WAIT_S = 120  # a trial asked to stop gets this long to checkpoint, then SIGKILL

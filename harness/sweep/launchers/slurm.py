@@ -18,8 +18,8 @@ from harness.sweep.launchers.base import Launcher, register
 from harness.sweep.launchers.local import pool
 from harness.sweep.launchers.slurm_cluster import SlurmCluster
 from harness.sweep.launchers.slurm_job import TrialJob
-from harness.sweep.source import Source
-from harness.sweep.stop import raise_if_stopped
+from harness.sweep.run.stop import raise_if_stopped
+from harness.sweep.search.source import Source
 from harness.trials import RunsDir, Status, TrialDir
 
 

@@ -8,13 +8,13 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from harness.sweep.follow import Board
-from harness.sweep.grid import GridSource
 from harness.sweep.launchers.base import Ranks, allocated_cpus
 from harness.sweep.launchers.slurm_cluster import SlurmCluster
-from harness.sweep.process import ChildProcess, trial_env
-from harness.sweep.source import Source, finished
-from harness.sweep.worker import Worker
+from harness.sweep.run.follow import Board
+from harness.sweep.run.process import ChildProcess, trial_env
+from harness.sweep.run.worker import Worker
+from harness.sweep.search.grid import GridSource
+from harness.sweep.search.source import Source, finished
 from harness.trials import TrialDir
 
 REQUEUE = SlurmCluster.requeue_signal

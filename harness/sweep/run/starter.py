@@ -30,15 +30,15 @@ from typing import IO
 
 import torch
 
-from harness.sweep.process import trial_args
+from harness.sweep.run.process import trial_args
 
 # What `harness train` imports before its first step (`python -X importtime`), by name, and what
 # its first export builds (harness/train/warm.py): the fork server loads them once. Nothing it
 # imports may run a parallel torch op: a child forked after OpenMP's thread pool has started
 # hangs in its own first one (seen with a matmul).
-PRELOAD = ["harness.cli", "harness.train.run", "harness.sweep.prune", "harness.methods.resolve",
-           "harness.data.c4", "transformers.models.llama.modeling_llama", "datasets",
-           "harness.train.warm"]
+PRELOAD = ["harness.cli", "harness.train.run", "harness.sweep.search.prune",
+           "harness.methods.resolve", "harness.data.c4",
+           "transformers.models.llama.modeling_llama", "datasets", "harness.train.warm"]
 
 # The signals that ask a sweep to stop. The sweep decides for its trials: its fork server
 # ignores them (a terminal's or `timeout`'s signal to the whole process group would end it,

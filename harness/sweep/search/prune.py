@@ -14,7 +14,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from harness.sweep.study import make_pruner, plain_storage
+from harness.sweep.search.study import make_pruner, plain_storage
 from harness.trials import TrialDir, read_json
 
 

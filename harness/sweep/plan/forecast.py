@@ -22,7 +22,7 @@ from harness.cost.disk import disk_needed, free_bytes
 from harness.cost.estimate import estimate_run, human_bytes
 from harness.cost.plan import DEVICE, step_work
 from harness.errors import UserError
-from harness.sweep.expand import Trial, plan_table
+from harness.sweep.plan.expand import Trial, plan_table
 from harness.trials import RunsDir, Status
 from harness.trials.writable import check_writable
 

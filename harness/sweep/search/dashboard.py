@@ -11,7 +11,7 @@ import optuna
 from optuna.storages import BaseStorage
 
 from harness.errors import UserError
-from harness.sweep.study import name_metrics, open_storage
+from harness.sweep.search.study import name_metrics, open_storage
 from harness.trials import RunsDir
 
 HOST = "127.0.0.1"

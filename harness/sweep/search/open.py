@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.config import SweepConfig
-from harness.sweep.grid import GridSearch
-from harness.sweep.source import Search
-from harness.sweep.study_source import StudySearch
+from harness.sweep.search.grid import GridSearch
+from harness.sweep.search.source import Search
+from harness.sweep.search.study_source import StudySearch
 
 
 def open_search(sweep: SweepConfig, out: Path) -> Search:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from harness.sweep.source import Pick, Source
+from harness.sweep.search.source import Pick, Source
 from harness.trials import TrialDir
 
 RunTrial = Callable[[str, Path], int]

@@ -4,7 +4,7 @@ A sampled point becomes a resolved run config exactly as a grid point does, so i
 `trials/<label>-<hash>` either way and `harness status/report` read it unchanged. The Optuna
 trial keeps that id in `user_attrs["trial_id"]`; the trial folder's `optuna.json` points back
 to the study, so the training process reports each evaluation and obeys the pruner
-(harness/sweep/prune.py). Storage and pruners are made here alone.
+(harness/sweep/search/prune.py). Storage and pruners are made here alone.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from harness.config.objectives import Constraint, objective_value
 from harness.config.space import check_distributions
 from harness.config.sweep import SearchConfig
 from harness.errors import UserError
-from harness.sweep.expand import Trial, make_trial, method_entry
-from harness.sweep.trial_state import trial_statuses
+from harness.sweep.plan.expand import Trial, make_trial, method_entry
+from harness.sweep.run.trial_state import trial_statuses
 from harness.trials import FAILED, FINISHED, RunsDir, Status, Summary
 from harness.trials.events import verbose
 

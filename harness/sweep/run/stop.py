@@ -6,7 +6,7 @@ command that resumes them. SIGTERM (`kill`, `timeout`), SIGHUP (a closed termina
 (a scheduler's warning before a time limit) take the same path, as `Stopped`. The first signal stops
 the sweep; one more within FORCE_AFTER_S changes nothing (`timeout` signals the sweep and
 then its process group), a later one ends the sweep at once: its trials, left without a
-parent, still stop with a checkpoint (harness/sweep/starter.py). A signal the sweep was
+parent, still stop with a checkpoint (harness/sweep/run/starter.py). A signal the sweep was
 started with ignored (`nohup`) stays ignored. While trials run (`deferred`), a signal is
 noted and acted on where the launcher polls (`raise_if_stopped`): raised at any bytecode it
 could leave a lock of tqdm or of the thread pool held, and the sweep would hang instead of
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from harness.sweep.starter import STOP_SIGNALS
+from harness.sweep.run.starter import STOP_SIGNALS
 
 FORCE_AFTER_S = 2.0  # a stop signal this long after the first ends the sweep at once
 

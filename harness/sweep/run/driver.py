@@ -13,14 +13,14 @@ from pathlib import Path
 
 from harness.config import ModelFrom, SweepConfig
 from harness.errors import UserError
-from harness.sweep.expand import load_sweep, preflight
-from harness.sweep.forecast import check_disk
 from harness.sweep.launchers.launch import launch
-from harness.sweep.lock import hold
-from harness.sweep.search import open_search
-from harness.sweep.source import Search, Work
-from harness.sweep.stop import signal_name, stop_on_signals
-from harness.sweep.trial_state import trial_statuses
+from harness.sweep.plan.expand import load_sweep, preflight
+from harness.sweep.plan.forecast import check_disk
+from harness.sweep.run.lock import hold
+from harness.sweep.run.stop import signal_name, stop_on_signals
+from harness.sweep.run.trial_state import trial_statuses
+from harness.sweep.search.open import open_search
+from harness.sweep.search.source import Search, Work
 from harness.trials import FAILED, FINISHED, RunsDir, Status, TrialDir
 
 Show = Callable[[Path], None]  # prints a finished sweep's table (the CLI's, from analysis)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from harness.config import RunConfig, SweepConfig
-from harness.sweep.expand import Trial
+from harness.sweep.plan.expand import Trial
 from harness.trials import FAILED, FINISHED, Status, TrialDir
 
 Assigned = list[tuple[str, Path]]

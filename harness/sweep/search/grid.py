@@ -11,10 +11,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from harness.sweep.expand import Trial, expand
-from harness.sweep.forecast import plan_text
 from harness.sweep.launchers import cluster_of
-from harness.sweep.source import (
+from harness.sweep.plan.expand import Trial, expand
+from harness.sweep.plan.forecast import plan_text
+from harness.sweep.run.trial_state import trial_states, trial_statuses
+from harness.sweep.search.source import (
     HELD,
     Assigned,
     Pick,
@@ -25,7 +26,6 @@ from harness.sweep.source import (
     runs_again,
     unreadable_line,
 )
-from harness.sweep.trial_state import trial_states, trial_statuses
 from harness.trials import FAILED, RunsDir, Status, TrialDir
 
 

@@ -30,9 +30,10 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 from harness.config import SweepConfig
-from harness.sweep.expand import Trial, expand
-from harness.sweep.source import Pick, Search, Source, Work, runs_again
-from harness.sweep.study import (
+from harness.sweep.plan.expand import Trial, expand
+from harness.sweep.run.trial_state import trial_status
+from harness.sweep.search.source import Pick, Search, Source, Work, runs_again
+from harness.sweep.search.study import (
     DONE,
     counted,
     describe,
@@ -48,7 +49,6 @@ from harness.sweep.study import (
     study_lock,
     tell,
 )
-from harness.sweep.trial_state import trial_status
 from harness.trials import FAILED, FINISHED, RunsDir, Status, TrialDir
 
 
