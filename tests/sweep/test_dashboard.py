@@ -17,7 +17,7 @@ from services import chromium, headless, require_service
 
 from harness.errors import UserError
 from harness.sweep.plan.expand import load_sweep
-from harness.sweep.search.dashboard import name_objectives, storage_of
+from harness.sweep.search.dashboard import name_objectives, storage_of, sweep_of
 from harness.sweep.search.study import open_storage, open_study
 
 VALUES = [(310.0, 2.0e7), (290.0, 2.6e7), (330.0, 1.8e7), (320.0, 2.7e7)]  # the last: dominated
@@ -40,14 +40,14 @@ def search_runs(out: Path, storage: str | None = None, name: str = "mo") -> Path
 
 def test_grid_sweeps_and_empty_folders_are_one_line_errors(tmp_path):
     with pytest.raises(UserError, match=r"no sweep\.yaml here"):
-        storage_of(tmp_path)
+        sweep_of(tmp_path)
     write_yaml(tmp_path / "sweep.yaml", {"name": "g", "methods": {"full": {}}})
     with pytest.raises(UserError, match="a grid sweep keeps no Optuna study"):
-        storage_of(tmp_path)
+        storage_of(tmp_path, sweep_of(tmp_path))
     write_yaml(tmp_path / "sweep.yaml", {"name": "s", "methods": {"full": {}},
                                          "search": {"sampler": "tpe"}})
     with pytest.raises(UserError, match=r"optuna\.journal does not exist yet"):
-        storage_of(tmp_path)
+        storage_of(tmp_path, sweep_of(tmp_path))
 
 
 OBJECTIVES = [{"metric": "eval_ppl"}, {"metric": "peak_memory_bytes"}]
@@ -71,7 +71,7 @@ def test_a_studys_objectives_carry_their_metric_names(tmp_path):
                                      "search": {"sampler": "tpe", "objectives": OBJECTIVES}})
     storage = open_storage(str(runs / "optuna.journal"))
     assert optuna.load_study(study_name="mo/full", storage=storage).metric_names is None
-    name_objectives(runs, storage)
+    name_objectives(sweep_of(runs), storage)
     assert optuna.load_study(study_name="mo/full", storage=storage).metric_names == [
         "eval_ppl", "peak_memory_bytes"]
 

@@ -17,17 +17,21 @@ from harness.trials import RunsDir
 HOST = "127.0.0.1"
 
 
-def storage_of(runs_dir: Path) -> str:
-    """The sweep's Optuna storage; a one-line error for a folder that has none."""
-    folder = RunsDir(runs_dir)
-    sweep = folder.read_sweep()
+def sweep_of(runs_dir: Path) -> dict:
+    """The run directory's sweep.yaml, read once for the storage and the objectives' names."""
+    sweep = RunsDir(runs_dir).read_sweep()
     if not sweep:
         raise UserError(f"{runs_dir}: no sweep.yaml here (allowed: a sweep's run directory, "
                         "e.g. runs/quickstart)")
+    return sweep
+
+
+def storage_of(runs_dir: Path, sweep: dict) -> str:
+    """The sweep's Optuna storage; a one-line error for a folder that has none."""
     if (sweep.get("search") or {}).get("sampler", "grid") == "grid":
         raise UserError(f"{runs_dir}: a grid sweep keeps no Optuna study; the dashboard shows "
                         "search sweeps (search.sampler random, tpe, cmaes or nsga2)")
-    target = str(sweep.get("storage") or folder.journal)
+    target = str(sweep.get("storage") or RunsDir(runs_dir).journal)
     if "://" not in target and not Path(target).is_file():
         raise UserError(f"{runs_dir}: its study storage {target} does not exist yet (run the "
                         "sweep first)")
@@ -41,18 +45,18 @@ def serve(runs_dir: Path, port: int) -> None:
     except ImportError:
         raise UserError("harness dashboard needs optuna-dashboard: pip install -e "
                         "'.[dashboard]' (or pip install optuna-dashboard)") from None
-    storage = open_storage(storage_of(runs_dir))
-    name_objectives(runs_dir, storage)
+    sweep = sweep_of(runs_dir)
+    storage = open_storage(storage_of(runs_dir, sweep))
+    name_objectives(sweep, storage)
     print(f"dashboard of {runs_dir}: http://{HOST}:{port}/dashboard (Ctrl-C stops it)",
           flush=True)
     optuna_dashboard.run_server(storage, host=HOST, port=port)
 
 
-def name_objectives(runs_dir: Path, storage: BaseStorage) -> None:
+def name_objectives(sweep: dict, storage: BaseStorage) -> None:
     """Give each of the sweep's studies its objectives' metric names where it has none (a
     study from before sweeps named them), so the dashboard's axes read the metric, not
     "Objective 0"."""
-    sweep = RunsDir(runs_dir).read_sweep()
     search = sweep.get("search") or {}
     goals = search.get("objectives") or [{"metric": search.get("metric") or "eval_ppl"}]
     metrics = [str(goal["metric"]) for goal in goals]
