@@ -45,8 +45,13 @@ class LocalLauncher(Launcher):
 
     def launch(self, sources: list[Source], total: int | None = None) -> None:
         """A Worker loop per source, each running its trials here."""
-        bar = tqdm(total=total, desc="trials", unit="trial", dynamic_ncols=True) if total else None
         start_server()
+        self.work(sources, total)
+
+    def work(self, sources: list[Source], total: int | None) -> None:
+        """A Worker loop per source on `run_one`, in `jobs` slots, under a progress bar of
+        `total` trials (a grid's count)."""
+        bar = tqdm(total=total, desc="trials", unit="trial", dynamic_ncols=True) if total else None
         with bar or nullcontext():
             self.bar = bar
             self.pool([Worker(source, self.run_one).run for source in sources])

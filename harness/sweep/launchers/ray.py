@@ -24,14 +24,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext, suppress
+from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import psutil
 from torch.distributed import TCPStore
-from tqdm import tqdm
 
 from harness.sweep.launchers.base import Ranks, register, say
 from harness.sweep.launchers.local import LocalLauncher
@@ -46,7 +45,6 @@ from harness.sweep.launchers.ray_cluster import (
 )
 from harness.sweep.run.process import record_end, trial_env
 from harness.sweep.run.starter import STOP_SIGNALS, start_trial
-from harness.sweep.run.worker import Worker
 from harness.sweep.search.source import Source
 from harness.trials import Status, TrialDir
 
@@ -288,11 +286,8 @@ class RayLauncher(LocalLauncher):
         dashboard = self.remote.context.dashboard_url
         say(f"ray: trials run on the cluster at {self.remote.gcs}"
             + (f" (dashboard http://{dashboard})" if dashboard else ""))
-        bar = tqdm(total=total, desc="trials", unit="trial", dynamic_ncols=True) if total else None
         try:
-            with bar or nullcontext():
-                self.bar = bar
-                self.pool([Worker(source, self.run_one).run for source in sources])
+            self.work(sources, total)
         finally:
             self.remote.ray.shutdown()
 
