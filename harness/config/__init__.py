@@ -11,6 +11,7 @@ from harness.config.run import (
     LossScaleConfig,
     MemoryConfig,
     ModelFrom,
+    ModelOptions,
     RunConfig,
     Strict,
     TaskConfig,
@@ -22,8 +23,8 @@ from harness.config.sweep import SearchConfig, SweepConfig
 
 __all__ = [
     "GLUE_TASKS", "MODULE_KINDS", "PRECISION_ALIASES", "Common", "EvalConfig", "LauncherConfig",
-    "LossScaleConfig", "MemoryConfig", "ModelFrom", "RunConfig", "SearchConfig", "Strict",
-    "SweepConfig",
+    "LossScaleConfig", "MemoryConfig", "ModelFrom", "ModelOptions", "RunConfig", "SearchConfig",
+    "Strict", "SweepConfig",
     "TaskConfig", "TrainConfig", "WandbConfig", "memory_label", "parse_overrides", "read_yaml",
     "set_dotted", "validate",
 ]

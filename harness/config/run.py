@@ -81,7 +81,8 @@ PRECISION_ALIASES = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"
 PURE_BF16_KEYS = {"state_dtype": "float32", "update_compensation": "none"}  # key -> default
 # Train settings added after trials had run: left out of a trial's id at their default, which
 # is what those trials did, so that earlier sweeps' finished trials stay finished.
-LATER_TRAIN_KEYS = {**PURE_BF16_KEYS, "parallel": "ddp", "reshard_after_forward": True}
+LATER_TRAIN_KEYS = {**PURE_BF16_KEYS, "parallel": "ddp", "reshard_after_forward": True,
+                    "update_chunk": 1 << 24, "loss_chunk": 0, "tf32": False}
 # Method settings added after trials had run, at the value that does what those trials did:
 # left out of a trial's id there, so that earlier sweeps' finished trials stay finished.
 LATER_METHOD_KEYS = {
@@ -118,6 +119,11 @@ class TrainConfig(Strict):
         "none", description="bf16-true: how an update is added to a bf16 weight (none: "
         "round to nearest, as the GaLore reference code does)"
     )
+    update_chunk: int = Field(
+        1 << 24, ge=0, description="bf16-true: elements each multi-tensor update step takes at "
+        "once (torch._foreach_*; its float32 temporaries are 8 bytes an element); 0: one "
+        "parameter at a time"
+    )
     loss_scale: LossScaleConfig = LossScaleConfig()
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp", description="a trial of several processes: ddp (each holds the whole model and "
@@ -130,7 +136,16 @@ class TrainConfig(Strict):
     )
     grad_clip: float | None = Field(1.0, gt=0)
     compile: bool = Field(
-        False, description="torch.compile forward and loss as one graph (compiled in step 1)"
+        False, description="torch.compile each decoder layer (one graph each) and the loss; "
+        "compiled in step 1, whose time is reported apart (compile_s)"
+    )
+    loss_chunk: int = Field(
+        0, ge=0, description="pretrain: tokens whose logits exist at once, each chunk's "
+        "recomputed in backward (bounds the logits' peak); 0: all of the micro-batch's"
+    )
+    tf32: bool = Field(
+        False, description="32-true on CUDA: matmuls in TF32 (10-bit mantissa, several times "
+        "the float32 FLOP/s; MFU is then against the TF32 peak)"
     )
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(
@@ -166,6 +181,13 @@ class TrainConfig(Strict):
                 if getattr(self, key) != default:
                     raise ValueError(f"{key} applies to precision bf16-true only (this run is "
                                      f"{self.precision}); remove it or use bf16-true")
+        return self
+
+    @model_validator(mode="after")
+    def _tf32_fits(self) -> TrainConfig:
+        if self.tf32 and self.precision != "32-true":
+            raise ValueError(f"tf32 applies to precision 32-true only (this run is "
+                             f"{self.precision}, whose matmuls are 16-bit); remove it")
         return self
 
     @model_validator(mode="before")
@@ -269,6 +291,30 @@ class MemoryConfig(Strict):
         return self.offload if isinstance(self.offload, list) else []
 
 
+class ModelOptions(Strict):
+    """How the harness builds the model named by `model`: its MLP width (presets) and the
+    kernels its layers run."""
+
+    mlp_multiple_of: int | None = Field(
+        None, ge=1, description="a preset's MLP width rounded up to a multiple of this (64: "
+        "LLaMA-1B's 5461 becomes 5504, a shape the GPU's matmuls run faster); default: the "
+        "paper's width"
+    )
+    intermediate_size: int | None = Field(
+        None, ge=1, description="a preset's MLP width set outright"
+    )
+    kernels: Literal["torch", "liger"] = Field(
+        "torch", description="liger: liger-kernel's fused RMSNorm, SwiGLU, RoPE and linear "
+        "cross-entropy (CUDA with Triton; pip install '.[kernels]')"
+    )
+
+    @model_validator(mode="after")
+    def _one_width(self) -> ModelOptions:
+        if self.mlp_multiple_of is not None and self.intermediate_size is not None:
+            raise ValueError("set mlp_multiple_of or intermediate_size, not both")
+        return self
+
+
 class ModelFrom(Strict):
     """A harness pretraining trial (its folder) or a sweep (its best trial) to fine-tune."""
 
@@ -290,6 +336,7 @@ class Common(Strict):
         "name or local path of an encoder, or {from: runs/<sweep>[/trials/<id>]} for a harness "
         "LLaMA checkpoint",
     )
+    model_options: ModelOptions = ModelOptions()
     device: Literal["auto", "cpu", "cuda"] = "auto"
     task: TaskConfig = TaskConfig()
     train: TrainConfig = TrainConfig()
@@ -347,6 +394,8 @@ class RunConfig(Common):
         for key, default in LATER_TRAIN_KEYS.items():
             if data["train"][key] == default:
                 del data["train"][key]
+        if self.model_options == ModelOptions():  # added later: earlier trials built this
+            del data["model_options"]
         data["method"] = _without_later_defaults(data["method"])
         blob = json.dumps(data, sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()[:8]
