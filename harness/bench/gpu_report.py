@@ -13,7 +13,7 @@ TITLES = {
     "tests": "`pytest -m gpu`: every method × modifier × precision on the device",
     "estimate": "Estimate against the measured bytes and steady-step peak, every method",
     "table11": "GaLore Table 11: LLaMA-1B, token batch 256, bf16-true",
-    "mfu": "MFU of full AdamW at LLaMA-1B, bf16-true, and what bounds it",
+    "mfu": "MFU at LLaMA-1B, 64 × 256, bf16-true: each speed lever, the best, the methods",
     "loop": "`harness bench loop`: the harness's loop against a bare PyTorch loop",
     "llama7b": "LLaMA-7B optimizer steps, bf16-true, 1 × 256 tokens",
 }
@@ -74,20 +74,25 @@ def _table11(records: list[Record]) -> list[str]:
 
 
 def _mfu(records: list[Record]) -> list[str]:
-    """The micro-batch sweep, the best MFU against its target, the GEMM probe, the compiled
-    run."""
-    runs = [r for r in records if "/full/" in r["name"] and not r["name"].endswith("/best")]
-    lines = _table(["full AdamW micro-batch", "compiled", "tok/s", "MFU", "peak GB"],
-                   [[str(r["batch"]), "yes" if "/compiled/" in r["name"] else "",
+    """The GEMM probe; the runs (baseline, each lever alone, the best combinations, the methods
+    with the best levers, 32-true with and without TF32); the best against their targets."""
+    runs = [r for r in records if "/gemm/" not in r["name"]]
+    lines = _table(["run", "levers", "tok/s", "MFU", "ms/step", "peak GB", "speed-up"],
+                   [[r["name"].split("/", 3)[3], ", ".join(r["levers"]) or "none",
                      _num(r.get("tokens_per_s")), _num(r.get("mfu"), ".1%"),
-                     _gb(r.get("peak_bytes")) or r["status"]] for r in runs])  # fmt: skip
-    for r in records:
-        if r["name"].endswith("/best") and r["value"] is None:
-            lines += ["", "MFU: no peak FLOP/s is known for this device (harness/cost/meter.py)."]
-        elif r["name"].endswith("/best"):
-            lines += ["", f"Best MFU {_num(r['value'], '.1%')} at micro-batch {r['batch']} "
-                          f"(eager), target ≥ {r['target']:.0%}: "
-                          f"{'met' if r['met'] else 'missed'}."]
+                     _num(r.get("ms_per_step"), ",.1f"), _gb(r.get("peak_bytes")) or r["status"],
+                     _speedup(r)] for r in runs])  # fmt: skip
+    refused = [r for r in runs if r["status"] == "refused"]
+    lines += [f"- {r['name'].split('/', 3)[3]}: refused: {r['error']}" for r in refused]
+    for r in runs:
+        if "target" not in r:
+            continue
+        width = "the MLP padded to a multiple of 64" if "padded" in r["name"] else (
+            "the paper's MLP width")
+        verdict = ("no peak FLOP/s is known for this device (harness/cost/meter.py)"
+                   if r["met"] is None else "met" if r["met"] else "missed")
+        lines += ["", f"Best at {width}: MFU {_num(r.get('mfu'), '.1%') or '–'}, target ≥ "
+                      f"{r['target']:.0%}: {verdict}."]
     gemms = [r for r in records if "/gemm/" in r["name"]]
     if gemms:
         peak = gemms[0]["peak_tflops"]
@@ -101,6 +106,13 @@ def _mfu(records: list[Record]) -> list[str]:
                             for k in ("forward", "input_grad", "weight_grad"))]
                          for r in gemms])  # fmt: skip
     return lines
+
+
+def _speedup(r: Record) -> str:
+    """Over the baseline (full AdamW's runs), or over full AdamW's best (the methods')."""
+    if "ratio_to_full" in r:
+        return f"{r['ratio_to_full']:.2f}× full's best"
+    return _num(r.get("speedup"), ".2f") + ("×" if "speedup" in r else "")
 
 
 def _loop(records: list[Record]) -> list[str]:

@@ -15,7 +15,8 @@ import torch
 from conftest import REPO, harness
 
 from harness.bench.gpu import CAPS, load_state, run_part
-from harness.bench.gpu_parts import _junit, gemm_shapes
+from harness.bench.gpu_mfu import gemm_shapes
+from harness.bench.gpu_parts import _junit
 from harness.bench.gpu_report import render
 from harness.errors import UserError
 from harness.trials import read_json, write_json
@@ -62,12 +63,31 @@ def test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left(t
     # llama_micro (hidden 64, MLP 176, the sample's 8,192 tokens): q/k/v/o 64 × 64, gate and
     # up 176 × 64, down 64 × 176, the head 8192 × 64; the MLP's 176 rounded up to 192
     gemms = {"64x64", "176x64", "64x176", "8192x64", "192x64", "64x192"}
-    assert mfu.keys() == {"full/batch1", "full/batch2", "full/best"} | {f"gemm/{g}" for g in gemms}
-    fastest = max((1, 2), key=lambda b: mfu[f"full/batch{b}"]["tokens_per_s"])
-    assert mfu["full/best"]["batch"] == fastest and mfu["full/best"]["value"] is None  # a CPU
-    assert mfu["gemm/192x64"]["padded_from"] == [176, 64] and mfu["gemm/64x64"]["tokens"] == (
-        32 * fastest)  # the best micro-batch's tokens: its sequences of 32
+    levers = ["multi_tensor", "compile", "loss_chunk", "liger", "mlp_64"]
+    runs = {"full/baseline", *(f"full/{n}" for n in levers), "full/best", "full/best_padded",
+            "galore/best", "adam8bit/best", "apollo/best", "full/32-true", "full/32-true_tf32"}
+    assert mfu.keys() == runs | {f"gemm/{g}" for g in gemms}
+    assert mfu["gemm/192x64"]["padded_from"] == [176, 64]
+    assert mfu["gemm/64x64"]["tokens"] == 2 * 32  # the smoke's micro-batch of 2 × 32 tokens
     assert all(0 < t < 1e3 for g in gemms for t in mfu[f"gemm/{g}"]["tflops"].values())
+    liger = mfu["full/liger"]  # a CPU has no Triton: refused in the harness's one line
+    assert liger["status"] == "refused" and "liger" in liger["error"], liger
+    ok = {k: mfu[k] for k in runs - {"full/liger"}}
+    assert all(r["status"] == "ok" for r in ok.values()), ok
+    for r in ok.values():  # 64 tokens a step
+        assert r["ms_per_step"] == pytest.approx(1e3 * 64 / r["tokens_per_s"])
+    base = mfu["full/baseline"]["tokens_per_s"]
+    helped = [n for n in levers if n not in ("liger", "mlp_64")
+              and mfu[f"full/{n}"]["tokens_per_s"] > base]
+    assert mfu["full/best"]["levers"] == helped
+    assert mfu["full/best_padded"]["levers"] == [*helped, "mlp_64"]
+    assert (mfu["full/best"]["target"], mfu["full/best_padded"]["target"]) == (0.4, 0.45)
+    assert mfu["full/best"]["met"] is None  # a CPU has no peak FLOP/s: no MFU, no verdict
+    # the padded MLP is a bigger model: 2 layers × 3 × 64 × 16 more weights, and their states
+    assert mfu["full/mlp_64"]["peak_bytes"] > mfu["full/baseline"]["peak_bytes"]
+    assert mfu["galore/best"]["ratio_to_full"] == pytest.approx(
+        mfu["galore/best"]["tokens_per_s"] / mfu["full/best"]["tokens_per_s"])
+    assert mfu["full/32-true_tf32"]["levers"] == ["tf32"]
     (loop,) = parts["loop"]["records"]
     assert len(loop["rounds"]) == 1 and loop["value"] == loop["rounds"][0]["ratio"]
     big = {r["name"].rsplit("/", 1)[1]: r["paper_gb"] for r in parts["llama7b"]["records"]}
@@ -215,25 +235,34 @@ def test_the_gemm_probe_takes_llama_1bs_matmuls_and_its_mlp_rounded_up_to_64():
         (2048, 5504, (2048, 5461)), (5504, 2048, (5461, 2048))]
 
 
-def test_the_mfu_section_shows_the_sweep_the_probe_and_the_compiled_run():
-    """A GPU run's records, written by hand: the eager sweep and its best, a matmul of the
-    probe, and the compiled run (which the CPU smoke run does not make)."""
-    run = {"status": "ok", "tokens_per_s": 18888.0, "mfu": 0.143, "peak_bytes": 50_970_000_000}
-    records = [{"name": "gpu/mfu/llama_1b/full/batch64", "batch": 64, **run},
-               {"name": "gpu/mfu/llama_1b/full/best", "value": 0.143, "target": 0.4,
-                "batch": 64, "tokens_per_s": 18888.0, "met": False},
-               {"name": "gpu/mfu/llama_1b/gemm/2048x5504", "tokens": 16384, "out": 2048,
-                "in": 5504, "padded_from": [2048, 5461], "peak_tflops": 989.0,
-                "tflops": {"forward": 612.3, "input_grad": 598.04, "weight_grad": 571.0}},
-               {"name": "gpu/mfu/llama_1b/full/compiled/batch64", "batch": 64, "status": "ok",
-                "tokens_per_s": 41000.0, "mfu": 0.41, "peak_bytes": 40_000_000_000,
-                "target": 0.4, "met": True}]
-    part = {"status": "ok", "seconds": 200.0, "cap_s": 360.0, "environment": {},
+def test_the_mfu_section_shows_each_lever_the_best_against_its_target_and_the_probe():
+    """A GPU run's records, written by hand: the baseline, a lever, the best at the paper's
+    width, a method with the best levers, a refused lever, and a matmul of the probe."""
+    run = {"status": "ok", "batch": 64, "mfu": 0.143, "peak_bytes": 50_970_000_000}
+    records = [
+        {"name": "gpu/mfu/llama_1b/gemm/2048x5504", "tokens": 16384, "out": 2048,
+         "in": 5504, "padded_from": [2048, 5461], "peak_tflops": 989.0,
+         "tflops": {"forward": 612.3, "input_grad": 598.04, "weight_grad": 571.0}},
+        {"name": "gpu/mfu/llama_1b/full/baseline", "levers": [], **run,
+         "tokens_per_s": 18888.0, "ms_per_step": 867.43},
+        {"name": "gpu/mfu/llama_1b/full/compile", "levers": ["compile"], **run,
+         "tokens_per_s": 37776.0, "mfu": 0.286, "ms_per_step": 433.7, "speedup": 2.0},
+        {"name": "gpu/mfu/llama_1b/full/liger", "levers": ["liger"], "batch": 64,
+         "status": "refused", "error": "model_options.kernels: liger needs Triton"},
+        {"name": "gpu/mfu/llama_1b/full/best", "levers": ["compile"], **run,
+         "tokens_per_s": 52000.0, "mfu": 0.41, "ms_per_step": 315.1, "speedup": 2.753,
+         "target": 0.4, "met": True},
+        {"name": "gpu/mfu/llama_1b/galore/best", "levers": ["compile"], **run,
+         "tokens_per_s": 41600.0, "ms_per_step": 393.8, "ratio_to_full": 0.8}]
+    part = {"status": "ok", "seconds": 200.0, "cap_s": 540.0, "environment": {},
             "records": records}
     page = render({"smoke": False, "environment": None, "parts": {"mfu": part}})
-    assert "| 64 |  | 18,888 | 14.3% | 50.97 |" in page
-    assert "| 64 | yes | 41,000 | 41.0% | 40.00 |" in page
-    assert "Best MFU 14.3% at micro-batch 64 (eager), target ≥ 40%: missed." in page
+    assert "| full/baseline | none | 18,888 | 14.3% | 867.4 | 50.97 |  |" in page
+    assert "| full/compile | compile | 37,776 | 28.6% | 433.7 | 50.97 | 2.00× |" in page
+    assert "| galore/best | compile | 41,600 | 14.3% | 393.8 | 50.97 | 0.80× full's best |" in page
+    assert "| full/liger | liger |  |  |  | refused |  |" in page
+    assert "- full/liger: refused: model_options.kernels: liger needs Triton" in page
+    assert "Best at the paper's MLP width: MFU 41.0%, target ≥ 40%: met." in page
     assert "at 16,384 tokens, bf16, TFLOP/s (the device's peak: 989)" in page
     assert "| 2048 × 5504 | 2048 × 5461 | 612.3 | 598 | 571 |" in page
 
