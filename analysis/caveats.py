@@ -6,7 +6,9 @@ note under it:
   tok/s measured alone;
 - ‡ a best learning rate at the edge of the LRs tried: the optimum may lie beyond it;
 - § a method run outside its intended use (a fine-tuning method, such as QLoRA, pretraining
-  from randomly initialised weights).
+  from randomly initialised weights);
+- ¶ a model whose shapes are not its preset's (model_options set the MLP width: GaLore's
+  presets are the paper's shapes, so such a row is not the paper's setting).
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from harness.config import ModelOptions
 from harness.errors import UserError
 from harness.methods import get_memory, get_method
-from harness.models import PRESETS
+from harness.models import PRESETS, architecture
 from harness.trials import Status
 
 from .format import VARIANT_DEFAULTS, fill_variants, variant_label
 from .stats import at_best_lr
 
-SHARED, EDGE, OUTSIDE = "†", "‡", "§"
+SHARED, EDGE, OUTSIDE, RESHAPED = "†", "‡", "§", "¶"
+WIDTH_KEYS = ("mlp_multiple_of", "intermediate_size")  # model_options that set the MLP width
 TASKS = {"pretrain": "pretraining", "finetune": "fine-tuning"}  # Method.tasks, in words
 VARIANT = list(VARIANT_DEFAULTS)
 
@@ -98,6 +102,7 @@ def annotate(table: pd.DataFrame, trials: pd.DataFrame) -> tuple[pd.DataFrame, l
     edges: dict[str, list[str]] = {}  # where in its grid -> "label lr"
     crowds: dict[str, list[str]] = {}  # how the machine was shared -> labels
     outside: list[str] = []
+    reshaped: dict[str, list[str]] = {}  # the widths used -> labels
     for i, row in table.iterrows():
         key = tuple(row[VARIANT])
         group = trials[(trials[VARIANT] == pd.Series(key, index=VARIANT)).all(axis=1)]
@@ -105,6 +110,9 @@ def annotate(table: pd.DataFrame, trials: pd.DataFrame) -> tuple[pd.DataFrame, l
         if (why := outside_use(group)) is not None:
             marked.at[i, "method"] = f"{row['method']} {OUTSIDE}"
             outside.append(f"{OUTSIDE} {label}: {why}")
+        if (widths := mlp_widths(group)) is not None:
+            marked.at[i, "method"] = f"{marked.at[i, 'method']} {RESHAPED}"
+            reshaped.setdefault(widths, []).append(label)
         best = at_best_lr(group, "eval_ppl")
         if best is None:
             continue
@@ -126,7 +134,27 @@ def annotate(table: pd.DataFrame, trials: pd.DataFrame) -> tuple[pd.DataFrame, l
     if edges:
         lines.append(f"{EDGE} Best LR at the edge of the LRs tried: the best may lie beyond "
                      f"it, widen the grid. {_groups(edges)}.")
+    if reshaped:
+        lines.append(f"{RESHAPED} Shapes not the preset's (at GaLore's sizes, not the paper's): "
+                     f"model_options set the MLP width. {_groups(reshaped)}.")
     return marked, lines + outside
+
+
+def mlp_widths(group: pd.DataFrame) -> str | None:
+    """The MLP widths model_options gave a group's preset models where they are not the
+    preset's own ("llama_1b MLP width 5504, not the preset's 5461"); None where every trial has
+    its preset's shapes (or trials from before the option)."""
+    widths = set()
+    for _, trial in group.iterrows():
+        options = {k: int(trial[f"model_options.{k}"]) for k in WIDTH_KEYS
+                   if pd.notna(trial.get(f"model_options.{k}"))}
+        model = trial.get("model")
+        if options and model in PRESETS:
+            width = architecture(model, ModelOptions(**options)).intermediate
+            if width != PRESETS[model].intermediate:
+                widths.add(f"{model} MLP width {width}, not the preset's "
+                           f"{PRESETS[model].intermediate}")
+    return "; ".join(sorted(widths)) or None
 
 
 def _groups(groups: dict[str, list[str]]) -> str:

@@ -5,14 +5,14 @@ Qwen2, …). `Arch` describes either alike, for the cost model and the methods."
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from harness.config import Common, ModelFrom
+from harness.config import Common, ModelFrom, ModelOptions
 from harness.config.hub import in_cache, offline
 from harness.errors import UserError, brief, suggest
 
@@ -81,18 +81,48 @@ class HFModel:
     weights: str | None
 
 
-def check_preset(name: str, path: str) -> Preset:
+def check_preset(name: str, path: str, options: ModelOptions | None = None) -> Preset:
+    """The preset `name` as `options` build it (its MLP width; default: the paper's)."""
     if name not in PRESETS:
         raise suggest(name, list(PRESETS), "model preset", path)
-    return PRESETS[name]
+    p, width = PRESETS[name], mlp_width(PRESETS[name].intermediate, options)
+    return p if width == p.intermediate else replace(p, intermediate=width)
 
 
-def architecture(model: str) -> Arch:
-    """The description every reader of a model's shape uses, preset or HF config alike."""
+def mlp_width(paper: int, options: ModelOptions | None) -> int:
+    """A preset's MLP width: `paper`'s, set outright, or rounded up to a multiple."""
+    if options is not None and options.intermediate_size is not None:
+        return options.intermediate_size
+    if options is not None and options.mlp_multiple_of is not None:
+        return -(-paper // options.mlp_multiple_of) * options.mlp_multiple_of
+    return paper
+
+
+def width_key(options: ModelOptions | None) -> str | None:
+    """The options' key that sets an MLP width, None where the width is the model's own."""
+    if options is None:
+        return None
+    return next((k for k in ("mlp_multiple_of", "intermediate_size")
+                 if getattr(options, k) is not None), None)
+
+
+def _no_width(name: str, options: ModelOptions | None) -> None:
+    """An HF config's MLP width is the config's: width options are for presets."""
+    key = width_key(options)
+    if key is not None:
+        raise UserError(f"model_options.{key}: '{name}' is not a preset; its MLP width is its "
+                        "config's: edit the config's intermediate_size instead, or remove the "
+                        f"option (allowed with: {', '.join(PRESETS)})")
+
+
+def architecture(model: str, options: ModelOptions | None = None) -> Arch:
+    """The description every reader of a model's shape uses, preset or HF config alike;
+    `options` (a run's model_options) set a preset's MLP width."""
     if model in PRESETS:
-        p = PRESETS[model]
+        p = check_preset(model, "model", options)
         return Arch(p.hidden, p.intermediate, p.layers, p.heads, p.heads, p.hidden // p.heads,
                     None, False, p.max_seq_len)  # fmt: skip
+    _no_width(model, options)
     return hf_model(model).arch
 
 
@@ -222,11 +252,12 @@ def register_causal_sdpa() -> str:
 
 
 def llama_config(name: str, vocab_size: int, seq_len: int, pad_id: int | None,
-                 attention: str = "sdpa", **extra: Any) -> Any:
-    """GaLore's configs (RMSNorm eps 1e-6, SiLU, untied head)."""
+                 attention: str = "sdpa", options: ModelOptions | None = None,
+                 **extra: Any) -> Any:
+    """GaLore's configs (RMSNorm eps 1e-6, SiLU, untied head), at `options`' MLP width."""
     from transformers import LlamaConfig
 
-    p = check_preset(name, "model")
+    p = check_preset(name, "model", options)
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=p.hidden,
@@ -246,15 +277,19 @@ def llama_config(name: str, vocab_size: int, seq_len: int, pad_id: int | None,
     )
 
 
-def build_model(name: str, vocab_size: int, seq_len: int, pad_id: int | None) -> PreTrainedModel:
+def build_model(name: str, vocab_size: int, seq_len: int, pad_id: int | None,
+                options: ModelOptions | None = None) -> PreTrainedModel:
     """The model to pretrain, random-init from the caller's seed or, from a folder (or hub
     model) with weights, those weights in float32. `vocab_size` is the tokenizer's length:
-    a preset's embedding is sized to it, an HF config's must hold it."""
+    a preset's embedding is sized to it, an HF config's must hold it. `options`: the run's
+    model_options (a preset's MLP width)."""
     if name in PRESETS:
         from transformers import LlamaForCausalLM
 
-        config = llama_config(name, vocab_size, seq_len, pad_id, attention=register_causal_sdpa())
+        config = llama_config(name, vocab_size, seq_len, pad_id, attention=register_causal_sdpa(),
+                              options=options)
         return LlamaForCausalLM(config)
+    _no_width(name, options)
     return _build_hf(hf_model(name), name, vocab_size, seq_len, pad_id)
 
 
@@ -307,13 +342,15 @@ def describe(model: PreTrainedModel) -> str:
     return f"{total / 1e6:.2f}M parameters ({(total - embed) / 1e6:.2f}M without input embeddings)"
 
 
-def param_shapes(name: str, vocab_size: int) -> dict[str, torch.Size]:
+def param_shapes(name: str, vocab_size: int, options: ModelOptions | None = None
+                 ) -> dict[str, torch.Size]:
     """Every parameter's shape, in `named_parameters` order: no memory, no data. `vocab_size`,
-    the tokenizer's length, as `build_model` takes it."""
+    the tokenizer's length, and `options`, as `build_model` takes them."""
     if name not in PRESETS:
+        _no_width(name, options)
         fit_vocab(name, vocab_size)
         return dict(hf_model(name).shapes)
-    return preset_shapes(PRESETS[name], vocab_size)
+    return preset_shapes(check_preset(name, "model", options), vocab_size)
 
 
 def preset_shapes(p: Preset, vocab_size: int) -> dict[str, torch.Size]:
@@ -338,8 +375,26 @@ def head_shape(shapes: dict[str, Any]) -> Any:
 def check_model(run: Common) -> None:
     """Pretraining starts from a preset or an HF config or model (checked here: it must load
     and have LLaMA's layout); fine-tuning also from a hub model, a local one or a harness
-    checkpoint (resolved when the trial starts: the pretraining may still be running)."""
+    checkpoint (resolved when the trial starts: the pretraining may still be running).
+    model_options: a width for a pretrained preset only, liger kernels on CUDA only."""
+    check_options(run)
     if run.task.kind == "pretrain":
         if isinstance(run.model, ModelFrom):
             raise UserError("model: {from: ...} fine-tunes a checkpoint; it needs task.kind glue")
-        architecture(run.model)
+        architecture(run.model, run.model_options)
+
+
+def check_options(run: Common) -> None:
+    """What the kernel and width options refuse before the trial starts: a width the model
+    does not take (fine-tuning builds the checkpoint's or the encoder's own), a kernel option
+    fine-tuning does not apply, liger on the CPU."""
+    key = width_key(run.model_options)
+    chosen = {f"model_options.{key}": key is not None, "train.tf32": run.train.tf32,
+              "model_options.kernels liger": run.model_options.kernels == "liger"}
+    for name, on in chosen.items():
+        if on and run.task.kind != "pretrain":
+            raise UserError(f"{name}: applies to pretraining only (task.kind pretrain); "
+                            "fine-tuning builds its model as it is: remove it")
+    if run.model_options.kernels == "liger" and run.device == "cpu":
+        raise UserError("model_options.kernels: liger runs Triton kernels on CUDA, and this run's "
+                        "device is cpu; allowed on the CPU: torch")

@@ -7,11 +7,12 @@ import pytest
 import torch
 from conftest import SAMPLE_VOCAB, micro_model
 
-from harness.config import ModelFrom, RunConfig, TaskConfig
+from harness.config import ModelFrom, ModelOptions, RunConfig, TaskConfig
 from harness.errors import UserError
 from harness.models import (
     CAUSAL_SDPA,
     PRESETS,
+    architecture,
     build_model,
     check_model,
     check_preset,
@@ -140,3 +141,64 @@ def test_a_tokenizer_without_bos_or_pad_generates_with_eos_padding():
     classifier = LlamaForSequenceClassification(llama_config("llama_micro", 100, 16, 0))
     generation_ready(classifier, t5)
     assert classifier.config.eos_token_id == 2 and classifier.config.use_cache is False
+
+
+def test_mlp_multiple_of_pads_a_presets_mlp_for_every_reader():
+    """LLaMA-1B's 5461 rounded up to a multiple of 64 is 86 x 64 = 5504; llama_micro's 176 is
+    already 11 x 16, and 3 x 64 = 192 is the next multiple of 64. Shapes, architecture and the
+    built model (on the meta device) all follow; without options, the paper's widths."""
+    pad = ModelOptions(mlp_multiple_of=64)
+    assert architecture("llama_1b").intermediate == 5461
+    assert architecture("llama_1b", pad).intermediate == 5504
+    shapes = param_shapes("llama_1b", 32000, pad)
+    assert shapes["model.layers.23.mlp.gate_proj.weight"] == (5504, 2048)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (2048, 5504)
+    assert sum(s.numel() for s in shapes.values()) - sum(
+        s.numel() for s in param_shapes("llama_1b", 32000).values()) == 24 * 3 * 2048 * 43
+    assert param_shapes("llama_micro", 100, ModelOptions(mlp_multiple_of=16)) == param_shapes(
+        "llama_micro", 100)
+    with torch.device("meta"):
+        built = build_model("llama_micro", 100, 16, None, ModelOptions(mlp_multiple_of=64))
+    assert built.config.intermediate_size == 192
+    assert list(param_shapes("llama_micro", 100, ModelOptions(mlp_multiple_of=64)).items()) == [
+        (n, p.shape) for n, p in built.named_parameters()]
+    assert llama_config("llama_1b", 100, 256, None, options=pad).intermediate_size == 5504
+
+
+def test_intermediate_size_sets_a_presets_mlp_width_outright():
+    wide = ModelOptions(intermediate_size=200)
+    assert architecture("llama_micro", wide).intermediate == 200
+    assert param_shapes("llama_micro", 100, wide)["model.layers.1.mlp.up_proj.weight"] == (200, 64)
+    assert check_preset("llama_micro", "model", wide).intermediate == 200
+    assert PRESETS["llama_micro"].intermediate == 176  # the preset itself is left as it is
+
+
+def test_width_options_are_refused_where_the_model_has_its_own_width(tmp_path):
+    """An HF config's width is the config's; fine-tuning builds the checkpoint's or the
+    encoder's; liger's Triton kernels do not run on a CPU run. One line each."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=1,
+                num_attention_heads=2, vocab_size=128).save_pretrained(tmp_path)
+    pad = {"mlp_multiple_of": 64}
+    with pytest.raises(UserError, match=r"^model_options.mlp_multiple_of: '.*' is not a preset; "
+                                        r"its MLP width is its config's: edit the config's "
+                                        r"intermediate_size instead"):
+        check_model(RunConfig(model=str(tmp_path), model_options=pad))
+    with pytest.raises(UserError, match=r"^model_options.intermediate_size: '.*' is not a "):
+        param_shapes(str(tmp_path), 100, ModelOptions(intermediate_size=256))
+    check_model(RunConfig(model=str(tmp_path)))  # without the option it loads
+    source = ModelFrom(**{"from": "runs/pretrain"})
+    glue = TaskConfig(kind="glue")
+    with pytest.raises(UserError, match=r"^model_options.mlp_multiple_of: applies to "
+                                        r"pretraining only"):
+        check_model(RunConfig(model=source, task=glue, model_options=pad))
+    with pytest.raises(UserError, match=r"^train.tf32: applies to pretraining only"):
+        check_model(RunConfig(model=source, task=glue, train={"tf32": True}))
+    with pytest.raises(UserError, match=r"^model_options.kernels liger: applies to pretraining"):
+        check_model(RunConfig(model=source, task=glue, model_options={"kernels": "liger"}))
+    with pytest.raises(UserError, match=r"^model_options.kernels: liger runs Triton kernels on "
+                                        r"CUDA, and this run's device is cpu"):
+        check_model(RunConfig(model="llama_micro", device="cpu",
+                              model_options={"kernels": "liger"}))
+    check_model(RunConfig(model="llama_micro", model_options=pad, train={"tf32": True}))

@@ -80,7 +80,7 @@ class Dims:
 def dims(run: RunConfig, shapes: Shapes) -> Dims:
     """Under grouped-query attention sdpa keeps k and v kv_heads wide when it gets no mask
     (enable_gqa); with a sliding window's mask transformers repeats them to every head first."""
-    a = architecture(run.model)
+    a = architecture(run.model, run.model_options)
     kv_heads = a.heads if a.windowed(run.task.seq_len) else a.kv_heads
     return Dims(a.hidden, a.intermediate, a.layers, a.heads, head_shape(shapes)[0],
                 run.task.seq_len, run.train.batch_size, a.head_dim, kv_heads * a.head_dim)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from harness.config import RunConfig, SweepConfig, memory_label
+from harness.config import ModelOptions, RunConfig, SweepConfig, memory_label
 from harness.config.steps import Steps
 from harness.cost.activations import activations, peak_bytes
 from harness.cost.disk import disk_bytes
@@ -29,7 +29,7 @@ from harness.cost.paper_7b import comparison_7b
 from harness.cost.sharded import fsdp_peak
 from harness.methods.base import build_memory, changed_params
 from harness.methods.memory import MemoryEstimate
-from harness.models import param_shapes
+from harness.models import architecture, param_shapes, width_key
 
 # len(tokenizer), which is what the trainer sizes the embedding with.
 KNOWN_VOCAB: dict[str, int] = {
@@ -84,8 +84,18 @@ def memoized(memo: dict[str, Any] | None, run: RunConfig, world: int,
 
 
 @lru_cache
-def _shapes(model: str, vocab: int) -> dict[str, torch.Size]:
-    return param_shapes(model, vocab)
+def _shapes(model: str, vocab: int, mlp: int | None = None) -> dict[str, torch.Size]:
+    """`mlp`: a preset's MLP width set by model_options, None for the model's own."""
+    if mlp is None:
+        return param_shapes(model, vocab)
+    return param_shapes(model, vocab, ModelOptions(intermediate_size=mlp))
+
+
+def run_shapes(run: RunConfig) -> dict[str, torch.Size]:
+    """The shapes of the model `run` builds: its model_options' MLP width included."""
+    mlp = (architecture(run.model, run.model_options).intermediate
+           if width_key(run.model_options) else None)
+    return _shapes(run.model, vocab_size(run.task.tokenizer), mlp)
 
 
 def estimate_run(run: RunConfig, world: int = 1, memo: dict[str, Any] | None = None
@@ -95,7 +105,7 @@ def estimate_run(run: RunConfig, world: int = 1, memo: dict[str, Any] | None = N
     FSDP gathers under fsdp (harness/cost/sharded.py). `memo` keeps the method's bytes for the
     next run that differs only in its activation modifiers (`harness plan`'s candidates)."""
     steps = Steps.of(run.train, run.task.seq_len, world, "launcher: nodes x tasks_per_node")
-    shapes = _shapes(run.model, vocab_size(run.task.tokenizer))
+    shapes = run_shapes(run)
     memory = build_memory(run, steps)
     sharded = run.train.parallel == "fsdp" and world > 1
 
@@ -252,6 +262,10 @@ def paper_comparison(records: list[dict[str, Any]], sweep: SweepConfig) -> str:
         if any(row[-1].endswith("!") for row in rows)
         else ""
     )
+    if width_key(sweep.model_options):  # padded: the shapes, so the bytes, are not the paper's
+        ours = architecture(sweep.model, sweep.model_options).intermediate
+        note += (f"\nours at MLP width {ours} (model_options), not the paper's "
+                 f"{architecture(sweep.model).intermediate}")
     return (
         f"GaLore Table 2, LLaMA {model}: BF16 weights + optimizer states, no gradients, "
         f"decimal GB\n{table}{note}"

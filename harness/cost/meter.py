@@ -16,16 +16,18 @@ from harness.methods.quant import Int8Linear
 # Dense peak FLOP/s per device family and precision (vendor datasheets, no sparsity), matched
 # as a substring of torch.cuda.get_device_name in this order: the PCIe and NVL parts first, as
 # "H100" alone would give them the SXM part's peak (an H100 PCIe also has 80 GB: its MFU would
-# read 24% low). "fp32": CUDA cores, not TF32, which torch leaves off for matmuls by default.
+# read 24% low). "fp32": CUDA cores, not TF32, which torch leaves off for matmuls by default;
+# "tf32": the tensor cores' dense TF32 rate (half the datasheets' "with sparsity" figure, half
+# the dense bf16 rate), what 32-true's matmuls run at under train.tf32.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "H100 PCIe": {"bf16": 756e12, "fp32": 51e12},
-    "H100 NVL": {"bf16": 835e12, "fp32": 60e12},
-    "H200 NVL": {"bf16": 835e12, "fp32": 60e12},
-    "H200": {"bf16": 989e12, "fp32": 67e12},  # SXM ("NVIDIA H200"), and GH200's
-    "H100": {"bf16": 989e12, "fp32": 67e12},  # SXM: "NVIDIA H100 80GB HBM3"
-    "A100": {"bf16": 312e12, "fp32": 19.5e12},
-    "L40S": {"bf16": 362e12, "fp32": 91.6e12},
-    "A10G": {"bf16": 70e12, "fp32": 31.2e12},
+    "H100 PCIe": {"bf16": 756e12, "fp32": 51e12, "tf32": 378e12},
+    "H100 NVL": {"bf16": 835e12, "fp32": 60e12, "tf32": 417.5e12},
+    "H200 NVL": {"bf16": 835e12, "fp32": 60e12, "tf32": 417.5e12},
+    "H200": {"bf16": 989e12, "fp32": 67e12, "tf32": 494.7e12},  # SXM ("NVIDIA H200"), GH200's
+    "H100": {"bf16": 989e12, "fp32": 67e12, "tf32": 494.7e12},  # SXM: "NVIDIA H100 80GB HBM3"
+    "A100": {"bf16": 312e12, "fp32": 19.5e12, "tf32": 156e12},
+    "L40S": {"bf16": 362e12, "fp32": 91.6e12, "tf32": 183e12},
+    "A10G": {"bf16": 70e12, "fp32": 31.2e12, "tf32": 35e12},
 }
 
 
@@ -33,15 +35,19 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 MATMUL_DTYPE = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "bf16", "bf16-true": "bf16"}
 
 
-def peak_flops(device: torch.device, precision: str) -> float | None:
+def peak_flops(device: torch.device, precision: str, tf32: bool | None = None) -> float | None:
     """None where the peak is unknown (every CPU): MFU is then not reported rather than guessed.
-    `precision`: a train.precision (or a PEAK_FLOPS key)."""
+    `precision`: a train.precision (or a PEAK_FLOPS key). `tf32`: whether float32 matmuls run
+    in TF32 (train.tf32); None: as torch's switch is set in this process (use_tf32 sets it)."""
     if device.type != "cuda":
         return None
+    dtype = MATMUL_DTYPE.get(precision, precision)
+    if dtype == "fp32" and (torch.backends.cuda.matmul.allow_tf32 if tf32 is None else tf32):
+        dtype = "tf32"
     name = torch.cuda.get_device_name(device)
     for family, peaks in PEAK_FLOPS.items():
         if family in name:
-            return peaks.get(MATMUL_DTYPE.get(precision, precision))
+            return peaks.get(dtype)
     return None
 
 

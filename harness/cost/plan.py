@@ -29,7 +29,7 @@ from typing import Any
 from harness.config.objectives import size
 from harness.config.steps import Steps
 from harness.cost.activations import KIND_LINEARS, activations, targets, trains_norms
-from harness.cost.estimate import _shapes, estimate_run, memoized, vocab_size
+from harness.cost.estimate import estimate_run, memoized, run_shapes
 from harness.errors import UserError
 from harness.methods import method_names
 from harness.methods.base import build_memory, get_method
@@ -239,7 +239,7 @@ def step_work(run: Any, gpus: int = 1, memo: dict[str, Any] | None = None
     keeps the method's FLOPs and trained elements for the next run that differs only in its
     activation modifiers, as `estimate_run`'s does its bytes."""
     seq_len, layers = run.task.seq_len, architecture(run.model).layers
-    shapes = _shapes(run.model, vocab_size(run.task.tokenizer))
+    shapes = run_shapes(run)
     steps = Steps.of(run.train, seq_len, gpus)
     memory = build_memory(run, steps)
     host = run.memory.optimizer_offload == "host"  # the only user of the trained elements

@@ -18,14 +18,17 @@ from harness.config.steps import Steps
 from harness.data.c4 import BlockStream, eval_blocks, load_tokenizer
 from harness.data.loader import IGNORE, Prefetcher, to_batch
 from harness.models import build_model
+from harness.modifiers.kernels import use_kernels
 from harness.modifiers.precision import Precision
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # token ids, labels (IGNORE where padded)
 
 
 def build(run: RunConfig) -> tuple[nn.Module, Any]:
+    """The model as model_options build it (MLP width, kernels), and the tokenizer."""
     tok = load_tokenizer(run.task.tokenizer)
-    return build_model(run.model, len(tok), run.task.seq_len, tok.pad_token_id), tok
+    built = build_model(run.model, len(tok), run.task.seq_len, tok.pad_token_id, run.model_options)
+    return use_kernels(built, run), tok
 
 
 def loss_sum(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

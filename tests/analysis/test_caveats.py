@@ -145,3 +145,19 @@ def test_the_report_and_the_throughput_table_carry_the_marks(tmp_path):
     trials = pd.read_csv(runs / "report" / "trials.csv").set_index("trial")
     assert trials["concurrent_trials"].to_dict() == {
         "f1": 0, "f3": 0, "f9": 0, "g1": 0, "g3": 0, "q1": 1, "q3": 1}
+
+
+def test_a_model_whose_mlp_width_is_not_its_presets_is_marked(tmp_path):
+    """model_options' width (¶): galore's trials at mlp_multiple_of 64, llama_tiny's 688 rounded
+    up to 11 x 64 = 704; full's at intermediate_size 688, its preset's own: unmarked."""
+    runs = write_runs(tmp_path / "runs")
+    for trial, options in {"g1": {"mlp_multiple_of": 64}, "g3": {"mlp_multiple_of": 64},
+                           "f3": {"intermediate_size": 688}}.items():
+        path = runs / "trials" / trial / "config.yaml"
+        path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()),
+                                        "model_options": options}))
+    trials = load_runs(runs)
+    marked, notes = annotate(summary_table(trials), trials)
+    assert marked["method"].tolist() == ["full", "galore ¶", "qlora §"]
+    assert ("¶ Shapes not the preset's (at GaLore's sizes, not the paper's): model_options set "
+            "the MLP width. llama_tiny MLP width 704, not the preset's 688: galore.") in notes

@@ -247,3 +247,18 @@ def test_the_7b_fsdp_sweep_gives_each_of_64_gpus_its_share(monkeypatch):
     one.methods = {"galore": one.methods["galore"]}
     one.launcher = one.launcher.model_copy(update={"nodes": 1, "tasks_per_node": 1})
     assert galore["extra_bytes"] == estimate_sweep(one)[0]["extra_bytes"] > 0
+
+
+def test_a_padded_mlp_is_estimated_at_its_width_and_told_apart_from_the_papers(tmp_path):
+    """LLaMA-1B at mlp_multiple_of 64: 5504 instead of 5461, 43 more columns in each of 24 x 3
+    MLP matrices of 2048 rows, 4 bytes each in fp32; Table 2's comparison says the width."""
+    task = {"tokenizer": "t5-base", "seq_len": 256}
+    paper = sweep_file(tmp_path, model="llama_1b", task=task, methods={"full": {}})
+    padded = sweep_file(tmp_path, model="llama_1b", task=task, methods={"full": {}},
+                        model_options={"mlp_multiple_of": 64})
+    (ours,), (theirs,) = estimate_sweep(padded), estimate_sweep(paper)
+    assert ours["weight_bytes"] - theirs["weight_bytes"] == 4 * 24 * 3 * 2048 * 43
+    assert ours["activation_bytes"] > theirs["activation_bytes"]  # the MLP's saved activations
+    assert "ours at MLP width 5504 (model_options), not the paper's 5461" in (
+        est.paper_comparison([ours], padded))
+    assert "MLP width" not in est.paper_comparison([theirs], paper)

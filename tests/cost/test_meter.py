@@ -219,3 +219,49 @@ def test_the_peak_is_the_named_parts_own(monkeypatch, name, bf16, fp32):
     cuda = torch.device("cuda")
     assert peak_flops(cuda, "bf16-true") == bf16 and peak_flops(cuda, "16-mixed") == bf16
     assert peak_flops(cuda, "32-true") == fp32
+
+
+def test_a_padded_llama_presets_flops_follow_its_mlp_width():
+    """MFU's FLOPs come from the built model. LLaMA-1B padded to 5504 (h 2048, 24 layers,
+    vocab 32000), counted by hand: 24 x (4h^2 + 3h x 5504 + 2h) + h (final norm) + 32000h (head)
+    = 1,279,887,360 trained non-embedding weights; x 6, plus 12 x 24 x h x 256 for attention."""
+    from harness.config import ModelOptions
+    from harness.models import build_model
+
+    with torch.device("meta"):
+        padded = build_model("llama_1b", 32000, 256, None, ModelOptions(mlp_multiple_of=64))
+        paper = build_model("llama_1b", 32000, 256, None)
+    assert flops_per_token(padded, 256) == 6 * 1_279_887_360 + 150_994_944 == 7_830_319_104
+    # 43 more columns in each of 72 MLP matrices of 2048: 6 x 6,340,608
+    assert flops_per_token(padded, 256) - flops_per_token(paper, 256) == 38_043_648
+
+
+def test_the_trials_model_is_built_at_its_model_options_width():
+    """pretrain.build, which the trial's Trainer counts FLOPs from: llama_micro's 176 padded to
+    192 adds 2 layers x 3 matrices x 64 x 16 weights, 6 FLOPs a token each."""
+    from harness.train import pretrain
+
+    plain = pretrain.build(load_run(micro_run()))[0]
+    padded = pretrain.build(load_run({**micro_run(), "model_options": {"mlp_multiple_of": 64}}))[0]
+    assert padded.config.intermediate_size == 192
+    assert flops_per_token(padded, 32) - flops_per_token(plain, 32) == 6 * 2 * 3 * 64 * 16
+
+
+@pytest.mark.parametrize(("name", "tf32", "fp32"), [
+    ("NVIDIA H100 80GB HBM3", 494.7e12, 67e12),  # SXM: 989.4 with sparsity
+    ("NVIDIA H100 PCIe", 378e12, 51e12),
+    ("NVIDIA H100 NVL", 417.5e12, 60e12),
+    ("NVIDIA H200", 494.7e12, 67e12),
+    ("NVIDIA A100-SXM4-80GB", 156e12, 19.5e12),
+    ("NVIDIA L40S", 183e12, 91.6e12),
+    ("Tesla T4", None, None),
+])
+def test_tf32_matmuls_are_measured_against_the_tf32_peak(monkeypatch, name, tf32, fp32):
+    """Dense TF32 from the datasheets (no sparsity). It applies to 32-true's float32 matmuls
+    only (tests/modifiers/test_kernels.py: by default the peak follows torch's switch)."""
+    monkeypatch.setattr(meter.torch.cuda, "get_device_name", lambda device=None: name)
+    cuda = torch.device("cuda")
+    assert peak_flops(cuda, "32-true", tf32=True) == tf32
+    assert peak_flops(cuda, "32-true", tf32=False) == fp32
+    assert peak_flops(cuda, "bf16-true", tf32=True) == peak_flops(cuda, "bf16-true")
+    assert peak_flops(CPU, "32-true", tf32=True) is None

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import SAMPLE_VOCAB, harness
+from conftest import harness
 
 from harness.analysis.plan_view import format_plan
 from harness.cli import main
@@ -291,7 +291,7 @@ def test_activation_modifiers_change_no_methods_bytes_or_flops(gpus: int) -> Non
                 assert pl.step_work(run, gpus, worked) == work
                 fresh.append(({k: v for k, v in record.items() if k.endswith("bytes") and
                                k not in ("activation_bytes", "workspace_bytes", "peak_bytes")},
-                              pl.forward_flops(pl._shapes("llama_micro", SAMPLE_VOCAB),
+                              pl.forward_flops(pl.run_shapes(run),
                                                pl.build_memory(run), 64)))
                 checked += 1
             assert all(f == fresh[0] for f in fresh), (label, precision)
