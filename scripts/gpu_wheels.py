@@ -36,6 +36,9 @@ LIMIT = 64 * 2**20  # what one device call may carry, the working tree included
 # train, sweep (journal or SQLite storage), bench and estimate run without them
 # (tests/test_optional_imports.py).
 LEFT_OUT = {"wandb", "psycopg2-binary"}
+# The harness's optional extras the kit carries all the same: kernels (liger-kernel, for
+# model_options.kernels: liger) runs only on CUDA, with the device's own Triton.
+KIT_EXTRAS = {"kernels"}
 # Device packages carried all the same: pydantic-core 2.50 needs typing-extensions>=4.16, a
 # version the device was not seen to have; newer ones keep the old API, and it weighs 45 kB.
 ALSO_CARRY = {"typing-extensions"}
@@ -104,8 +107,9 @@ def kit_needs(roots: list[str], wheels: dict[str, Wheel]) -> list[tuple[str, str
 
 
 def kit_roots(requires: list[str]) -> list[str]:
-    """The harness's own requirements that apply on the device, less those it leaves out."""
-    return [r for r in applying(requires, set())
+    """The harness's own requirements that apply on the device (KIT_EXTRAS' included), less
+    those it leaves out."""
+    return [r for r in applying(requires, KIT_EXTRAS)
             if canonicalize_name(Requirement(r).name) not in LEFT_OUT]
 
 

@@ -30,12 +30,29 @@ def load_script() -> ModuleType:
 kit = load_script()
 
 
+def declared() -> list[str]:
+    """pyproject's requirements as the project wheel's METADATA writes them, extras marked."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return [*project["dependencies"], *(f'{r}; extra == "{extra}"' for extra, reqs in
+                                        project["optional-dependencies"].items() for r in reqs)]
+
+
 def test_the_locked_kit_leaves_nothing_missing():
     device, wheels = kit.read_device_list(), kit.read_lock(kit.LOCK)
-    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    roots = kit.kit_roots(pyproject["project"]["dependencies"])
+    roots = kit.kit_roots(declared())
     have = {**device, **{n: Version(w.version) for n, w in wheels.items()}}
     assert kit.unmet(kit.kit_needs(roots, wheels), have) == []
+
+
+def test_the_kit_carries_liger_for_the_kernels_option_and_no_other_extra():
+    """model_options.kernels: liger on the device: liger-kernel carried, its Triton the
+    device's own; the test and dashboard extras stay out."""
+    roots = kit.kit_roots(declared())
+    assert 'liger-kernel>=0.8; extra == "kernels"' in roots
+    assert not any("extra ==" in r and "kernels" not in r for r in roots)
+    wheels, device = kit.read_lock(kit.LOCK), kit.read_device_list()
+    assert "triton>=2.3.1" in wheels["liger-kernel"].requires and "triton" not in wheels
+    assert device["triton"] == Version("3.6.0")
 
 
 def test_the_kit_carries_no_torch_and_nothing_else_the_device_has():
@@ -81,7 +98,7 @@ def test_the_script_prepares_the_locked_kit(tmp_path):
     found = {}
     for path in (tmp_path / "whl").glob("*.whl"):
         name, version, requires = kit.metadata_requires(path)
-        found[name] = (version, kit.applying(requires, set()))
+        found[name] = (version, requires if name == "harness" else kit.applying(requires, set()))
     assert {n: v for n, (v, _) in found.items() if n != "harness"} == {
         n: w.version for n, w in kit.read_lock(kit.LOCK).items()}
     needs = [("harness", r) for r in kit.kit_roots(found.pop("harness")[1])]
