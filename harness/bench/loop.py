@@ -71,7 +71,8 @@ def bare_tokens_per_s(run: RunConfig) -> float:
     from harness.data.c4 import load_tokenizer
 
     tok = load_tokenizer(run.task.tokenizer)
-    model = build_model(run.model, len(tok), run.task.seq_len, tok.pad_token_id).to(device)
+    model = build_model(run.model, len(tok), run.task.seq_len, tok.pad_token_id,
+                        run.model_options).to(device)
     stream = BlockStream(run.task, tok, run.seed)
     batches = [
         to_batch([stream.next_block() for _ in range(t.batch_size)], pin=False)
