@@ -78,9 +78,9 @@ def liger_linear_cross_entropy() -> LinearLoss:
 
 def use_tf32(train: TrainConfig) -> None:
     """train.tf32: CUDA's float32 matmuls (cuBLAS, cuDNN) in TF32 for the rest of the process,
-    the trial's. Only CUDA's switches are set: a CPU run's matmuls, which have no TF32, stay
-    as they are (torch's global precision switch would also change oneDNN's)."""
-    if train.tf32:
+    the trial's. Only CUDA's switches, and only where CUDA is: a CPU run's matmuls, which have
+    no TF32, stay as they are (torch's global precision switch would also change oneDNN's)."""
+    if train.tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 

@@ -62,6 +62,7 @@ def test_tf32_sets_cudas_matmul_switches_and_the_meters_peak_follows(monkeypatch
     SXM's 494.7 TFLOP/s dense, not its CUDA cores' 67); a CPU's matmuls are left as they are."""
     torch.backends.cuda.matmul.allow_tf32 = False
     cpu = torch.backends.mkldnn.matmul.fp32_precision
+    monkeypatch.setattr(kernels.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(meter.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
     cuda = torch.device("cuda")
     kernels.use_tf32(load_run(micro_run()).train)
@@ -77,12 +78,14 @@ def test_tf32_sets_cudas_matmul_switches_and_the_meters_peak_follows(monkeypatch
 @pytest.mark.usefixtures("tf32_switches")
 def test_a_cpu_run_with_tf32_computes_what_it_computes_without():
     """Accepted on a CPU (a config that runs on a GPU also runs in CI), with no effect there:
-    the loss is bitwise the one without it."""
+    the logits are bitwise the ones without it, and no switch is left on for later tests."""
     ids = torch.randint(0, 100, (2, 16))
     model = micro_model(vocab=100)
     before = model(input_ids=ids).logits
+    torch.backends.cuda.matmul.allow_tf32 = False
     kernels.use_kernels(model, load_run(micro_run(tf32=True)))
     assert torch.equal(model(input_ids=ids).logits, before)
+    assert not torch.backends.cuda.matmul.allow_tf32
 
 
 def test_without_options_the_model_is_as_built():
