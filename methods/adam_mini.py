@@ -27,7 +27,12 @@ from torch import Tensor, nn
 from harness.distributed.rows import Rows
 from harness.methods.base import Groups, Method, Terms, register, unpaged
 from harness.methods.full import AdamConfig
-from harness.modifiers.compensation import ParamwiseOptimizer, add_update, own_optimizer_kwargs
+from harness.modifiers.compensation import (
+    ParamwiseOptimizer,
+    add_update,
+    keep_rounded,
+    own_optimizer_kwargs,
+)
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
@@ -103,7 +108,7 @@ class AdamMini(ParamwiseOptimizer):
         st["step"] += 1
         g = Rows(p.grad).local.float()
         m = st["exp_avg"].float().lerp_(g, 1 - b1)  # the state itself when float32
-        st["exp_avg"].copy_(m)
+        keep_rounded(st, {"exp_avg": m})
         if kind == "element":
             square, m_blocks = g * g, m
         elif spans:
@@ -114,7 +119,7 @@ class AdamMini(ParamwiseOptimizer):
             square = g.reshape(here, -1).square().mean(1, keepdim=True)
         v = st["exp_avg_sq"].float().mul_(b2).add_(square, alpha=1 - b2)
         del g, square  # each float32 temporary goes as soon as it is used: see add_update
-        st["exp_avg_sq"].copy_(v)
+        keep_rounded(st, {"exp_avg_sq": v})
         denom = v.sqrt().div_(math.sqrt(1 - b2 ** st["step"])).add_(group["eps"])
         if spans:
             denom = denom[of_row]  # each of this rank's rows by its block's

@@ -163,7 +163,8 @@ class APOLLO(GaLore):
                 groups, lr=run.train.lr, betas=c.betas, eps=c.eps, inner=c.optimizer,
                 update_proj_gap=c.update_proj_gap, scale=c.scale, proj=c.proj,
                 scale_type=scale_type, limiter=c.limiter, gamma=c.gamma,
-                min_8bit_size=c.min_8bit_size, **own_optimizer_kwargs(run.train))
+                min_8bit_size=c.min_8bit_size,
+                **own_optimizer_kwargs(run.train, chunked=True))
         (group,) = groups
         return APOLLOInt8Optimizer(
             group["layers"], [self.seeds[m] for m in group["layers"]], group["params"],

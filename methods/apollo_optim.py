@@ -36,7 +36,8 @@ from torch import Tensor
 from harness.distributed.rows import Rows
 from harness.methods.adam_kernel import AdamKernel
 from harness.methods.projection import project, safe_basis, side_of
-from harness.modifiers.compensation import add_update, restore_dtypes
+from harness.modifiers.compensation import add_update, kernel_steps, restore_dtypes
+from harness.modifiers.multi_tensor import Views
 
 TINY = 1e-8  # the reference's guard in the scaling factor's and the limiter's denominators
 SEED_ADVANCE = 0xF  # draws the reference's next seed skips
@@ -173,7 +174,8 @@ class APOLLOOptimizer(torch.optim.Optimizer):
                  weight_decay: float = 0.0, inner: str = "adamw", update_proj_gap: int = 200,
                  scale: float = 1.0, proj: str = "random", scale_type: str = "channel",
                  limiter: bool = True, gamma: float = 1.01, min_8bit_size: int = 4096,
-                 state_dtype: torch.dtype | None = None, compensation: str = "none") -> None:
+                 state_dtype: torch.dtype | None = None, compensation: str = "none",
+                 update_chunk: int = 0) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                     "rank": None, "seed": None, "update_proj_gap": update_proj_gap,
                     "scale": scale, "proj": proj, "scale_type": scale_type}
@@ -181,6 +183,8 @@ class APOLLOOptimizer(torch.optim.Optimizer):
         self.scaling = APOLLOScaling(inner, min_8bit_size, limiter, gamma, state_dtype)
         self.compensation = compensation
         self.exact = state_dtype is not None or compensation != "none"
+        # multi-tensor exact updates of unprojected weights (torch's fused kernel only)
+        self.chunk, self.views = (update_chunk if inner == "adamw" else 0), Views()
         index = 0
         for group in self.param_groups:
             for i, p in enumerate(group["params"]):
@@ -201,11 +205,17 @@ class APOLLOOptimizer(torch.optim.Optimizer):
                 self._plain_step(group, plain)
             if low:
                 self._apollo_step(group, low)
+        self.views.done()
         return loss
 
     def _plain_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         lr, wd = group["lr"], group["weight_decay"]
         states = [self.state[p] for p in params]
+        if self.exact and self.chunk:  # by chunks: a chunk's float32 temporaries
+            kernel_steps(self.scaling.adam, group, [Rows(p).local for p in params],
+                         [Rows(p.grad).local for p in params], states,
+                         self.scaling.state_dtype, self.compensation, self.chunk, self.views)
+            return
         if self.exact:  # one weight at a time: one weight's float32 temporaries, not all
             for p, st in zip(params, states, strict=True):
                 self._plain_exact(group, p, st)

@@ -74,7 +74,8 @@ class Fira(GaLore):
         return FiraOptimizer(
             groups, lr=run.train.lr, betas=c.betas, eps=c.eps, inner=c.optimizer,
             proj_type=c.proj_type, update_proj_gap=c.update_proj_gap, scale=c.scale,
-            gamma=c.gamma, min_8bit_size=c.min_8bit_size, **own_optimizer_kwargs(run.train))
+            gamma=c.gamma, min_8bit_size=c.min_8bit_size,
+            **own_optimizer_kwargs(run.train, chunked=True))
 
 
 class FiraOptimizer(GaLoreOptimizer):

@@ -87,7 +87,7 @@ class GaLore(Method):
             groups, lr=run.train.lr, betas=c.betas, eps=c.eps, inner=c.optimizer,
             proj_type=c.proj_type, update_proj_gap=c.update_proj_gap, scale=c.scale,
             moments=c.moments, svd=c.svd, min_8bit_size=c.min_8bit_size,
-            adafactor_beta1=c.adafactor_beta1, **own_optimizer_kwargs(run.train))
+            adafactor_beta1=c.adafactor_beta1, **own_optimizer_kwargs(run.train, chunked=True))
 
     def on_step(self, step: int, model: nn.Module,
                 optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:

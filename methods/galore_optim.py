@@ -44,7 +44,8 @@ from harness.methods.projection import (
     side_of,
     square,
 )
-from harness.modifiers.compensation import add_update, restore_dtypes
+from harness.modifiers.compensation import add_update, kernel_steps, restore_dtypes
+from harness.modifiers.multi_tensor import Views
 
 BASIS_KEYS = ("left", "right")  # projection matrices: extra bytes, not optimizer state
 QMAPS = ("qmap1", "qmap2")  # 8-bit states' quantization maps: the same on every rank
@@ -62,7 +63,7 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
                  proj_type: str = "std", update_proj_gap: int = 200, scale: float = 0.25,
                  moments: str = "keep", svd: str = "exact", min_8bit_size: int = 4096,
                  adafactor_beta1: float | None = None, state_dtype: torch.dtype | None = None,
-                 compensation: str = "none") -> None:
+                 compensation: str = "none", update_chunk: int = 0) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                     "rank": None, "proj_type": proj_type, "update_proj_gap": update_proj_gap,
                     "scale": scale, "moments": moments, "svd": svd}
@@ -72,6 +73,8 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         # state_dtype: the moments' dtype when it is not the gradients' (None: theirs)
         self.state_dtype, self.compensation = state_dtype, compensation
         self.exact = state_dtype is not None or compensation != "none"
+        # multi-tensor exact updates of unprojected weights (torch's fused kernel only)
+        self.chunk, self.views = (update_chunk if inner == "adamw" else 0), Views()
         if inner == "adam8bit" and self.sharded:
             self._check_blocks()
 
@@ -104,6 +107,7 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
                 self._galore_step(group, params)
             elif params:
                 self._plain_step(group, params)
+        self.views.done()
         return loss
 
     @torch.no_grad()
@@ -141,6 +145,11 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         lr, wd = group["lr"], group["weight_decay"]
         states = [self.state[p] for p in params]
         sizes = [p.numel() for p in params]  # whole: they choose 8-bit states (fsdp: rows)
+        if self.exact and self.chunk:  # by chunks: a chunk's temporaries
+            kernel_steps(self.adam, group, [Rows(p).local for p in params],
+                         [Rows(p.grad).local for p in params], states, self.state_dtype,
+                         self.compensation, self.chunk, self.views)
+            return
         if self.exact and self.inner != "adafactor":  # one weight at a time: its temporaries
             for p, st, n in zip(params, states, sizes, strict=True):
                 self._plain_exact(group, p, st, n)

@@ -83,7 +83,8 @@ class MuonOptimizer(ParamwiseOptimizer):
         w, g = rows.local, Rows(p.grad).local.float()
         buf = Rows(st["momentum_buffer"]).local
         m = buf.float().lerp_(g, 1 - mu)  # torch's buffer: μ·B + (1 - μ)·g; in place at fp32
-        buf.copy_(m)
+        if m is not buf:  # a float32 buffer's `.float()` is itself: no copy onto itself
+            buf.copy_(m)
         update = g.lerp(m, mu) if group["nesterov"] else m
         whole = rows.gather(update)  # gathered when sharded: the iteration's input
         ortho = _zeropower_via_newtonschulz(whole, NS_COEFFICIENTS, group["ns_steps"], NS_EPS)

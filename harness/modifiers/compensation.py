@@ -7,7 +7,9 @@ reference code does). `stochastic_rounding` rounds the float32 sum up or down at
 the probability that makes the expected result exact. `kahan` keeps, per weight, a bfloat16
 buffer of what rounding lost (Kahan summation) and adds it back with the next update; the
 buffer lives in the optimizer state (`KAHAN`), so checkpoints keep it and a resume is exact.
-Stochastic rounding draws from torch's global generator, which checkpoints keep too."""
+Stochastic rounding draws from torch's global generator, which checkpoints keep too.
+`add_update` adds one weight's update; `add_updates` the same arithmetic over a chunk of pieces
+of several weights (train.update_chunk, modifiers/multi_tensor.py), with the same bits."""
 
 from __future__ import annotations
 
@@ -17,17 +19,35 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from harness.modifiers.multi_tensor import (
+    Kernel,
+    Views,
+    adam_update,
+    buffer,
+    chunks,
+    fresh_pieces,
+    kernel_update,
+)
+
 KAHAN = "kahan_comp"  # the state key of the compensation buffer (torch-optimi's name)
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def stochastic_round_(out: Tensor, value: Tensor) -> None:
-    """`out` (bfloat16) <- float32 `value` rounded to one of its two bfloat16 neighbours, the
-    upper one with probability (distance to the lower) / (their gap): random low 16 bits added
-    to the float32 pattern, then truncated. Sign-magnitude makes it right for negatives too."""
-    bits = value.contiguous().view(torch.int32)
+def round_stochastically_(value: Tensor) -> Tensor:
+    """A contiguous float32 `value`, in place, rounded to one of its two bfloat16 neighbours,
+    the upper one with probability (distance to the lower) / (their gap): random low 16 bits
+    added to the float32 pattern, then truncated (sign-magnitude makes it right for negatives
+    too); a copy into bfloat16 is then exact. The noise, one draw an element in order from
+    torch's generator, is the only temporary (4 bytes an element)."""
+    bits = value.view(torch.int32)
     noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device)
-    out.copy_(noise.add_(bits).bitwise_and_(-65536).view(torch.float32))  # the sum in place
+    bits.add_(noise).bitwise_and_(-65536)
+    return value
+
+
+def stochastic_round_(out: Tensor, value: Tensor) -> None:
+    """`out` (bfloat16) <- float32 `value` rounded stochastically (`round_stochastically_`)."""
+    out.copy_(round_stochastically_(value.contiguous()))
 
 
 def add_update(param: Tensor, update: Tensor, mode: str, state: dict[str, Any],
@@ -62,6 +82,72 @@ def add_update(param: Tensor, update: Tensor, mode: str, state: dict[str, Any],
         comp.copy_(total.sub_(param.float()))
     else:
         raise ValueError(f"unknown update compensation {mode!r}")
+
+
+def add_updates(params: list[Tensor], update: Tensor, parts: list[Tensor], mode: str,
+                comps: list[Tensor] | None, decay: float = 0.0) -> None:
+    """`add_update` over a chunk: `params` flat pieces of weights of one dtype, `update` the
+    chunk's flat float32 update (consumed) and `parts` its view of each piece, `comps` the
+    pieces' Kahan buffers ("kahan"). The same operations in the same order, so the same bits;
+    one more float32 temporary of the chunk (the weights' copy), as `add_update` has."""
+    if params[0].dtype != torch.bfloat16:
+        if decay:
+            torch._foreach_add_(parts, params, alpha=-decay)
+        torch._foreach_add_(params, parts)
+        return
+    weight, copies = buffer([n.numel() for n in parts], update)
+    torch._foreach_copy_(copies, params)
+    if decay:
+        update.add_(weight, alpha=-decay)
+    update.add_(weight)
+    if mode == "kahan" and comps is not None:
+        torch._foreach_copy_(copies, comps)
+        update.add_(weight)
+        torch._foreach_copy_(params, parts)  # round to nearest; what that lost goes to the buffer
+        torch._foreach_copy_(copies, params)
+        update.sub_(weight)
+        torch._foreach_copy_(comps, parts)
+        return
+    del weight, copies
+    if mode == "stochastic_rounding":
+        round_stochastically_(update)
+    elif mode != "none":
+        raise ValueError(f"unknown update compensation {mode!r}")
+    torch._foreach_copy_(params, parts)
+
+
+def kernel_steps(kernel: Kernel, group: dict[str, Any], params: list[Tensor],
+                 grads: list[Tensor], states: list[dict[str, Any]], dtype: torch.dtype | None,
+                 mode: str, limit: int, views: Views) -> None:
+    """The unprojected exact step of GaLore's and APOLLO's optimizers (an AdamW kernel on a
+    zeroed scratch, the float32 -N times lr added by `add_update`) over chunks of whole
+    tensors of at most `limit` elements (the fused kernel's bits depend on where a tensor
+    starts: modifiers/multi_tensor.py), a larger tensor alone. `dtype`: the moments' (None:
+    the gradients'); `params` and `grads` as this rank holds them."""
+    lr, decay = group["lr"], group["lr"] * group["weight_decay"]
+    for p, g, st in zip(params, grads, states, strict=True):
+        if "exp_avg" not in st:
+            st.update(step=0, exp_avg=torch.zeros_like(g, dtype=dtype or g.dtype),
+                      exp_avg_sq=torch.zeros_like(g, dtype=dtype or g.dtype))
+        if mode == "kahan" and p.dtype == torch.bfloat16 and KAHAN not in st:
+            st[KAHAN] = torch.zeros_like(p)
+    index = {id(p): i for i, p in enumerate(params)}
+    for same in alike(params, dict(zip(params, states, strict=True))):
+        at = [index[id(p)] for p in same]
+        run_states, run_grads = [states[i] for i in at], [grads[i] for i in at]
+        moments = {k: [st[k] for st in run_states] for k in ("exp_avg", "exp_avg_sq")}
+        comps = [st[KAHAN] for st in run_states] if KAHAN in run_states[0] else None
+        for chunk in chunks([p.numel() for p in same], limit, whole=True):
+            exp_avg = views.pieces(moments["exp_avg"], chunk)
+            exp_avg_sq = views.pieces(moments["exp_avg_sq"], chunk)
+            pieces = [{"step": run_states[i]["step"], "exp_avg": m, "exp_avg_sq": v}
+                      for (i, _, _), m, v in zip(chunk, exp_avg, exp_avg_sq, strict=True)]
+            update, parts = kernel_update(kernel, group, fresh_pieces(run_grads, chunk),
+                                          pieces, chunk, dtype)
+            add_updates(views.pieces(same, chunk), update.mul_(lr), parts, mode,
+                        None if comps is None else views.pieces(comps, chunk), decay)
+            for i, _, _ in chunk:
+                run_states[i]["step"] += 1
 
 
 def restore_dtypes(optimizer: torch.optim.Optimizer, load: Callable[[dict[str, Any]], None],
@@ -102,15 +188,57 @@ class ParamwiseOptimizer(torch.optim.Optimizer):
 
 class AdamW(ParamwiseOptimizer):
     """AdamW for bf16-true weights: moments in `state_dtype`, each update computed in float32
-    and added by `add_update` with `compensation`. Decoupled weight decay, as torch's AdamW."""
+    and added by `add_update` with `compensation`. Decoupled weight decay, as torch's AdamW.
+    `update_chunk` > 0: the same arithmetic in multi-tensor ops over chunks of at most that
+    many elements (`add_updates`), bitwise the same; 0: one parameter at a time."""
 
     def __init__(self, params: Iterable[Any], *, lr: float,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, state_dtype: str = "float32",
-                 compensation: str = "none") -> None:
+                 compensation: str = "none", update_chunk: int = 0) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay})
         self.dtype, self.compensation = STATE_DTYPES[state_dtype], compensation
+        self.chunk, self.views = update_chunk, Views()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if not self.chunk:
+            return super().step(closure)
+        loss = None if closure is None else closure()
+        with torch.no_grad():
+            for group in self.param_groups:
+                params = [p for p in group["params"] if p.grad is not None]
+                for p in params:
+                    self._count(p)
+                for same in alike(params, self.state):
+                    self._chunked(group, same)
+        self.views.done()
+        return loss
+
+    def _count(self, p: Tensor) -> None:
+        """A step of p's state: made at its first (zero moments), its counter advanced."""
+        st = self.state[p]
+        if not st:
+            st["step"] = 0
+            st["exp_avg"] = torch.zeros_like(p, dtype=self.dtype)
+            st["exp_avg_sq"] = torch.zeros_like(p, dtype=self.dtype)
+            if self.compensation == "kahan" and p.dtype == torch.bfloat16:
+                st[KAHAN] = torch.zeros_like(p)
+        st["step"] += 1
+
+    def _chunked(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        """`_update`'s arithmetic over parameters of one dtype and step count, by chunks."""
+        states = [self.state[p] for p in params]
+        grads = [p.grad for p in params]
+        kept = {k: [st[k] for st in states] for k in ("exp_avg", "exp_avg_sq")}
+        comps = [st[KAHAN] for st in states] if KAHAN in states[0] else None
+        step, decay = states[0]["step"], group["lr"] * group["weight_decay"]
+        for chunk in chunks([p.numel() for p in params], self.chunk):
+            update, parts = adam_update(
+                fresh_pieces(grads, chunk), self.views.pieces(kept["exp_avg"], chunk),
+                self.views.pieces(kept["exp_avg_sq"], chunk), chunk, step, group)
+            add_updates(self.views.pieces(params, chunk), update, parts, self.compensation,
+                        None if comps is None else self.views.pieces(comps, chunk), decay)
 
     def _update(self, group: dict[str, Any], p: Tensor) -> None:
         (b1, b2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
@@ -124,8 +252,7 @@ class AdamW(ParamwiseOptimizer):
         m = st["exp_avg"].float().lerp_(g, 1 - b1)  # the state itself when float32
         v = st["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
         del g  # each float32 temporary goes as soon as it is used: see add_update
-        st["exp_avg"].copy_(m)
-        st["exp_avg_sq"].copy_(v)
+        keep_rounded(st, {"exp_avg": m, "exp_avg_sq": v})
         denom = v.div(1 - b2 ** st["step"]).sqrt_().add_(group["eps"])
         del v
         update = torch.div(m, denom, out=denom).mul_(-lr / (1 - b1 ** st["step"]))
@@ -133,14 +260,34 @@ class AdamW(ParamwiseOptimizer):
         add_update(p, update, self.compensation, st, lr * wd)
 
 
-def own_optimizer_kwargs(train: Any) -> dict[str, Any]:
+def keep_rounded(st: dict[str, Any], values: dict[str, Tensor]) -> None:
+    """States updated in float32 copies, copied back where a state is not that copy itself
+    (a float32 state's `.float()` is the state: no copy onto itself)."""
+    for key, value in values.items():
+        if st[key] is not value:
+            st[key].copy_(value)
+
+
+def alike(params: list[Tensor], state: Any) -> list[list[Tensor]]:
+    """`params` in runs that one multi-tensor op can take: the same dtype and step count
+    (their bias corrections are one scalar), each contiguous (flat views); order kept."""
+    runs: dict[tuple[Any, ...], list[Tensor]] = {}
+    for p in params:
+        key = (p.dtype, p.device, state[p].get("step"), p.is_contiguous())
+        runs.setdefault(key, []).append(p)
+    return list(runs.values())
+
+
+def own_optimizer_kwargs(train: Any, chunked: bool = False) -> dict[str, Any]:
     """`state_dtype` and `compensation` for the harness's own optimizers (GaLore's and those
-    built on it): bf16-true only; state_dtype None where the moments follow the bf16 weights."""
+    built on it): bf16-true only; state_dtype None where the moments follow the bf16 weights.
+    `chunked`: with `update_chunk`, for an optimizer that takes multi-tensor updates."""
     if train.precision != "bf16-true":
         return {}
     dtype = STATE_DTYPES[train.state_dtype]
+    chunk = {"update_chunk": train.update_chunk} if chunked else {}
     return {"state_dtype": None if dtype == torch.bfloat16 else dtype,
-            "compensation": train.update_compensation}
+            "compensation": train.update_compensation, **chunk}
 
 
 def pure_adamw(groups: list[dict[str, Any]], train: Any, betas: tuple[float, float],
@@ -153,4 +300,5 @@ def pure_adamw(groups: list[dict[str, Any]], train: Any, betas: tuple[float, flo
         import optimi
 
         return optimi.AdamW(groups, **common, kahan_sum=mode == "kahan")
-    return AdamW(groups, **common, state_dtype=train.state_dtype, compensation=mode)
+    return AdamW(groups, **common, state_dtype=train.state_dtype, compensation=mode,
+                 update_chunk=train.update_chunk)
