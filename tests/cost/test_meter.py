@@ -204,21 +204,28 @@ def test_mfu_divides_every_ranks_tokens_by_every_ranks_peak(monkeypatch, tmp_pat
         trainer.close()
 
 
-@pytest.mark.parametrize(("name", "bf16", "fp32"), [
-    ("NVIDIA H100 80GB HBM3", 989e12, 67e12),  # SXM
-    ("NVIDIA H100 PCIe", 756e12, 51e12),
-    ("NVIDIA H100 NVL", 835e12, 60e12),
-    ("NVIDIA H200", 989e12, 67e12),
-    ("NVIDIA H200 NVL", 835e12, 60e12),
-    ("NVIDIA A100-SXM4-80GB", 312e12, 19.5e12),
-    ("Tesla T4", None, None),
+@pytest.mark.parametrize(("name", "bf16", "fp32", "tf32"), [
+    ("NVIDIA H100 80GB HBM3", 989e12, 67e12, 494.7e12),  # SXM; TF32 989.4 with sparsity
+    ("NVIDIA H100 PCIe", 756e12, 51e12, 378e12),
+    ("NVIDIA H100 NVL", 835e12, 60e12, 417.5e12),
+    ("NVIDIA H200", 989e12, 67e12, 494.7e12),
+    ("NVIDIA H200 NVL", 835e12, 60e12, 417.5e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12, 19.5e12, 156e12),
+    ("NVIDIA L40S", 362e12, 91.6e12, 183e12),
+    ("Tesla T4", None, None, None),
 ])
-def test_the_peak_is_the_named_parts_own(monkeypatch, name, bf16, fp32):
-    """Matched by the device's name: a PCIe or NVL part gets its own peak, not the SXM one."""
+def test_the_peak_is_the_named_parts_own(monkeypatch, name, bf16, fp32, tf32):
+    """Matched by the device's name: a PCIe or NVL part gets its own peak, not the SXM one.
+    TF32 (dense, from the datasheets) applies to 32-true's float32 matmuls only; by default
+    the peak follows torch's switch (tests/modifiers/test_kernels.py)."""
     monkeypatch.setattr(meter.torch.cuda, "get_device_name", lambda device=None: name)
     cuda = torch.device("cuda")
     assert peak_flops(cuda, "bf16-true") == bf16 and peak_flops(cuda, "16-mixed") == bf16
     assert peak_flops(cuda, "32-true") == fp32
+    assert peak_flops(cuda, "32-true", tf32=True) == tf32
+    assert peak_flops(cuda, "32-true", tf32=False) == fp32
+    assert peak_flops(cuda, "bf16-true", tf32=True) == bf16
+    assert peak_flops(CPU, "32-true", tf32=True) is None
 
 
 def test_a_padded_llama_presets_flops_follow_its_mlp_width():
@@ -245,23 +252,3 @@ def test_the_trials_model_is_built_at_its_model_options_width():
     padded = pretrain.build(load_run({**micro_run(), "model_options": {"mlp_multiple_of": 64}}))[0]
     assert padded.config.intermediate_size == 192
     assert flops_per_token(padded, 32) - flops_per_token(plain, 32) == 6 * 2 * 3 * 64 * 16
-
-
-@pytest.mark.parametrize(("name", "tf32", "fp32"), [
-    ("NVIDIA H100 80GB HBM3", 494.7e12, 67e12),  # SXM: 989.4 with sparsity
-    ("NVIDIA H100 PCIe", 378e12, 51e12),
-    ("NVIDIA H100 NVL", 417.5e12, 60e12),
-    ("NVIDIA H200", 494.7e12, 67e12),
-    ("NVIDIA A100-SXM4-80GB", 156e12, 19.5e12),
-    ("NVIDIA L40S", 183e12, 91.6e12),
-    ("Tesla T4", None, None),
-])
-def test_tf32_matmuls_are_measured_against_the_tf32_peak(monkeypatch, name, tf32, fp32):
-    """Dense TF32 from the datasheets (no sparsity). It applies to 32-true's float32 matmuls
-    only (tests/modifiers/test_kernels.py: by default the peak follows torch's switch)."""
-    monkeypatch.setattr(meter.torch.cuda, "get_device_name", lambda device=None: name)
-    cuda = torch.device("cuda")
-    assert peak_flops(cuda, "32-true", tf32=True) == tf32
-    assert peak_flops(cuda, "32-true", tf32=False) == fp32
-    assert peak_flops(cuda, "bf16-true", tf32=True) == peak_flops(cuda, "bf16-true")
-    assert peak_flops(CPU, "32-true", tf32=True) is None
