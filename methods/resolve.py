@@ -55,6 +55,10 @@ def check_modifiers(run: RunConfig) -> None:
     terms = build_method(run).check(run)
     if terms.refusal:
         raise UserError(f"method {run.method_name}: {terms.refusal}")
+    if terms.in_backward and run.train.compile:
+        raise UserError(f"method {run.method_name} with train.compile: its INT8 layers update "
+                        "inside backward, which a compiled graph cannot trace; use "
+                        "train.compile: false")
     if run.train.parallel == "fsdp":
         check_fsdp(run, terms.fsdp)
 

@@ -58,6 +58,12 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_a_kill_mid_save_leaves_the_previous_whole",
     "test_wandb_logs_offline_into_the_run_folder",  # wandb's service process
     "test_compile_trains_the_same_model",  # torch.compile runs the C++ compiler
+    # tests/train/test_compile.py's trainings: inductor's C++ build
+    "test_compiled_losses_equal_eager_within_the_measured_spread",
+    "test_compiled_layerwise_updates_keep_their_memory_saving",
+    "test_a_compiled_checkpoint_loads_into_an_eager_model_and_back",
+    "test_a_second_identical_trial_reads_the_first_ones_compiled_graphs",
+    "test_compile_time_is_reported_apart_from_tok_s",
     "test_an_8bit_kernel_is_loaded_before_the_first_step",  # a fresh process
     # `harness bench gpu`: its smoke run and a part killed at its cap
     "test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left",

@@ -55,6 +55,7 @@ REGISTRY: tuple[Metric, ...] = (
     Metric("grad_norm", "grad norm", "", ".3g", objective=True, status=True, report=True,
            live="train"),  # before clipping, the mean over logged steps; layer-wise: none
     Metric("mfu", "MFU", "", ".1%", direction="maximize", at_start=True),
+    Metric("compile_s", "compile s", "s", ",.1f", field=False),  # train.compile's first step
     Metric("peak_memory_bytes", "peak memory", "bytes", BYTES, across_seeds="max",
            objective=True, status=True, report=True, at_start=True),  # live tensors
     Metric("peak_rss_bytes", "peak RSS", "bytes", BYTES, across_seeds="max", status=True,

@@ -353,6 +353,11 @@ class Common(Strict):
                 "applied the layers whose gradients came first; use bf16-mixed, or turn "
                 "layerwise off"
             )
+        if self.train.compile and self.memory.offloaded:
+            raise ValueError(
+                "train.compile with memory.offload: offload's saved-tensor hooks cannot be "
+                "traced into a compiled layer; use memory.recompute, or train.compile: false"
+            )
         return self
 
 

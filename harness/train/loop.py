@@ -48,7 +48,7 @@ class Trainer:
         self.method, self.warnings = setup.method(run, self.steps, model)  # warnings: summary
         self.model, self.offloader = setup.modifiers(model, self.method, run, self.device)
         self.sharded = setup.parallelize(self.model, run, self.steps, self.device)
-        self.loss = setup.compile_loss(self.data, run.train)
+        self.loss = setup.compile_model(self.model, self.data, run.train, rec.out)
         self.optimizer, self.precision = setup.optimizer(self.method, self.model, run,
                                                          self.device, self.sharded)
         self.build_s = time.perf_counter() - built  # model, method and optimizer: not launching
@@ -118,6 +118,7 @@ class Trainer:
         self.offloaded = 0  # activation bytes moved to the host, over the steps run here
         self.first_step = self.step
         self.first_step_at: float | None = None  # set as `fit` starts
+        self.first_s: float | None = None  # the first step's seconds, compilation included
         self.window: list[torch.Tensor] = []  # this rank's step losses since the last log
         self.grad_norm: torch.Tensor | None = None  # this step's, on a step a line logs
         self.eval_every = self.run.eval.every or (self.data.steps_per_epoch or 0)  # glue: epochs
@@ -264,7 +265,7 @@ class Trainer:
     def _time(self, step: Step) -> None:
         self.meter.add(self.step_tokens)
         if step.number == self.first_step + 1:  # one-off costs: the first step is not steady
-            self.meter.lap(steady=step.last)
+            self.first_s = self.meter.lap(steady=step.last)[0]
 
     def _logged(self, number: int) -> bool:
         return number % self.run.train.log_every == 0 or number == self.run.train.steps
@@ -367,6 +368,7 @@ class Trainer:
             **self.last_eval,
             **self.best,
             "tokens_per_s": tps,
+            **self._compile_s(),
             "grad_norm": self.grad_norms[0] / self.grad_norms[1] if self.grad_norms[1] else None,
             "mfu": mfu,
             "processes": self.steps.world,
@@ -377,6 +379,15 @@ class Trainer:
             **meter.peak_memory(self.device),
             **({"warnings": self.warnings} if self.warnings else {}),
         }
+
+    def _compile_s(self) -> dict[str, float]:
+        """train.compile: the first step's time beyond a steady step's (all of it when it was
+        the only step), the one-off cost tokens_per_s leaves out."""
+        if not self.run.train.compile or self.first_s is None:
+            return {}
+        ran, m = self.step - self.first_step, self.meter
+        steady = m.train_s / m.tokens * self.step_tokens if ran > 1 and m.tokens else 0.0
+        return {"compile_s": max(0.0, self.first_s - steady)}
 
     def _offloaded(self) -> dict[str, float]:
         """Activation bytes moved to the host per step: what offload took off the device."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from harness.modifiers import recompute
 from harness.modifiers.offload import ActivationOffloader
 from harness.modifiers.precision import Precision, pure_bf16
 from harness.modifiers.recompute import decoder_layers
-from harness.train import finetune, pretrain
+from harness.train import compiled, finetune, pretrain
 
 Data = pretrain.LMData | finetune.GlueData
 Loss = Callable[[nn.Module, Any], torch.Tensor]
@@ -98,10 +99,14 @@ def parallelize(built: nn.Module, run: RunConfig, steps: Steps, device: torch.de
     return True
 
 
-def compile_loss(data: Data, t: TrainConfig) -> Loss:
-    """Forward and loss in one compiled graph when `compile` is on; the model itself, its
-    state_dict and hooks unchanged."""
-    return torch.compile(data.loss) if t.compile else data.loss
+def compile_model(built: nn.Module, data: Data, t: TrainConfig, out: Path) -> Loss:
+    """`compile` on: each decoder layer compiled in place (after recompute wrapped it) and the
+    data's head loss (harness/train/compiled.py), with inductor's cache in the sweep's folder
+    or `out`; the loss the loop calls, whose modules and state_dict keys stay the eager ones."""
+    if t.compile:
+        compiled.keep_cache(out)
+    compiled.apply(built, data, t.compile)
+    return data.loss
 
 
 def optimizer(chosen: Method, built: nn.Module, run: RunConfig, device: torch.device,

@@ -84,16 +84,6 @@ def test_parallelize_shards_nothing_in_one_process():
     assert all(p is before[n] for n, p in model.named_parameters())  # the same tensors
 
 
-def test_compile_wraps_the_loss_only_when_asked():
-    data = built(run_of())[2]
-    try:
-        assert setup.compile_loss(data, run_of().train) == data.loss
-        compiled = setup.compile_loss(data, run_of(compile=True).train)
-        assert compiled != data.loss and compiled._torchdynamo_orig_callable == data.loss
-    finally:
-        data.close()
-
-
 @pytest.mark.parametrize("method", ["full", "lora", "galore"])
 def test_optimizer_groups_hold_every_trainable_parameter_once(method):
     run = run_of(method)

@@ -157,7 +157,7 @@ def test_schedule_warms_up_then_decays_to_the_floor():
 
 
 def test_compile_trains_the_same_model(tmp_path):
-    """train.compile runs forward and loss as one compiled graph: the same losses (to float
+    """train.compile compiles each decoder layer and the loss: the same losses (to float
     rounding) and a checkpoint with the same keys as the eager run."""
     runs = {c: load_run(micro_run(steps=3, compile=c, keep_final="full")) for c in (False, True)}
     summaries = {c: train(r, tmp_path / str(c)) for c, r in runs.items()}
