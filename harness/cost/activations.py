@@ -11,19 +11,24 @@ layer, d hidden, i intermediate, h heads, a the activation's bytes (4 fp32, 2 un
 - the MLP keeps gate, silu(gate), up and their product (a·i each), and its input as above
   (gate and up: two copies under autocast);
 - autocast also keeps a 2-byte copy of every float linear weight until that linear's backward;
-- the head keeps the final norm's three, the lm_head input and log-softmax's fp32 output (4V a
-  predicted token); at the start of backward two more V-wide fp32 gradients live beside them.
+- the head and the loss (harness/train/lm_loss.py, `head_bytes`) keep the final norm's three,
+  the lm_head input, the logits in their dtype (aV a token, the model's own tensor: no sliced
+  copy, no fp32 one) and a 4-byte log-sum-exp; at the start of backward the logits' gradient
+  (aV) lives beside them, with the fp32 work on an eighth of the tokens. With `loss_chunk` c
+  no logits are kept, only the hidden state: a chunk's logits, their fp32 work and gradient
+  (about 10cV bytes under bf16) and the head's gradients are the start's; liger's fused loss
+  keeps none either and makes the hidden state's and the head's gradients in forward.
 That is 40d + 16i + 4h + 8 bytes a token and layer in fp32 and 34d + 8i + 4h + 8 under
 autocast. Under bf16-true (the whole model bf16, methods/widths.py) there are no autocast
 copies, each norm keeps a fp32 copy of its bf16 input, the inverse root and its bf16 output,
 everything else a layer keeps is 2 bytes but the log-sum-exp: 24d + 8i + 4h + 8; the residual
-stream, its gradients and RoPE's cos/sin are 2 bytes too, the head's log-softmax stays fp32.
-Forward peaks while the loss is computed: all of it, the weight copies autocast
-caches but nothing saved, and logits, their shifted copy, its fp32 cast and log-softmax's
-output (12V a token). A method changes the linears (`Memory.linears`); recompute keeps only a
-recomputed module's input and adds one layer's activations back while that layer's backward
-runs; offload moves the offloaded modules' saved tensors of all but the last layer off a GPU
-and brings one layer back ahead of backward. A step's peak is then the method's weights,
+stream, its gradients and RoPE's cos/sin are 2 bytes too, the loss's log-sum-exp stays fp32.
+Forward peaks while the loss is computed: all of it, the weight copies autocast caches but
+nothing saved, and the loss's pieces, fewer bytes than the start of backward's. A method
+changes the linears (`Memory.linears`); recompute keeps only a recomputed module's input
+and adds one layer's activations back while that layer's backward runs; offload moves the
+offloaded modules' saved tensors of all but the last layer off a GPU and brings one layer
+back ahead of backward. A step's peak is then the method's weights,
 states and extras plus the largest of: the start of backward, the last layer's and the first
 layer's backward (with every gradient above it), and all gradients with one weight's update's
 temporaries (`Memory.update_bytes`: bf16-true's float32 updates); gradients of earlier
@@ -46,6 +51,10 @@ from harness.models import architecture, head_shape
 # torch 2.11 sizes them (8.125 MiB on older GPUs: there this overstates by 48 MiB). They stay
 # allocated after every run, so every steady-step peak on the device includes them.
 CUBLAS_WORKSPACES = 2 * 32 * 2**20
+
+# the pretraining loss (harness/train/lm_loss.py) does the float32 work on a micro-batch's whole
+# logits in this many pieces of its tokens
+LOSS_PIECES = 8
 
 KIND_LINEARS = {"attention": TARGETS[:4], "mlp": TARGETS[4:], "norm": ()}
 
@@ -70,11 +79,6 @@ class Dims:
     @property
     def tokens(self) -> int:
         return self.batch * self.seq_len
-
-    @property
-    def predicted(self) -> int:
-        """Tokens with a next token to predict: the loss drops each sequence's last."""
-        return self.batch * (self.seq_len - 1)
 
 
 def dims(run: RunConfig, shapes: Shapes) -> Dims:
@@ -148,7 +152,7 @@ def activations(run: RunConfig, shapes: Shapes, memory: Memory, device: str) -> 
     """`device` "cpu" keeps offloaded tensors in the same memory (nothing is saved there)."""
     d, m = dims(run, shapes), run.memory
     w = widths(run)
-    autocast, a, r, t = w.autocast, w.activation, w.weight, d.tokens  # r: the residual stream's
+    autocast, r, t = w.autocast, w.weight, d.tokens  # r: the residual stream's
     kinds = ("norm", "attention", "mlp")
     saves = {k: kind_bytes(d, k, w, memory) * t for k in kinds}
     copies = {k: weight_copies(shapes, memory, k) if autocast else 0 for k in kinds}
@@ -164,19 +168,45 @@ def activations(run: RunConfig, shapes: Shapes, memory: Memory, device: str) -> 
     offloaded = sum(kept[k] for k in m.offloaded) if device != "cpu" else 0
     rope = 2 * d.seq_len * d.head_dim * r  # cos and sin, in the model's dtype
     layers = d.layers * layer - (d.layers - 1) * offloaded + rope
-    head = (norm_bytes(d, w, memory) + a * d.hidden) * t
-    head += 4 * d.vocab * d.predicted + (weight_copies(shapes, memory, None) if autocast else 0)
+    head, loss = head_bytes(run, d, w, memory, shapes)
     # the autocast cache holds trained float weights' copies through forward, saved or not
     cached = sum(copies[k] for k in recomputed) * d.layers if memory.linears == "float" else 0
     grads = 2 * r * d.hidden * t  # the hidden state's gradient, and its residual branch's
     return Activations(
-        start=layers + head + 8 * d.vocab * d.predicted + cached,
+        start=layers + head + loss + cached,
         top=layers + offloaded + full - layer + grads,
         bottom=full + rope + grads,
         micro_batches=memory.steps.accumulation,
         workspace=CUBLAS_WORKSPACES if device != "cpu" else 0,
         update=memory.update_bytes(shapes, run),
     )
+
+
+def head_bytes(run: RunConfig, d: Dims, w: Widths, memory: Memory,
+               shapes: Shapes) -> tuple[int, int]:
+    """The final norm's, the head's and the loss's bytes (harness/train/lm_loss.py): those kept
+    through forward, and those beside them at the start of backward, its peak. The float32 work
+    on logits (a copy of non-float32 ones, then their exp) runs a piece of the tokens at a
+    time: an eighth of them, or a `loss_chunk` of them, whose logits are made again."""
+    a, t, v, h = w.activation, d.tokens, d.vocab, d.hidden
+    norm = norm_bytes(d, w, memory) * t
+    fp32 = 4 if a == 4 else 8  # bytes an element of the float32 work on a piece's logits
+    cast = 2 * v * h if w.autocast else 0  # the weight in autocast's dtype, for its matmuls
+    if run.model_options.kernels == "liger":
+        # its forward makes the hidden state's and the weight's gradients, beside one chunk's
+        # logits (its chunks hold at most about twice the hidden state's elements)
+        return norm + w.weight * h * t, w.weight * (h * t + v * h) + cast + 2 * a * h * t
+    chunk = run.train.loss_chunk
+    if not chunk:  # the head's input and the logits kept, their gradient at the start
+        copies = weight_copies(shapes, memory, None) if w.autocast else 0
+        pieces = fp32 * v * -(-t // LOSS_PIECES)
+        return norm + (a * h + a * v + 4) * t + copies, a * v * t + pieces
+    c = min(chunk, t)
+    # beside the hidden state's and the weight's (float32) gradients, the larger of a chunk's
+    # logits with their float32 work, and its logits and their gradient with the chunk's share
+    # of the weight's gradient (a float32 copy of it where it is not float32, as it is added)
+    work = max((a + fp32) * v * c, 2 * a * v * c + a * v * h + (4 * v * h if a != 4 else 0))
+    return norm + (w.weight * h + 4) * t, w.weight * h * t + 4 * v * h + cast + work
 
 
 def tied(shapes: Shapes) -> bool:

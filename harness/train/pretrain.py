@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from harness import distributed
@@ -20,6 +19,7 @@ from harness.data.loader import IGNORE, Prefetcher, to_batch
 from harness.models import build_model
 from harness.modifiers.kernels import use_kernels
 from harness.modifiers.precision import Precision
+from harness.train import lm_loss
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # token ids, labels (IGNORE where padded)
 
@@ -31,15 +31,12 @@ def build(run: RunConfig) -> tuple[nn.Module, Any]:
     return use_kernels(built, run), tok
 
 
-def loss_sum(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token loss over real targets: token-weighted means need sums, not means."""
-    logits = model(input_ids=ids).logits
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(),
-        labels[:, 1:].flatten(),
-        ignore_index=IGNORE,
-        reduction="sum",
-    )
+def loss_sum(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+             loss: lm_loss.HeadLoss = lm_loss.cross_entropy_sum,
+             from_hidden: bool = False) -> torch.Tensor:
+    """Summed next-token loss over real targets: token-weighted means need sums, not means.
+    `loss` and `from_hidden` as lm_loss.head_loss gives them (train.loss_chunk, kernels)."""
+    return lm_loss.next_token_loss(model, ids, labels, loss, from_hidden)
 
 
 class LMData:
@@ -53,6 +50,9 @@ class LMData:
         self.stream = BlockStream(run.task, tok, run.seed)
         self.prefetch: Prefetcher | None = None
         self._eval: list[tuple[np.ndarray, int]] | None = None
+        # after the model's last hidden state; `train.compile` compiles it in place
+        self.head_loss, self.from_hidden = lm_loss.head_loss(run.train.loss_chunk,
+                                                             run.model_options.kernels)
 
     def next(self) -> tuple[Batch, int]:
         if self.prefetch is None:
@@ -65,7 +65,7 @@ class LMData:
         return (batch[1][:, 1:] != IGNORE).sum()
 
     def loss(self, net: nn.Module, batch: Batch) -> torch.Tensor:
-        return loss_sum(net, *batch)
+        return loss_sum(net, *batch, self.head_loss, self.from_hidden)
 
     def state(self) -> Any:
         return self.prefetch.state() if self.prefetch else self.stream.state()
@@ -97,7 +97,7 @@ class LMData:
             ids, labels = to_batch(self._eval[i : i + batch], pin=False)
             ids, labels = ids.to(self.device), labels.to(self.device)
             with precision.autocast():
-                loss = loss_sum(model, ids, labels).double()
+                loss = loss_sum(model, ids, labels, self.head_loss, self.from_hidden).double()
             if j < len(mine):
                 total += loss
                 count += int((labels[:, 1:] != IGNORE).sum())

@@ -27,6 +27,11 @@ CASES = {  # label -> (METHODS entry, --set overrides)
     "lora bf16-true recompute mlp": ("lora", {**BF16_TRUE, "memory.recompute": ["mlp"]}),
     "galore bf16-true": ("galore", BF16_TRUE),
     "qgalore bf16-true": ("qgalore", BF16_TRUE),
+    # the loss by chunks of tokens (harness/train/lm_loss.py): 64 of 512 at llama_tiny, and
+    # under bf16 16 (its weight-gradient moment is the larger) and 64 (its float32 work)
+    "full loss_chunk 64": ("full", {"train.loss_chunk": 64}),
+    "full bf16 loss_chunk 16": ("full", {"train.precision": "bf16", "train.loss_chunk": 16}),
+    "full bf16-true loss_chunk 64": ("full", {**BF16_TRUE, "train.loss_chunk": 64}),
 }
 # The quick tier keeps a diagonal: every method, precision and modifier of CASES at least once
 # (bf16-mixed with LoRA, bf16-true with Kahan and with bfloat16 states, recompute full and mlp,
@@ -34,7 +39,8 @@ CASES = {  # label -> (METHODS entry, --set overrides)
 QUICK = {"test_estimated_peak_is_within_5_percent_of_a_measured_step": {
     (case,) for case in ("lora bf16", "lowrank fp32", "galore recompute full",
                          "full accumulation 2", "full bf16-true kahan",
-                         "lora bf16-true recompute mlp", "qgalore bf16-true")}}
+                         "lora bf16-true recompute mlp", "qgalore bf16-true",
+                         "full bf16 loss_chunk 16")}}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -85,7 +91,7 @@ def test_bf16_true_updates_hold_two_float32_copies_of_the_largest_weight(tmp_pat
 
 
 def test_bf16_true_keeps_about_half_of_fp32s_activation_bytes_and_no_autocast_copies():
-    """Everything is 2 bytes but each norm's fp32 input and the head's fp32 log-softmax."""
+    """Everything is 2 bytes but each norm's fp32 input and the loss's fp32 log-sum-exp."""
     shapes = param_shapes("llama_60m", 8192)
     runs = [method_run("full", "llama_60m", 3, 256, 16, o)
             for o in ({}, {"train.precision": "bf16"}, BF16_TRUE)]  # fmt: skip
@@ -101,6 +107,22 @@ def test_recompute_and_offload_lower_the_estimated_peak_and_offload_only_on_a_gp
     assert peak({"memory.recompute": "full"}) < peak({"memory.recompute": ["mlp"]}) < plain
     offload = {"memory.offload": ["mlp", "attention"]}
     assert peak(offload) < plain and peak(offload, "cpu") == peak({}, "cpu")
+
+
+def test_the_loss_by_chunks_and_ligers_fused_loss_lower_the_start_of_backward():
+    """llama_60m, 16 x 256 tokens, 32000-token vocabulary, bf16: the logits and their gradient
+    (2 bytes each, 524 MB) and the float32 work on an eighth of them (131 MB) at loss_chunk 0
+    become a 256-token chunk's (10 bytes a logit, 82 MB) beside the head's gradients (98 MB);
+    liger keeps no logits either."""
+    shapes = param_shapes("llama_60m", 32000)
+
+    def start(overrides):
+        run = method_run("full", "llama_60m", 3, 256, 16, {"train.precision": "bf16", **overrides})
+        return activations(run, shapes, build_memory(run), "cuda").start
+
+    whole, chunked = start({}), start({"train.loss_chunk": 256})
+    liger = start({"model_options.kernels": "liger"})
+    assert whole - chunked > 2 * 2 * 4096 * 32000 * 0.8 and liger < chunked
 
 
 def test_bf16_keeps_fewer_activation_bytes_than_fp32_but_not_half():
