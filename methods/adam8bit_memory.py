@@ -31,8 +31,12 @@ class Adam8bitMemory(Memory):
     def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
         """bitsandbytes' AdamW8bit updates in place (its CPU fallback's own temporaries, five or
         six float32 copies of a tensor at bitsandbytes 0.50, are not counted: CUDA's kernel
-        makes none); GaLore's optimizer in its stead as `Memory.update_bytes`."""
+        makes none); GaLore's optimizer in its stead as `Memory.update_bytes`, one weight at
+        a time (its 8-bit kernel takes no chunks)."""
         return super().update_bytes(shapes, run) if own_kernel(run) else 0
+
+    def updated_alone(self, name: str, shape: tuple[int, ...], run: RunConfig) -> bool:
+        return True
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         return self.estimate_sharded(shapes, run, 1)

@@ -40,6 +40,10 @@ class APOLLOMemory(GaLoreMemory):
     def linears(self) -> str:  # type: ignore[override]
         return "quantized" if self.config.int8_weights else "float"
 
+    def updated_alone(self, name: str, shape: tuple[int, ...], run: RunConfig) -> bool:
+        """INT8 weights' optimizer updates one weight at a time; else as GaLore's."""
+        return self.config.int8_weights or super().updated_alone(name, shape, run)
+
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         return self.estimate_sharded(shapes, run, 1)
 

@@ -214,7 +214,7 @@ class APOLLOOptimizer(torch.optim.Optimizer):
         if self.exact and self.chunk:  # by chunks: a chunk's float32 temporaries
             kernel_steps(self.scaling.adam, group, [Rows(p).local for p in params],
                          [Rows(p.grad).local for p in params], states,
-                         self.scaling.state_dtype, self.compensation, self.chunk, self.views)
+                         self.scaling.state_dtype, self.compensation, self.chunk)
             return
         if self.exact:  # one weight at a time: one weight's float32 temporaries, not all
             for p, st in zip(params, states, strict=True):

@@ -33,8 +33,14 @@ if TYPE_CHECKING:
 @register_memory("galore")
 class GaLoreMemory(Memory):
     bench: ClassVar[dict[str, Any]] = {"rank": 16}
+    whole_chunks = True  # the unprojected path's fused kernel: whole tensors in a chunk
     variants: ClassVar[dict[str, dict[str, Any]]] = {
         "galore_8bit_layerwise": {"method": "galore", "rank": 16, "optimizer": "adam8bit"}}
+
+    def updated_alone(self, name: str, shape: tuple[int, ...], run: RunConfig) -> bool:
+        """Projected weights, and every weight of an inner optimizer other than AdamW (whose
+        unprojected updates alone go by chunks)."""
+        return self.config.targeted(name, shape) or self.config.optimizer != "adamw"
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         return self.estimate_sharded(shapes, run, 1)

@@ -14,8 +14,9 @@ Layer-wise under gradient accumulation, `fold` keeps ΣR instead of ΣG between 
 (projection is linear), except on the steps that refresh the basis (docs/methods.md#galore).
 Under bf16-true with float32 states or an update compensation, the moments run in `state_dtype`
 and each update comes back in float32 to be added by modifiers/compensation.add_update (one
-full-size temporary per weight); with bfloat16 states and `none`, the fused path above is the
-reference code's arithmetic.
+full-size temporary per weight; the unprojected weights by multi-tensor chunks of whole
+tensors, `update_chunk`, compensation.kernel_steps); with bfloat16 states and `none`, the
+fused path above is the reference code's arithmetic.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         if self.exact and self.chunk:  # by chunks: a chunk's temporaries
             kernel_steps(self.adam, group, [Rows(p).local for p in params],
                          [Rows(p.grad).local for p in params], states, self.state_dtype,
-                         self.compensation, self.chunk, self.views)
+                         self.compensation, self.chunk)
             return
         if self.exact and self.inner != "adafactor":  # one weight at a time: its temporaries
             for p, st, n in zip(params, states, sizes, strict=True):

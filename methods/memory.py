@@ -72,12 +72,25 @@ class Memory:
         states of another shape, or whole on every rank, overrides this."""
         return self.estimate(row_shards(shapes, world), run)
 
+    # Whether the multi-tensor chunks of this method's optimizer hold whole tensors (the
+    # fused AdamW kernel of GaLore's and APOLLO's unprojected path) rather than cut them.
+    whole_chunks: ClassVar[bool] = False
+
     def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
-        """Bytes one weight's update holds beside the gradients at the step: where a bf16-true
-        update is computed in float32 (`float32_update`), the update and the weight's float32
-        copy (modifiers/compensation.add_update), of the largest weight (this default: every
-        tensor trained so); 0 where kernels update the weights in place."""
-        return update_bytes([numel(s) for s in shapes.values()], run)
+        """Bytes the update holds beside the gradients at the step: where a bf16-true update
+        is computed in float32 (`float32_update`), the update and the weights' float32 copy
+        (modifiers/compensation.add_update) of what is updated at once: a chunk of at most
+        `train.update_chunk` elements (`add_updates`), or one weight (update_chunk 0, and the
+        tensors `updated_alone`); 0 where kernels update the weights in place."""
+        alone = [numel(s) for n, s in shapes.items() if self.updated_alone(n, tuple(s), run)]
+        chunked = [numel(s) for n, s in shapes.items()
+                   if not self.updated_alone(n, tuple(s), run)]
+        return update_bytes(chunked, run, alone, self.whole_chunks)
+
+    def updated_alone(self, name: str, shape: tuple[int, ...], run: RunConfig) -> bool:
+        """Whether the step updates this tensor on its own, whatever `train.update_chunk` (a
+        projected or orthogonalized matrix; this default: none, every tensor by chunks)."""
+        return False
 
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryEstimate:
         """Bytes counted from the real tensors after a step: gradient bytes are those in `.grad`
@@ -103,9 +116,21 @@ def float32_update(run: RunConfig) -> bool:
                                            or t.update_compensation != "none")
 
 
-def update_bytes(sizes: list[int], run: RunConfig) -> int:
-    """`Memory.update_bytes` for trained tensors of `sizes`: two float32 copies of the largest."""
-    return 8 * max(sizes) if float32_update(run) else 0
+def update_bytes(sizes: list[int], run: RunConfig, alone: Collection[int] = (),
+                 whole: bool = False) -> int:
+    """`Memory.update_bytes` for trained tensors of `sizes` updated by chunks and of `alone`
+    updated one at a time: two float32 copies of the most that is updated at once. A chunk
+    holds min(update_chunk, what one step of one optimizer takes: every tensor, or one
+    tensor when layer-wise); `whole`, chunks never cut a tensor, so a larger one is a chunk
+    alone. update_chunk 0: the largest tensor."""
+    if not float32_update(run):
+        return 0
+    chunk, largest = run.train.update_chunk, max([*sizes, *alone], default=0)
+    if not chunk:
+        return 8 * largest
+    together = max(sizes, default=0) if run.memory.layerwise else sum(sizes)
+    at_once = max(min(chunk, together), *alone, max(sizes, default=0) if whole else 0)
+    return 8 * at_once
 
 
 def grad_bytes_of(sizes: list[int], layerwise: bool, accumulation: int, width: int = 4,

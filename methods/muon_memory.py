@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 @register_memory("muon")
 class MuonMemory(Memory):
+    def updated_alone(self, name: str, shape: tuple[int, ...], run: RunConfig) -> bool:
+        return is_hidden(name, shape)  # orthogonalized matrix by matrix; AdamW's by chunks
+
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         """One momentum per hidden matrix element at the state width (and its Kahan buffer);
         the other tensors as AdamW keeps them (full's `adam_bytes`)."""

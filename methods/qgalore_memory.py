@@ -37,6 +37,9 @@ class QGaLoreMemory(GaLoreMemory):
     def linears(self) -> str:  # type: ignore[override]
         return "float" if self.config.simulate else "quantized"
 
+    def updated_alone(self, name: str, shape: tuple[int, ...], run: RunConfig) -> bool:
+        return True  # its optimizer updates one weight at a time
+
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         c, w = self.config, widths(run)
         weights = state = extra = 0

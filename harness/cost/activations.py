@@ -30,8 +30,9 @@ and adds one layer's activations back while that layer's backward runs; offload 
 offloaded modules' saved tensors of all but the last layer off a GPU and brings one layer
 back ahead of backward. A step's peak is then the method's weights,
 states and extras plus the largest of: the start of backward, the last layer's and the first
-layer's backward (with every gradient above it), and all gradients with one weight's update's
-temporaries (`Memory.update_bytes`: bf16-true's float32 updates); gradients of earlier
+layer's backward (with every gradient above it), and all gradients with the update's
+temporaries (`Memory.update_bytes`: bf16-true's float32 updates, of one chunk of
+train.update_chunk elements or one weight); gradients of earlier
 micro-batches live through later ones. Checked against whole steps: tests/
 test_activations.py and `harness bench memory` (docs/benchmarks.md).
 """

@@ -23,7 +23,6 @@ from harness.modifiers.multi_tensor import (
     Kernel,
     Views,
     adam_update,
-    buffer,
     chunks,
     fresh_pieces,
     kernel_update,
@@ -84,41 +83,43 @@ def add_update(param: Tensor, update: Tensor, mode: str, state: dict[str, Any],
         raise ValueError(f"unknown update compensation {mode!r}")
 
 
-def add_updates(params: list[Tensor], update: Tensor, parts: list[Tensor], mode: str,
-                comps: list[Tensor] | None, decay: float = 0.0) -> None:
-    """`add_update` over a chunk: `params` flat pieces of weights of one dtype, `update` the
-    chunk's flat float32 update (consumed) and `parts` its view of each piece, `comps` the
-    pieces' Kahan buffers ("kahan"). The same operations in the same order, so the same bits;
-    one more float32 temporary of the chunk (the weights' copy), as `add_update` has."""
+def add_updates(params: list[Tensor], update: list[Tensor], mode: str,
+                comps: list[Tensor] | None, decay: float, scratch: list[Tensor]) -> None:
+    """`add_update` over a chunk: `params` pieces of weights of one dtype, `update` their
+    float32 updates (consumed), `comps` their Kahan buffers ("kahan"), `scratch` float32
+    tensors of their shapes to hold the weights' copy (emptied here: freed when the caller
+    holds no other reference). The same operations in the same order, so the same bits."""
     if params[0].dtype != torch.bfloat16:
         if decay:
-            torch._foreach_add_(parts, params, alpha=-decay)
-        torch._foreach_add_(params, parts)
+            torch._foreach_add_(update, params, alpha=-decay)
+        torch._foreach_add_(params, update)
         return
-    weight, copies = buffer([n.numel() for n in parts], update)
-    torch._foreach_copy_(copies, params)
+    weight = list(scratch)
+    scratch.clear()
+    torch._foreach_copy_(weight, params)
     if decay:
-        update.add_(weight, alpha=-decay)
-    update.add_(weight)
+        torch._foreach_add_(update, weight, alpha=-decay)
+    torch._foreach_add_(update, weight)
     if mode == "kahan" and comps is not None:
-        torch._foreach_copy_(copies, comps)
-        update.add_(weight)
-        torch._foreach_copy_(params, parts)  # round to nearest; what that lost goes to the buffer
-        torch._foreach_copy_(copies, params)
-        update.sub_(weight)
-        torch._foreach_copy_(comps, parts)
+        torch._foreach_copy_(weight, comps)
+        torch._foreach_add_(update, weight)
+        torch._foreach_copy_(params, update)  # round to nearest; what that lost goes to the buffer
+        torch._foreach_copy_(weight, params)
+        torch._foreach_sub_(update, weight)
+        torch._foreach_copy_(comps, update)
         return
-    del weight, copies
+    del weight
     if mode == "stochastic_rounding":
-        round_stochastically_(update)
+        for u in update:  # one draw a piece, in order: the generator's sequence of the whole
+            round_stochastically_(u)
     elif mode != "none":
         raise ValueError(f"unknown update compensation {mode!r}")
-    torch._foreach_copy_(params, parts)
+    torch._foreach_copy_(params, update)
 
 
 def kernel_steps(kernel: Kernel, group: dict[str, Any], params: list[Tensor],
                  grads: list[Tensor], states: list[dict[str, Any]], dtype: torch.dtype | None,
-                 mode: str, limit: int, views: Views) -> None:
+                 mode: str, limit: int) -> None:
     """The unprojected exact step of GaLore's and APOLLO's optimizers (an AdamW kernel on a
     zeroed scratch, the float32 -N times lr added by `add_update`) over chunks of whole
     tensors of at most `limit` elements (the fused kernel's bits depend on where a tensor
@@ -134,20 +135,14 @@ def kernel_steps(kernel: Kernel, group: dict[str, Any], params: list[Tensor],
     index = {id(p): i for i, p in enumerate(params)}
     for same in alike(params, dict(zip(params, states, strict=True))):
         at = [index[id(p)] for p in same]
-        run_states, run_grads = [states[i] for i in at], [grads[i] for i in at]
-        moments = {k: [st[k] for st in run_states] for k in ("exp_avg", "exp_avg_sq")}
-        comps = [st[KAHAN] for st in run_states] if KAHAN in run_states[0] else None
         for chunk in chunks([p.numel() for p in same], limit, whole=True):
-            exp_avg = views.pieces(moments["exp_avg"], chunk)
-            exp_avg_sq = views.pieces(moments["exp_avg_sq"], chunk)
-            pieces = [{"step": run_states[i]["step"], "exp_avg": m, "exp_avg_sq": v}
-                      for (i, _, _), m, v in zip(chunk, exp_avg, exp_avg_sq, strict=True)]
-            update, parts = kernel_update(kernel, group, fresh_pieces(run_grads, chunk),
-                                          pieces, chunk, dtype)
-            add_updates(views.pieces(same, chunk), update.mul_(lr), parts, mode,
-                        None if comps is None else views.pieces(comps, chunk), decay)
-            for i, _, _ in chunk:
-                run_states[i]["step"] += 1
+            idx = [at[i] for i, _, _ in chunk]
+            update, scratch = kernel_update(kernel, group, [grads[i] for i in idx],
+                                            [states[i] for i in idx], dtype)
+            torch._foreach_mul_(update, lr)
+            comps = [states[i][KAHAN] for i in idx] if KAHAN in states[idx[0]] else None
+            add_updates([params[i] for i in idx], update, mode, comps, decay, scratch)
+            del update, scratch  # not alive beside the next chunk's
 
 
 def restore_dtypes(optimizer: torch.optim.Optimizer, load: Callable[[dict[str, Any]], None],
@@ -234,11 +229,13 @@ class AdamW(ParamwiseOptimizer):
         comps = [st[KAHAN] for st in states] if KAHAN in states[0] else None
         step, decay = states[0]["step"], group["lr"] * group["weight_decay"]
         for chunk in chunks([p.numel() for p in params], self.chunk):
-            update, parts = adam_update(
+            update, scratch = adam_update(
                 fresh_pieces(grads, chunk), self.views.pieces(kept["exp_avg"], chunk),
-                self.views.pieces(kept["exp_avg_sq"], chunk), chunk, step, group)
-            add_updates(self.views.pieces(params, chunk), update, parts, self.compensation,
-                        None if comps is None else self.views.pieces(comps, chunk), decay)
+                self.views.pieces(kept["exp_avg_sq"], chunk), step, group)
+            add_updates(self.views.pieces(params, chunk), update, self.compensation,
+                        None if comps is None else self.views.pieces(comps, chunk), decay,
+                        scratch)
+            del update, scratch  # not alive beside the next chunk's
 
     def _update(self, group: dict[str, Any], p: Tensor) -> None:
         (b1, b2), lr, wd = group["betas"], group["lr"], group["weight_decay"]

@@ -2,16 +2,16 @@
 `torch._foreach_*` ops over chunks of at most `update_chunk` elements instead of one parameter
 at a time, for the optimizers that add their updates with modifiers/compensation.py.
 
-A chunk holds flat pieces of the tensors it updates: several small tensors, or a slice of a
-large one, so that its float32 temporaries are bounded by the chunk, not by the largest weight.
-Its temporaries are flat buffers, split into one view per piece; the weights', the states' and
-the Kahan buffers' flat views are kept between steps (`Views`), so a step makes views of its
-fresh gradients only. On the CPU every elementwise kernel used here gives the same bits wherever
-a tensor is cut, and torch's CPU generator draws stochastic rounding's noise one value an element
-in order: a chunked step is bitwise the per-parameter one (tests/modifiers/test_multi_tensor.py).
-torch's fused AdamW kernel is the exception: its vectorized body and scalar tail round
-differently, so its chunks hold whole tensors (`chunks(..., whole=True)`), a tensor larger than
-the chunk alone in its own.
+A chunk holds pieces of the tensors it updates: several small tensors whole, or a slice of a
+large one (a flat view), so that its float32 temporaries are bounded by the chunk, not by the
+largest weight. The temporaries are lists of one tensor a piece, made by one multi-tensor op
+(a clone of a float32 list of the same shapes, whose values are then overwritten), so that a
+step dispatches a few operators a chunk and views only for the pieces it cuts. On the CPU every
+elementwise kernel used here gives the same bits wherever a tensor is cut, and torch's CPU
+generator draws stochastic rounding's noise one value an element in order: a chunked step is
+bitwise the per-parameter one (tests/modifiers/test_multi_tensor.py). torch's fused AdamW
+kernel is the exception: its vectorized body and scalar tail round differently, so its chunks
+hold whole tensors (`chunks(..., whole=True)`), a tensor larger than the chunk alone.
 """
 
 from __future__ import annotations
@@ -56,108 +56,104 @@ def chunks(sizes: list[int], limit: int, whole: bool = False) -> list[list[Piece
     return out
 
 
-def lengths(chunk: list[Piece]) -> list[int]:
-    return [stop - start for _, start, stop in chunk]
-
-
-def buffer(sizes: list[int], like: Tensor, dtype: torch.dtype = torch.float32,
-           zero: bool = False) -> tuple[Tensor, list[Tensor]]:
-    """A flat temporary of `sizes` elements in all and its view of each (two dispatched ops)."""
-    make = torch.zeros if zero else torch.empty
-    flat = make(sum(sizes), dtype=dtype, device=like.device)
-    return flat, list(flat.split(sizes))
-
-
-def _cut(t: Tensor, start: int, stop: int) -> Tensor:
-    flat = t.view(-1)
-    return flat if start == 0 and stop == flat.numel() else flat[start:stop]
-
-
 class Views:
-    """Flat views of the tensors an optimizer keeps (weights, states, Kahan buffers), made
-    once and reused while the tensor is the same object. A step calls `done` at its end, which
-    forgets the views it did not use (a state replaced by a resume), so that no view keeps an
-    old tensor alive."""
+    """The pieces of the tensors an optimizer keeps (weights, states, Kahan buffers): a whole
+    tensor itself; a slice of a cut one from its flat view, kept while the tensor is the same
+    object and sliced again each step, so that each step's operators read the whole tensor
+    (which the CPU's tensor-peak timeline, harness/cost/tensor_peak.py, sizes it by). A step
+    calls `done` at its end, which forgets the views it did not use (a state replaced by a
+    resume), so that no view keeps an old tensor alive."""
 
     def __init__(self) -> None:
-        self._kept: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
-        self._used: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
+        self._kept: dict[int, tuple[Tensor, Tensor]] = {}
+        self._used: dict[int, tuple[Tensor, Tensor]] = {}
 
     def pieces(self, tensors: list[Tensor], chunk: list[Piece]) -> list[Tensor]:
         return [self._piece(tensors[i], start, stop) for i, start, stop in chunk]
 
     def _piece(self, t: Tensor, start: int, stop: int) -> Tensor:
-        key = (id(t), start, stop)
-        hit = self._used.get(key) or self._kept.get(key)
+        if start == 0 and stop == t.numel():
+            return t
+        hit = self._used.get(id(t)) or self._kept.get(id(t))
         if hit is None or hit[0] is not t:
-            hit = (t, _cut(t, start, stop))
-        self._used[key] = hit
-        return hit[1]
+            hit = (t, t.view(-1))
+        self._used[id(t)] = hit
+        return hit[1][start:stop]
 
     def done(self) -> None:
         self._kept, self._used = self._used, {}
 
 
 def fresh_pieces(tensors: list[Tensor], chunk: list[Piece]) -> list[Tensor]:
-    """Flat pieces of tensors that are new each step (gradients): not kept."""
-    return [_cut(tensors[i], start, stop) for i, start, stop in chunk]
+    """The pieces of tensors that are new each step (gradients)."""
+    return [tensors[i] if start == 0 and stop == tensors[i].numel()
+            else tensors[i].view(-1)[start:stop] for i, start, stop in chunk]
+
+
+def float32_like(pieces: list[Tensor]) -> list[Tensor]:
+    """New float32 tensors shaped as `pieces`, to be overwritten: one clone of a float32 list
+    (one dispatched op), else one empty tensor a piece."""
+    if pieces[0].dtype == torch.float32:
+        return list(torch._foreach_clone(pieces))
+    return [torch.empty_like(t, dtype=torch.float32) for t in pieces]
 
 
 def adam_update(grads: list[Tensor], exp_avg: list[Tensor], exp_avg_sq: list[Tensor],
-                chunk: list[Piece], step: int,
-                hyper: dict[str, Any]) -> tuple[Tensor, list[Tensor]]:
+                step: int, hyper: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
     """One chunk of compensation.AdamW's update, in the same float32 operations: the moments
-    (pieces of the states, float32 or bfloat16) updated in place, the flat float32 update
-    (-lr·m̂/(√v̂ + eps)) and its pieces returned. Two float32 temporaries of the chunk at once
-    with float32 moments; with bfloat16 ones, their float32 copies as well."""
+    (pieces of the states, float32 or bfloat16) updated in place; returns the float32 update
+    (-lr·m̂/(√v̂ + eps)) and a float32 scratch of the same shapes (the denominator's, free now).
+    Two float32 temporaries of the chunk at once with float32 moments; with bfloat16 ones,
+    their float32 copies as well."""
     (b1, b2), lr, eps = hyper["betas"], hyper["lr"], hyper["eps"]
-    sizes = lengths(chunk)
-    g, g_parts = buffer(sizes, grads[0])
-    torch._foreach_copy_(g_parts, grads)
-    m, v, m_flat, v_flat = exp_avg, exp_avg_sq, None, None
+    g = float32_like(exp_avg)
+    torch._foreach_copy_(g, grads)
+    m, v = exp_avg, exp_avg_sq
     if exp_avg[0].dtype != torch.float32:  # arithmetic on float32 copies, then rounded back
-        m_flat, m = buffer(sizes, g)
-        v_flat, v = buffer(sizes, g)
+        m, v = float32_like(g), float32_like(g)
         torch._foreach_copy_(m, exp_avg)
         torch._foreach_copy_(v, exp_avg_sq)
-    torch._foreach_lerp_(m, g_parts, 1 - b1)
+    torch._foreach_lerp_(m, g, 1 - b1)
     torch._foreach_mul_(v, b2)
-    torch._foreach_addcmul_(v, g_parts, g_parts, value=1 - b2)
+    torch._foreach_addcmul_(v, g, g, value=1 - b2)
     if m is not exp_avg:
         torch._foreach_copy_(exp_avg, m)
         torch._foreach_copy_(exp_avg_sq, v)
-    denom = g  # the gradient's float32 copy is used up: its buffer takes the denominator
-    torch._foreach_copy_(g_parts, v)
-    del v, g_parts, v_flat
-    denom.div_(1 - b2**step).sqrt_().add_(eps)
+    denom = g  # the gradient's float32 copy is used up: it takes the denominator
+    torch._foreach_copy_(denom, v)
+    del v, g
+    torch._foreach_div_(denom, 1 - b2**step)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
     if m is exp_avg:
-        update, parts = buffer(sizes, denom)
-        torch._foreach_copy_(parts, m)
-    else:
-        update, parts = m_flat, m
-    del m, m_flat
-    update.div_(denom).mul_(-lr / (1 - b1**step))
-    return update, parts
+        update = list(torch._foreach_div(m, denom))
+    else:  # m is a float32 copy: divided in place
+        torch._foreach_div_(m, denom)
+        update = m
+    del m
+    torch._foreach_mul_(update, -lr / (1 - b1**step))
+    return update, denom
 
 
 def kernel_update(kernel: Kernel, group: dict[str, Any], grads: list[Tensor],
-                  states: list[dict[str, Any]], chunk: list[Piece],
-                  dtype: torch.dtype | None) -> tuple[Tensor, list[Tensor]]:
-    """One chunk of whole tensors through an AdamW kernel on a zeroed scratch (lr 1, no
-    decay), which leaves -N there, as GaLore's and APOLLO's unprojected exact path does weight
-    by weight: `grads` are flat pieces, cast to `dtype` (the moments' dtype, None: as they are),
-    `states` one dict of flat moment views per piece (their counters advanced by the caller).
-    Returns the float32 -N and its pieces."""
-    sizes = lengths(chunk)
+                  states: list[dict[str, Any]],
+                  dtype: torch.dtype | None) -> tuple[list[Tensor], list[Tensor]]:
+    """Whole tensors through an AdamW kernel on a zeroed scratch (lr 1, no decay), which leaves
+    -N there, as GaLore's and APOLLO's unprojected exact path does weight by weight: `grads`
+    cast to `dtype` (the moments' dtype, None: as they are), `states` the tensors' own, their
+    moments made (the kernel advances them). Returns the float32 -N and a float32 scratch of
+    the same shapes."""
+    cast = None
     if dtype is not None and grads[0].dtype != dtype:
-        grads_in = grads
-        _, grads = buffer(sizes, grads_in[0], dtype)  # its views keep it, until `del grads`
-        torch._foreach_copy_(grads, grads_in)
-        del grads_in
-    update, out = buffer(sizes, grads[0], grads[0].dtype, zero=True)
-    kernel(group, out, grads, states, 1.0, 0.0)
+        cast = list(torch._foreach_clone([st["exp_avg"] for st in states]))
+        torch._foreach_copy_(cast, grads)
+        grads = cast
+    update = list(torch._foreach_clone(grads))
+    torch._foreach_zero_(update)
+    kernel(group, update, grads, states, 1.0, 0.0)
     del grads
-    if update.dtype != torch.float32:
-        update = update.float()
-        out = list(update.split(sizes))
-    return update, out
+    if update[0].dtype != torch.float32:
+        update = [u.float() for u in update]
+    if cast is None or cast[0].dtype != torch.float32:  # no float32 copy to reuse
+        cast = list(torch._foreach_clone(update))
+    return update, cast

@@ -66,28 +66,52 @@ UPDATES = {  # label -> (METHODS entry, --set overrides): each float32 update pa
 }
 
 
-@pytest.mark.parametrize("case", UPDATES)
-def test_bf16_true_updates_hold_two_float32_copies_of_the_largest_weight(tmp_path, case):
-    """A LLaMA whose 8192 × 256 head and embedding are most of it, 1 × 16 tokens, bf16-true:
-    the activations are a few hundred kB, so the step's peak is the gradients plus one weight's
-    update (`Memory.update_bytes`). Measured: 1.0000 for full, GaLore and
-    Muon, 1.0012 for Adam-mini; without the update's temporaries the estimate falls 2 (Adam-mini
-    3) float32 copies of the head short, 8.4 MB each: measured / estimated 1.25-1.84. Before
-    the updates were made in one-dtype arithmetic (modifiers/compensation.add_update) they held
-    5 to 7 copies on a CPU."""
+def head_heavy_run(tmp_path, case, chunk):
+    """A LLaMA whose 8192 × 256 head and embedding (2.1M elements each) are most of it, 1 × 16
+    tokens, bf16-true: the activations are a few hundred kB, so the step's peak is the
+    gradients plus the update's temporaries (`Memory.update_bytes`)."""
     from transformers import LlamaConfig
 
     LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=1,
                 num_attention_heads=4, vocab_size=SAMPLE_VOCAB, rms_norm_eps=1e-6,
                 ).save_pretrained(tmp_path / "head_heavy")
     label, overrides = UPDATES[case]
-    run = method_run(label, str(tmp_path / "head_heavy"), 3, 16, 1,
-                     {"device": "cpu", "train.precision": "bf16-true", **overrides})
+    return method_run(label, str(tmp_path / "head_heavy"), 3, 16, 1,
+                      {"device": "cpu", "train.precision": "bf16-true",
+                       "train.update_chunk": chunk, **overrides})
+
+
+# update_chunk: one weight at a time; by chunks of 1M elements (under the head's 2.1M); the
+# default (16.8M: every tensor of this model at once)
+CHUNKS = {"weight by weight": 0, "1M chunks": 1 << 20, "default chunks": 1 << 24}
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("case", UPDATES)
+def test_bf16_true_updates_hold_two_float32_copies_of_what_they_update_at_once(tmp_path,
+                                                                              case, chunk):
+    """Two float32 copies of the largest weight one weight at a time, of min(chunk, every
+    tensor the chunks take) by chunks (projected and orthogonalized matrices, Adam-mini's and
+    8-bit kernels' tensors: one at a time still). Without the update's temporaries the
+    estimate falls 2 (Adam-mini 3) float32 copies of the head short, 8.4 MB each: measured /
+    estimated 1.25-1.84. Before the updates were made in one-dtype arithmetic
+    (modifiers/compensation.add_update) they held 5 to 7 copies on a CPU."""
+    run = head_heavy_run(tmp_path, case, CHUNKS[chunk])
     measured, _ = measured_peak(run)
     # measured: under 0.0015; layer-wise 1.0035, its head's update running inside backward
     # beside activations that the estimate's step moment leaves out
     tolerance = 0.01 if run.memory.layerwise else 0.005
     assert abs(measured / estimated_peak(run) - 1) <= tolerance
+
+
+def test_chunks_smaller_than_the_head_lower_the_measured_and_estimated_peak(tmp_path):
+    """full, 1M-element chunks against one weight at a time: the head's two float32 copies
+    (16.8 MB) become two of 1M elements (8.4 MB), in the measured peak as in the estimate."""
+    runs = [head_heavy_run(tmp_path, "full (AdamW)", c) for c in (0, 1 << 20)]
+    (whole, _), (chunked, _) = (measured_peak(r) for r in runs)
+    saved = 8 * (SAMPLE_VOCAB * 256 - (1 << 20))
+    assert abs((whole - chunked) / saved - 1) <= 0.01
+    assert estimated_peak(runs[0]) - estimated_peak(runs[1]) == saved
 
 
 def test_bf16_true_keeps_about_half_of_fp32s_activation_bytes_and_no_autocast_copies():
