@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import micro_model, micro_run, train_losses
+from conftest import assert_two_processes_train_as_one, micro_model, micro_run, train_losses
 
 from harness.data.loader import IGNORE
 from harness.errors import UserError
@@ -255,3 +255,13 @@ def test_training_with_loss_chunk_gives_the_same_losses(tmp_path, monkeypatch):
     for step, loss in losses[0].items():
         assert abs(losses[16][step] / loss - 1) <= 1e-5
     assert abs(summaries[16]["eval_loss"] / summaries[0]["eval_loss"] - 1) <= 1e-5
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_with_loss_chunk_train_as_one(tmp_path, parallel):
+    """The chunked loss reads the head's weight outside the model's forward: DDP still reduces
+    its gradient (the forward ran through DDP's wrapper), and under fsdp the root's gathered
+    weight is the one read and its gradient is reduce-scattered; 2 ranks log one process's
+    losses."""
+    data = micro_run(steps=3, total_batch_size=8, loss_chunk=16, parallel=parallel)
+    assert_two_processes_train_as_one(data, tmp_path)
