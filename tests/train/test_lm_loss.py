@@ -164,15 +164,30 @@ def model_losses(model, loss, from_hidden, ids, labels):
     return value, torch.autograd.grad(value, params)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_a_model_gives_the_same_loss_and_gradients_from_its_hidden_state(tied):
-    """llama_micro, its head separate or tied to the embedding: loss_chunk 16 reads the last
-    hidden state (the head's input, taken in a forward where the head gets no tokens) and
-    the head's weight; the forward leaves no hook behind."""
+def qwen2_tied():
+    """A small Qwen2 (grouped-query attention, biased q/k/v, head tied to the embedding)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+
+
+def llama_tied():
     model = micro_model()
-    if tied:
-        model.config.tie_word_embeddings = True
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+@pytest.mark.parametrize("build", [micro_model, llama_tied, qwen2_tied],
+                         ids=["llama_micro", "llama_micro tied", "qwen2 tied"])
+def test_a_model_gives_the_same_loss_and_gradients_from_its_hidden_state(build):
+    """A head separate or tied to the embedding: loss_chunk 16 reads the last hidden state (the
+    head's input, taken in a forward where the head gets no tokens) and the head's weight; the
+    forward leaves no hook behind."""
+    model = build()
     ids = torch.randint(0, model.config.vocab_size, (2, 32))
     labels = ids.clone()
     labels[1, 20:] = IGNORE
