@@ -48,11 +48,12 @@ def _diagonal() -> set[tuple[str, str]]:
 
 
 QUICK = {"test_each_layer_and_the_loss_trace_as_one_graph": _diagonal()}  # rest: integration
-# Compiled against eager, llama_micro, 3 layer-wise steps: the losses differed by at most one
-# float32 ulp (1.1e-7 relative; the eval loss by 3.7e-8), ten times that is the tolerance; the
-# peak of live tensors was 1.7% below eager's (llama_tiny: 0.9% below, where compiling forward
-# and loss as one graph was 10% above), the slack for a compiled peak above eager's is 2%.
-LOSS_RTOL = 1e-6
+# Compiled against eager, llama_tiny, layer-wise, one sequence a step (the trainings below): the
+# step losses differed by up to 4.3e-7 relative over 3 steps, the eval loss by 3.8e-8, so the
+# tolerance is ten times the largest, rounded up. The peak of live tensors was 0.6% below
+# eager's, where compiling forward and loss as one graph was 17% above (as high as without
+# layer-wise updates): a compiled peak may exceed eager's by 2%.
+LOSS_RTOL = 5e-6
 PEAK_SLACK = 0.02
 
 
@@ -70,27 +71,28 @@ def calls(model: torch.nn.Module, data: Any) -> dict[str, tuple[tuple, dict]]:
     first = decoder_layers(model)[0]
     handle = first.register_forward_pre_hook(
         lambda _, args, kwargs: seen.setdefault("layer0", (args, kwargs)), with_kwargs=True)
-    head = data.head_loss
+    head = getattr(data, "head_loss", None)  # GLUE's classifier loss: none, eager
 
     def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
         seen.setdefault("loss", (args, kwargs))
-        return head(*args, **kwargs)
+        return head(*args, **kwargs)  # type: ignore[misc]
 
-    data.head_loss = recorded
+    if head is not None:
+        data.head_loss = recorded
     try:
         data.loss(model, data.next()[0])
     finally:
         handle.remove()
-        data.head_loss = head
+        if head is not None:
+            data.head_loss = head
     return seen
 
 
-@pytest.mark.parametrize(("method", "modifier"), CASES, ids=[f"{m}-{x}" for m, x in CASES])
-def test_each_layer_and_the_loss_trace_as_one_graph(method, modifier):
-    """Dynamo traces the first decoder layer (after recompute wrapped it and the method
-    prepared it; every layer is the same code) and the head loss without a graph break, as
-    `fullgraph=True` then compiles them."""
-    run = load_run(run_config(method, modifier))
+def assert_traced(config: dict[str, Any], names: set[str]) -> None:
+    """Dynamo traces the first layer (after recompute wrapped it and the method prepared it;
+    every layer is the same code) and the head loss without a graph break, as `fullgraph=True`
+    then compiles them; `names`: the targets, less the other layers."""
+    run = load_run(config)
     steps, device = setup.join(run)
     model, _, data = setup.model(run, steps, device)
     try:
@@ -99,15 +101,27 @@ def test_each_layer_and_the_loss_trace_as_one_graph(method, modifier):
         setup.optimizer(chosen, model, run, device, False)  # layer-wise: its hooks, in place
         compiled.trace_settings()
         seen = calls(model, data)
-        assert set(seen) == {"layer0", "loss"} == set(compiled.targets(model, data)) - {
-            f"layer{i}" for i in range(1, len(decoder_layers(model)))}
         targets = compiled.targets(model, data)
+        assert set(seen) == names == set(targets) - {
+            f"layer{i}" for i in range(1, len(decoder_layers(model)))}
         for name, (args, kwargs) in seen.items():
             explained = torch._dynamo.explain(targets[name])(*args, **kwargs)
             assert explained.graph_break_count == 0, (name, explained.break_reasons)
             assert explained.graph_count == 1, name
     finally:
         data.close()
+
+
+@pytest.mark.parametrize(("method", "modifier"), CASES, ids=[f"{m}-{x}" for m, x in CASES])
+def test_each_layer_and_the_loss_trace_as_one_graph(method, modifier):
+    assert_traced(run_config(method, modifier), {"layer0", "loss"})
+
+
+def test_a_glue_models_layers_trace_as_one_graph():
+    """Fine-tuning's classifier head and loss stay eager; its encoder's layers compile."""
+    data = micro_run(batch_size=4, total_batch_size=4, compile=True)
+    data["task"] = {"kind": "glue", "glue_task": "sample", "tokenizer": "sample", "seq_len": 48}
+    assert_traced(data, {"layer0"})
 
 
 @pytest.mark.parametrize(("method", "memory", "named"), [
@@ -176,8 +190,12 @@ def test_the_compile_step_compiles_in_place_only_when_asked(tmp_path, monkeypatc
 
 
 def trial_config(compile_on: bool) -> dict[str, Any]:
-    """3 steps of llama_micro with layer-wise updates, whose memory saving compile must keep."""
-    data = micro_run(steps=3, compile=compile_on, keep_final="full")
+    """3 steps of llama_tiny with layer-wise updates, whose memory saving compile must keep:
+    one sequence a step (no accumulation, which keeps every gradient until the last
+    micro-batch), so the peak is the update's, not the activations' (llama_micro's are)."""
+    data = micro_run(steps=3, compile=compile_on, keep_final="full", batch_size=1,
+                     total_batch_size=1)
+    data["model"] = "llama_tiny"
     data["eval"] = {"every": 0, "tokens": 256}
     data["memory"] = {"layerwise": True}
     return data
@@ -186,7 +204,7 @@ def trial_config(compile_on: bool) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def trials(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """An eager trial, then two identical compiled ones in one sweep folder (the second reads
-    what the first compiled): their folders, summaries and the second's cache counters."""
+    what the first compiled): their folders, summaries and inductor's cache counters."""
     root = tmp_path_factory.mktemp("compile")
     (root / "sweep.yaml").write_text("name: compile\n")
     folders = {"eager": root / "eager", "t1": root / "trials" / "t1", "t2": root / "trials" / "t2"}
@@ -195,6 +213,7 @@ def trials(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         patch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
         patch.delenv("TRITON_CACHE_DIR", raising=False)
         for name, folder in folders.items():
+            torch._dynamo.reset()  # a trial process starts with no graphs in memory
             counters.clear()
             out[name] = train(load_run(trial_config(name != "eager")), folder)
             out[f"{name}_cache"] = dict(counters["inductor"])
@@ -212,7 +231,7 @@ def test_compiled_losses_equal_eager_within_the_measured_spread(trials):
 def test_compiled_layerwise_updates_keep_their_memory_saving(trials):
     """The peak of live tensors (the profiler's, in a steady step) compiled per layer is the
     eager one's: each layer's backward hands its gradients to the layer-wise hooks as it ends.
-    Compiling forward and loss as one graph made every gradient at once (measured +10% on
+    Compiling forward and loss as one graph made every gradient at once (measured +17% on
     llama_tiny); per layer the peak is within PEAK_SLACK of eager's."""
     eager, compiled_ = trials["eager"], trials["t1"]
     assert compiled_["grad_bytes"] == eager["grad_bytes"]
