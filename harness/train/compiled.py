@@ -23,7 +23,6 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from harness.modifiers.recompute import decoder_layers
 from harness.trials import RunsDir
 
-Loss = Callable[[nn.Module, Any], torch.Tensor]
 CACHE_DIR = "compile_cache"  # inside a sweep's folder, or a lone run's
 
 
