@@ -178,8 +178,15 @@ def head_loss(chunk: int, kernels: str) -> tuple[HeadLoss, bool]:
     (hidden, weight, labels) by `chunk` tokens or liger's fused kernel."""
     if kernels == "liger":
         fused = liger_linear_cross_entropy()
-        return (lambda hidden, weight, labels: fused(hidden.flatten(0, 1), weight,
-                                                     shifted(labels).flatten())), True
+
+        # liger's own Triton kernels, left out of train.compile's graph: nothing to fuse, and
+        # its host read of the target count would break a full graph
+        @torch._dynamo.disable
+        def liger(hidden: torch.Tensor, weight: torch.Tensor,
+                  labels: torch.Tensor) -> torch.Tensor:
+            return fused(hidden.flatten(0, 1), weight, shifted(labels).flatten())
+
+        return liger, True
     if chunk:
         return functools.partial(linear_cross_entropy_sum, chunk=chunk), True
     return cross_entropy_sum, False
