@@ -233,7 +233,7 @@ def test_liger_is_refused_on_the_cpu_and_given_the_hidden_state_and_shifted_targ
     value = lm_loss.next_token_loss(model, ids, ids, loss, from_hidden)
     assert got["hidden"] == (64, model.config.hidden_size)
     assert got["targets"].tolist() == [*ids[0, 1:], IGNORE, *ids[1, 1:], IGNORE]
-    assert abs(float(value) / float(reference(model(input_ids=ids).logits, ids)) - 1) <= 1e-6
+    assert abs(value.item() / reference(model(input_ids=ids).logits, ids).item() - 1) <= 1e-6
 
 
 @pytest.mark.parametrize("chunk", [0, 16])
