@@ -78,8 +78,9 @@ def add_bench(sub: Any, command: Callable[..., Parser]) -> None:
     b.add_argument("--steps", type=positive_int, default=20, help="steps per run (default 20)")
     b.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
     b.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
-    b.add_argument("--precision", choices=["32-true", "bf16-mixed", "fp32", "bf16"],
-                   default="32-true", help="loop: 32-true or bf16-mixed (old names: fp32, bf16)")
+    b.add_argument("--precision", choices=["32-true", "bf16-mixed", "bf16-true", "fp32", "bf16"],
+                   default="32-true", help="loop: 32-true, bf16-mixed or bf16-true (the bare "
+                   "loop's model cast to bfloat16; old names: fp32, bf16)")
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     b.add_argument("--rounds", type=positive_int, default=3,
                    help="alternating rounds (loop, fsdp); trials per launcher (launch)")

@@ -65,7 +65,8 @@ def harness_tokens_per_s(run: RunConfig) -> float:
 
 
 def bare_tokens_per_s(run: RunConfig) -> float:
-    """The loop a user would write by hand: no records, no prefetch, data already in memory."""
+    """The loop a user would write by hand: no records, no prefetch, data already in memory;
+    bf16-true: the model cast to bfloat16, torch's fused AdamW on its weights."""
     t, device = run.train, pick_device(run.device)
     torch.manual_seed(run.seed)
     from harness.data.c4 import load_tokenizer
@@ -73,6 +74,8 @@ def bare_tokens_per_s(run: RunConfig) -> float:
     tok = load_tokenizer(run.task.tokenizer)
     model = build_model(run.model, len(tok), run.task.seq_len, tok.pad_token_id,
                         run.model_options).to(device)
+    if t.precision == "bf16-true":  # as a user writes it: the model in bf16, AdamW on it
+        model = model.to(torch.bfloat16)
     stream = BlockStream(run.task, tok, run.seed)
     batches = [
         to_batch([stream.next_block() for _ in range(t.batch_size)], pin=False)

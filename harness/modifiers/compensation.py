@@ -228,7 +228,8 @@ class AdamW(ParamwiseOptimizer):
         kept = {k: [st[k] for st in states] for k in ("exp_avg", "exp_avg_sq")}
         comps = [st[KAHAN] for st in states] if KAHAN in states[0] else None
         step, decay = states[0]["step"], group["lr"] * group["weight_decay"]
-        for chunk in chunks([p.numel() for p in params], self.chunk):
+        whole = not params[0].is_contiguous()  # no flat view to cut it by
+        for chunk in chunks([p.numel() for p in params], self.chunk, whole):
             update, scratch = adam_update(
                 fresh_pieces(grads, chunk), self.views.pieces(kept["exp_avg"], chunk),
                 self.views.pieces(kept["exp_avg_sq"], chunk), step, group)
@@ -267,7 +268,8 @@ def keep_rounded(st: dict[str, Any], values: dict[str, Tensor]) -> None:
 
 def alike(params: list[Tensor], state: Any) -> list[list[Tensor]]:
     """`params` in runs that one multi-tensor op can take: the same dtype and step count
-    (their bias corrections are one scalar), each contiguous (flat views); order kept."""
+    (their bias corrections are one scalar), contiguous or not (a chunk cuts only those with
+    a flat view); order kept."""
     runs: dict[tuple[Any, ...], list[Tensor]] = {}
     for p in params:
         key = (p.dtype, p.device, state[p].get("step"), p.is_contiguous())

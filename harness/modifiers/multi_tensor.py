@@ -85,9 +85,10 @@ class Views:
 
 
 def fresh_pieces(tensors: list[Tensor], chunk: list[Piece]) -> list[Tensor]:
-    """The pieces of tensors that are new each step (gradients)."""
+    """The pieces of tensors that are new each step (gradients; read only: a strided one is
+    copied flat)."""
     return [tensors[i] if start == 0 and stop == tensors[i].numel()
-            else tensors[i].view(-1)[start:stop] for i, start, stop in chunk]
+            else tensors[i].reshape(-1)[start:stop] for i, start, stop in chunk]
 
 
 def float32_like(pieces: list[Tensor]) -> list[Tensor]:
@@ -119,10 +120,9 @@ def adam_update(grads: list[Tensor], exp_avg: list[Tensor], exp_avg_sq: list[Ten
     if m is not exp_avg:
         torch._foreach_copy_(exp_avg, m)
         torch._foreach_copy_(exp_avg_sq, v)
-    denom = g  # the gradient's float32 copy is used up: it takes the denominator
-    torch._foreach_copy_(denom, v)
-    del v, g
-    torch._foreach_div_(denom, 1 - b2**step)
+    del g  # each float32 temporary goes as soon as it is used
+    denom = list(torch._foreach_div(v, 1 - b2**step))
+    del v
     torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, eps)
     if m is exp_avg:

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from harness.bench.loop import bench_run, optim_table, optim_verdict, report
 from harness.cli import main
@@ -42,6 +43,28 @@ def test_bench_loop_json_record(capfd):
     # How fast is the benchmark's to judge (its verdict); here: the median, judged as it says.
     assert record["ratio"] == statistics.median(r["ratio"] for r in record["rounds"])
     assert record["verdict"] == ("met" if record["ratio"] >= 0.98 else "missed")
+
+
+def test_bench_loop_at_bf16_true_trains_the_bare_model_in_bfloat16(capfd, monkeypatch):
+    """The bare loop as a user writes bf16-true: the model cast to bfloat16, torch's fused
+    AdamW on its bfloat16 weights."""
+    from harness.bench import loop
+
+    seen: list[torch.dtype] = []
+
+    class Recorded(torch.optim.AdamW):
+        def __init__(self, params, **kwargs):
+            params = list(params)
+            seen.extend(p.dtype for p in params)
+            super().__init__(params, **kwargs)
+
+    monkeypatch.setattr(loop.torch.optim, "AdamW", Recorded)
+    argv = ["bench", "loop", "--model", "llama_micro", "--steps", "3", "--seq-len", "32",
+            "--batch-size", "2", "--rounds", "1", "--precision", "bf16-true", "--json"]
+    assert main(argv) == 0
+    (record,) = json.loads(capfd.readouterr().out)
+    assert record["name"] == "loop/llama_micro/bf16-true/cpu"
+    assert seen and set(seen) == {torch.bfloat16}
 
 
 @pytest.mark.parametrize(("ratios", "verdict"), [

@@ -158,6 +158,20 @@ def test_unprojected_updates_by_chunks_have_the_per_parameter_bits(build, states
     assert_same_bits(build, wd=wd, state_dtype=states, compensation=mode)
 
 
+def test_a_strided_weight_is_updated_whole_with_the_same_bits():
+    """A transposed (non-contiguous) weight has no flat view to cut: its chunk holds it whole."""
+    def run(chunk: int) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        params = [torch.randn(64, 33).to(BF16).t(), torch.randn(100).to(BF16)]
+        opt = AdamW(params, lr=1e-2, weight_decay=0.1, compensation="kahan", update_chunk=chunk)
+        train(params, opt)
+        return bits(params, opt)
+
+    assert not torch.randn(3, 2).t().is_contiguous()
+    for a, b in zip(run(0), run(37), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_chunks_are_bounded_and_cover_every_element_once():
     sizes = [3, 10, 1, 25]
     cut = chunks(sizes, 8)
