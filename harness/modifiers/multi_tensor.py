@@ -120,17 +120,16 @@ def adam_update(grads: list[Tensor], exp_avg: list[Tensor], exp_avg_sq: list[Ten
     if m is not exp_avg:
         torch._foreach_copy_(exp_avg, m)
         torch._foreach_copy_(exp_avg_sq, v)
-    del g  # each float32 temporary goes as soon as it is used
-    denom = list(torch._foreach_div(v, 1 - b2**step))
-    del v
+    # Two allocations a step, each reused: a CPU's fresh pages cost more than a pass.
+    denom = g  # the gradient's float32 copy is used up: it takes the denominator
+    torch._foreach_copy_(denom, v)
+    del g, v
+    torch._foreach_div_(denom, 1 - b2**step)
     torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, eps)
-    if m is exp_avg:
-        update = list(torch._foreach_div(m, denom))
-    else:  # m is a float32 copy: divided in place
-        torch._foreach_div_(m, denom)
-        update = m
+    update = list(torch._foreach_clone(m)) if m is exp_avg else m  # m / denom, in place
     del m
+    torch._foreach_div_(update, denom)
     torch._foreach_mul_(update, -lr / (1 - b1**step))
     return update, denom
 

@@ -172,6 +172,20 @@ def test_a_strided_weight_is_updated_whole_with_the_same_bits():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("chunk", [0, 1 << 20])
+def test_the_runs_update_chunk_reaches_full_and_muons_adamw(chunk):
+    """full's bf16-true AdamW, and Muon's for its embeddings, head and vectors (both through
+    full's `adamw`), take train.update_chunk; GaLore's from own_optimizer_kwargs."""
+    from harness.methods.full import AdamConfig, adamw
+    from harness.modifiers.compensation import own_optimizer_kwargs
+
+    run = load_run({**micro_run(precision="bf16-true", update_chunk=chunk)})
+    opt = adamw([{"params": weights()}], run, AdamConfig())
+    assert isinstance(opt, AdamW) and opt.chunk == chunk
+    assert own_optimizer_kwargs(run.train, chunked=True)["update_chunk"] == chunk
+    assert "update_chunk" not in own_optimizer_kwargs(run.train)  # Q-GaLore's, INT8 APOLLO's
+
+
 def test_chunks_are_bounded_and_cover_every_element_once():
     sizes = [3, 10, 1, 25]
     cut = chunks(sizes, 8)
