@@ -14,10 +14,11 @@ layer, d hidden, i intermediate, h heads, a the activation's bytes (4 fp32, 2 un
 - the head and the loss (harness/train/lm_loss.py, `head_bytes`) keep the final norm's three,
   the lm_head input, the logits in their dtype (aV a token, the model's own tensor: no sliced
   copy, no fp32 one) and a 4-byte log-sum-exp; at the start of backward the logits' gradient
-  (aV) lives beside them, with the fp32 work on an eighth of the tokens. With `loss_chunk` c
-  no logits are kept, only the hidden state: a chunk's logits, their fp32 work and gradient
-  (about 10cV bytes under bf16) and the head's gradients are the start's; liger's fused loss
-  keeps none either and makes the hidden state's and the head's gradients in forward.
+  (aV) lives beside them, with the fp32 work on a piece of the tokens (`loss_rows`). With
+  `loss_chunk` c no logits are kept, only the hidden state: a chunk's logits, their fp32 work
+  and gradient (about 10cV bytes under bf16) and the head's gradients are the start's; liger's
+  fused loss keeps none either and makes the hidden state's and the head's gradients in
+  forward.
 That is 40d + 16i + 4h + 8 bytes a token and layer in fp32 and 34d + 8i + 4h + 8 under
 autocast. Under bf16-true (the whole model bf16, methods/widths.py) there are no autocast
 copies, each norm keeps a fp32 copy of its bf16 input, the inverse root and its bf16 output,
@@ -53,9 +54,15 @@ from harness.models import architecture, head_shape
 # allocated after every run, so every steady-step peak on the device includes them.
 CUBLAS_WORKSPACES = 2 * 32 * 2**20
 
-# the pretraining loss (harness/train/lm_loss.py) does the float32 work on a micro-batch's whole
-# logits in this many pieces of its tokens
-LOSS_PIECES = 8
+# the pretraining loss (harness/train/lm_loss.py) does its float32 work on a micro-batch's whole
+# logits in pieces of about this many elements: a bounded float32 temporary, and few enough
+# pieces that their operators do not add up (one piece at a small model's batch)
+LOSS_PIECE = 1 << 24
+
+
+def loss_rows(vocab: int) -> int:
+    """Tokens a piece of the loss's float32 work takes: about `LOSS_PIECE` elements' worth."""
+    return max(1, LOSS_PIECE // vocab)
 
 KIND_LINEARS = {"attention": TARGETS[:4], "mlp": TARGETS[4:], "norm": ()}
 
@@ -188,7 +195,7 @@ def head_bytes(run: RunConfig, d: Dims, w: Widths, memory: Memory,
     """The final norm's, the head's and the loss's bytes (harness/train/lm_loss.py): those kept
     through forward, and those beside them at the start of backward, its peak. The float32 work
     on logits (a copy of non-float32 ones, then their exp) runs a piece of the tokens at a
-    time: an eighth of them, or a `loss_chunk` of them, whose logits are made again."""
+    time: `loss_rows` of them, or a `loss_chunk` of them, whose logits are made again."""
     a, t, v, h = w.activation, d.tokens, d.vocab, d.hidden
     norm = norm_bytes(d, w, memory) * t
     fp32 = 4 if a == 4 else 8  # bytes an element of the float32 work on a piece's logits
@@ -200,7 +207,7 @@ def head_bytes(run: RunConfig, d: Dims, w: Widths, memory: Memory,
     chunk = run.train.loss_chunk
     if not chunk:  # the head's input and the logits kept, their gradient at the start
         copies = weight_copies(shapes, memory, None) if w.autocast else 0
-        pieces = fp32 * v * -(-t // LOSS_PIECES)
+        pieces = fp32 * v * min(t, loss_rows(v))
         return norm + (a * h + a * v + 4) * t + copies, a * v * t + pieces
     c = min(chunk, t)
     # beside the hidden state's and the weight's (float32) gradients, the larger of a chunk's

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness.cost.activations import LOSS_PIECES
+from harness.cost.activations import loss_rows
 from harness.data.loader import IGNORE
 from harness.errors import UserError
 from harness.modifiers.kernels import liger_linear_cross_entropy
@@ -86,8 +86,7 @@ class _CrossEntropySum(torch.autograd.Function):
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token loss of (batch × seq × vocab) logits against unshifted `labels`."""
     flat = logits.flatten(0, 1)
-    rows = -(-flat.shape[0] // LOSS_PIECES)
-    return _CrossEntropySum.apply(flat, shifted(labels).flatten(), rows)
+    return _CrossEntropySum.apply(flat, shifted(labels).flatten(), loss_rows(flat.shape[1]))
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -135,7 +135,7 @@ def test_recompute_and_offload_lower_the_estimated_peak_and_offload_only_on_a_gp
 
 def test_the_loss_by_chunks_and_ligers_fused_loss_lower_the_start_of_backward():
     """llama_60m, 16 x 256 tokens, 32000-token vocabulary, bf16: the logits and their gradient
-    (2 bytes each, 524 MB) and the float32 work on an eighth of them (131 MB) at loss_chunk 0
+    (2 bytes each, 524 MB) and the float32 work on a 524-token piece (134 MB) at loss_chunk 0
     become a 256-token chunk's (10 bytes a logit, 82 MB) beside the head's gradients (98 MB);
     liger keeps no logits either."""
     shapes = param_shapes("llama_60m", 32000)
