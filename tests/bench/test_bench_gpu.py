@@ -24,7 +24,7 @@ from harness.trials import read_json, write_json
 
 def test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left(tmp_path):
     out = tmp_path / "kit"
-    # every smoke cap is 2 minutes: none fits in half a minute
+    # every smoke cap is 3 minutes: none fits in half a minute
     nothing = harness("bench", "gpu", "--out", str(out), "--smoke", "--budget-min", "0.5",
                       cwd=REPO)
     assert nothing.returncode == 3, nothing.stderr
