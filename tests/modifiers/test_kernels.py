@@ -1,5 +1,5 @@
 """harness/modifiers/kernels.py on a CPU: liger is refused in one line where it cannot run (the
-patched model's losses are checked on CUDA: tests/gpu/test_kernels.py), TF32 sets CUDA's
+patched model's losses are checked on CUDA: tests/gpu/test_liger_kernels.py), TF32 sets CUDA's
 switches alone and the meter's peak follows them, and with neither option the model is as
 built."""
 
