@@ -20,6 +20,7 @@ from harness.config import Strict
 from harness.config.steps import Steps
 from harness.distributed.rows import Rows
 from harness.methods.widths import widths
+from harness.modifiers.multi_tensor import update_chunk
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
@@ -125,7 +126,9 @@ def update_bytes(sizes: list[int], run: RunConfig, alone: Collection[int] = (),
     alone. update_chunk 0: the largest tensor."""
     if not float32_update(run):
         return 0
-    chunk, largest = run.train.update_chunk, max([*sizes, *alone], default=0)
+    # the device the estimate is for: a CPU's where the run names one, else a GPU's
+    chunk = update_chunk(run.train, "cpu" if run.device == "cpu" else "cuda")
+    largest = max([*sizes, *alone], default=0)
     if not chunk:
         return 8 * largest
     together = max(sizes, default=0) if run.memory.layerwise else sum(sizes)

@@ -82,7 +82,7 @@ PURE_BF16_KEYS = {"state_dtype": "float32", "update_compensation": "none"}  # ke
 # Train settings added after trials had run: left out of a trial's id at their default, which
 # is what those trials did, so that earlier sweeps' finished trials stay finished.
 LATER_TRAIN_KEYS = {**PURE_BF16_KEYS, "parallel": "ddp", "reshard_after_forward": True,
-                    "update_chunk": 1 << 24, "loss_chunk": 0, "tf32": False}
+                    "update_chunk": None, "loss_chunk": 0, "tf32": False}
 # Method settings added after trials had run, at the value that does what those trials did:
 # left out of a trial's id there, so that earlier sweeps' finished trials stay finished.
 LATER_METHOD_KEYS = {
@@ -119,10 +119,10 @@ class TrainConfig(Strict):
         "none", description="bf16-true: how an update is added to a bf16 weight (none: "
         "round to nearest, as the GaLore reference code does)"
     )
-    update_chunk: int = Field(
-        1 << 24, ge=0, description="bf16-true: elements each multi-tensor update step takes at "
+    update_chunk: int | None = Field(
+        None, ge=0, description="bf16-true: elements each multi-tensor update step takes at "
         "once (torch._foreach_*; its float32 temporaries are 8 bytes an element); 0: one "
-        "parameter at a time"
+        "parameter at a time; default: the device's, 2^20 on a CPU, 2^24 on a GPU"
     )
     loss_scale: LossScaleConfig = LossScaleConfig()
     parallel: Literal["ddp", "fsdp"] = Field(

@@ -47,6 +47,7 @@ from harness.methods.memory import Memory, MemoryEstimate, Shapes, numel
 from harness.methods.surgery import TARGETS, is_target
 from harness.methods.widths import Widths, widths
 from harness.models import architecture, head_shape
+from harness.modifiers.multi_tensor import piece
 
 # cuBLAS workspaces torch allocates on a CUDA device and keeps for the process: one per thread
 # that runs matmuls (the forward's and autograd's backward thread), 32 MiB each on Hopper as
@@ -54,15 +55,10 @@ from harness.models import architecture, head_shape
 # allocated after every run, so every steady-step peak on the device includes them.
 CUBLAS_WORKSPACES = 2 * 32 * 2**20
 
-# the pretraining loss (harness/train/lm_loss.py) does its float32 work on a micro-batch's whole
-# logits in pieces of about this many elements: a bounded float32 temporary, and few enough
-# pieces that their operators do not add up (one piece at a small model's batch)
-LOSS_PIECE = 1 << 24
-
-
-def loss_rows(vocab: int) -> int:
-    """Tokens a piece of the loss's float32 work takes: about `LOSS_PIECE` elements' worth."""
-    return max(1, LOSS_PIECE // vocab)
+def loss_rows(vocab: int, device: str) -> int:
+    """Tokens a piece of the pretraining loss's float32 work on logits takes on `device` (a
+    device type; harness/train/lm_loss.py): about the device's `piece` of elements."""
+    return max(1, piece(device) // vocab)
 
 KIND_LINEARS = {"attention": TARGETS[:4], "mlp": TARGETS[4:], "norm": ()}
 
@@ -176,7 +172,7 @@ def activations(run: RunConfig, shapes: Shapes, memory: Memory, device: str) -> 
     offloaded = sum(kept[k] for k in m.offloaded) if device != "cpu" else 0
     rope = 2 * d.seq_len * d.head_dim * r  # cos and sin, in the model's dtype
     layers = d.layers * layer - (d.layers - 1) * offloaded + rope
-    head, loss = head_bytes(run, d, w, memory, shapes)
+    head, loss = head_bytes(run, d, w, memory, shapes, device)
     # the autocast cache holds trained float weights' copies through forward, saved or not
     cached = sum(copies[k] for k in recomputed) * d.layers if memory.linears == "float" else 0
     grads = 2 * r * d.hidden * t  # the hidden state's gradient, and its residual branch's
@@ -190,8 +186,8 @@ def activations(run: RunConfig, shapes: Shapes, memory: Memory, device: str) -> 
     )
 
 
-def head_bytes(run: RunConfig, d: Dims, w: Widths, memory: Memory,
-               shapes: Shapes) -> tuple[int, int]:
+def head_bytes(run: RunConfig, d: Dims, w: Widths, memory: Memory, shapes: Shapes,
+               device: str) -> tuple[int, int]:
     """The final norm's, the head's and the loss's bytes (harness/train/lm_loss.py): those kept
     through forward, and those beside them at the start of backward, its peak. The float32 work
     on logits (a copy of non-float32 ones, then their exp) runs a piece of the tokens at a
@@ -207,7 +203,7 @@ def head_bytes(run: RunConfig, d: Dims, w: Widths, memory: Memory,
     chunk = run.train.loss_chunk
     if not chunk:  # the head's input and the logits kept, their gradient at the start
         copies = weight_copies(shapes, memory, None) if w.autocast else 0
-        pieces = fp32 * v * min(t, loss_rows(v))
+        pieces = fp32 * v * min(t, loss_rows(v, device))
         return norm + (a * h + a * v + 4) * t + copies, a * v * t + pieces
     c = min(chunk, t)
     # beside the hidden state's and the weight's (float32) gradients, the larger of a chunk's

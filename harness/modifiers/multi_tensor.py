@@ -23,9 +23,24 @@ import torch
 from torch import Tensor
 
 Piece = tuple[int, int, int]  # (index of the tensor, first element, element after the last)
+# Elements a piece of elementwise float32 work takes at once where the run leaves it to the
+# device: multi-tensor updates' chunks, and the loss's pieces (harness/train/lm_loss.py). A CPU
+# runs faster on pieces its caches hold (and that its allocator reuses rather than maps anew
+# each step); a GPU on pieces large enough that their kernels' launches do not add up.
+PIECE = {"cpu": 1 << 20, "cuda": 1 << 24}
 # AdamW on lists (methods/adam_kernel.py's AdamKernel): group, targets, grads, states, lr, decay
 Kernel = Callable[[dict[str, Any], list[Tensor], list[Tensor], list[dict[str, Any]], float,
                    float], None]
+
+
+def piece(device: str) -> int:
+    """`PIECE` for a device type (CUDA's for any but a CPU)."""
+    return PIECE.get(device, PIECE["cuda"])
+
+
+def update_chunk(train: Any, device: str) -> int:
+    """The run's `train.update_chunk` on a device of type `device`: its own, or the device's."""
+    return piece(device) if train.update_chunk is None else train.update_chunk
 
 
 def chunks(sizes: list[int], limit: int, whole: bool = False) -> list[list[Piece]]:

@@ -86,7 +86,8 @@ class _CrossEntropySum(torch.autograd.Function):
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token loss of (batch × seq × vocab) logits against unshifted `labels`."""
     flat = logits.flatten(0, 1)
-    return _CrossEntropySum.apply(flat, shifted(labels).flatten(), loss_rows(flat.shape[1]))
+    rows = loss_rows(flat.shape[1], flat.device.type)
+    return _CrossEntropySum.apply(flat, shifted(labels).flatten(), rows)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

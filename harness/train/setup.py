@@ -22,6 +22,7 @@ from harness.methods import Method, build_method, optimizer_for, schedule_of
 from harness.methods.rank import rank_warning
 from harness.models import describe
 from harness.modifiers import recompute
+from harness.modifiers.multi_tensor import update_chunk
 from harness.modifiers.offload import ActivationOffloader
 from harness.modifiers.precision import Precision, pure_bf16
 from harness.modifiers.recompute import decoder_layers
@@ -114,6 +115,8 @@ def optimizer(chosen: Method, built: nn.Module, run: RunConfig, device: torch.de
     """The method's optimizer over the (sharded) model, and the precision context and fp16
     grad scaler its steps run under (fsdp casts itself: no autocast)."""
     precision = Precision(run.train, device, cast=not sharded)
+    chunk = update_chunk(run.train, device.type)  # the device's where the run leaves it
+    run = run.model_copy(update={"train": run.train.model_copy(update={"update_chunk": chunk})})
     return optimizer_for(chosen, built, run), precision
 
 

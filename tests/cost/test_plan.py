@@ -79,16 +79,20 @@ def test_the_fastest_fitting_candidate_trains_within_the_budget(micro_plan: pl.P
                       "total_batch_size": c.micro_batch * c.accumulation, "steps": 3},
             "eval": {"every": 0, "tokens": 64}, "memory": c.memory,
             "method": {"name": c.method, **c.settings}}  # fmt: skip
-    summary = train(load_run(data), tmp_path / "t")
+    run = load_run(data)
+    summary = train(run, tmp_path / "t")
     assert summary["status"] == "ok", summary["error"]
     measured = summary["peak_memory_bytes"]
     assert measured <= micro_plan.budget
-    # Measured over planned: 1.00012 in each of 3 runs for this row (qlora, bf16-true with bf16
-    # states; the profiler counts tensors, so runs agree); 1e-3 is 8x that. Not every row is as
-    # close (Q-GaLore with recompute attention: 1.0024-1.0035; layer-wise at 2 x 2: 1.21).
-    # the plan is for a CUDA device, with its 64 MiB of cuBLAS workspaces (cost/activations.py);
-    # the CPU run has none
-    assert measured == pytest.approx(c.peak_bytes - 2 * 32 * 2**20, rel=1e-3)
+    # The plan is for a CUDA device: its 64 MiB of cuBLAS workspaces and the loss's larger
+    # float32 pieces there (cost/activations.py); the same row's estimate for this CPU has
+    # neither. Measured over estimated: 1.00012 in each of 3 runs for this row (qlora, bf16-true
+    # with bf16 states; the profiler counts tensors, so runs agree); 1e-3 is 8x that. Not every
+    # row is as close (Q-GaLore with recompute attention: 1.0024-1.0035; layer-wise at 2 x 2:
+    # 1.21).
+    on_cpu = estimate_run(run)["peak_bytes"]
+    assert on_cpu <= c.peak_bytes - 2 * 32 * 2**20
+    assert measured == pytest.approx(on_cpu, rel=1e-3)
 
 
 def counted_state_bytes(precision: str, tmp_path) -> int:
