@@ -140,7 +140,7 @@ def test_bitsandbytes_kernels_run_on_the_device(tmp_path, case):
 
 # Far beyond any device: at llama_60m, 8192 x 128 tokens keep ~490 GB of activations (32-true,
 # ~470 KB a token), more than any GPU's memory. In the smoke form, 2048 x 32 tokens' logits (8192
-# x 4 B each: 2.1 GB, three times over with the loss's copy and log-softmax) on top of the
+# x 4 B each: 2.1 GB, and their gradient as large at the start of backward) on top of the
 # ~3 GB a llama_micro trial maps exceed the address space it gets (LIMIT_AS).
 OOM_BATCH = 8192 if CUDA else 2048
 LIMIT_AS = 6 << 30
