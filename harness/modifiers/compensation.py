@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from harness.distributed.fsdp import local
 from harness.modifiers.multi_tensor import (
     Kernel,
     Views,
@@ -224,9 +225,11 @@ class AdamW(ParamwiseOptimizer):
     def _chunked(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """`_update`'s arithmetic over parameters of one dtype and step count, by chunks."""
         states = [self.state[p] for p in params]
-        grads = [p.grad for p in params]
-        kept = {k: [st[k] for st in states] for k in ("exp_avg", "exp_avg_sq")}
-        comps = [st[KAHAN] for st in states] if KAHAN in states[0] else None
+        # fsdp: this rank's rows of each (views), as multi-tensor ops take plain tensors
+        grads = [local(p.grad) for p in params]
+        kept = {k: [local(st[k]) for st in states] for k in ("exp_avg", "exp_avg_sq")}
+        comps = [local(st[KAHAN]) for st in states] if KAHAN in states[0] else None
+        params = [local(p) for p in params]
         step, decay = states[0]["step"], group["lr"] * group["weight_decay"]
         whole = not params[0].is_contiguous()  # no flat view to cut it by
         for chunk in chunks([p.numel() for p in params], self.chunk, whole):
