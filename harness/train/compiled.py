@@ -43,10 +43,8 @@ def trace_settings() -> None:
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
-def apply(model: nn.Module, data: Any, on: bool) -> None:
-    """Compile each layer in place, and the data's head loss, when `on`; nothing otherwise."""
-    if not on:
-        return
+def apply(model: nn.Module, data: Any) -> None:
+    """Compile each layer in place, and the data's head loss."""
     trace_settings()
     for target in targets(model, data).values():
         if isinstance(target, nn.Module):

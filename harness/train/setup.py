@@ -106,7 +106,7 @@ def compile_model(built: nn.Module, data: Data, t: TrainConfig, out: Path) -> Lo
     or `out`; the loss the loop calls, whose modules and state_dict keys stay the eager ones."""
     if t.compile:
         compiled.keep_cache(out)
-    compiled.apply(built, data, t.compile)
+        compiled.apply(built, data)
     return data.loss
 
 
