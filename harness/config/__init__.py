@@ -2,6 +2,7 @@
 
 from harness.config.launchers import LauncherConfig
 from harness.config.load import parse_overrides, read_yaml, set_dotted, validate
+from harness.config.model_options import ModelOptions
 from harness.config.run import (
     GLUE_TASKS,
     MODULE_KINDS,
@@ -11,7 +12,6 @@ from harness.config.run import (
     LossScaleConfig,
     MemoryConfig,
     ModelFrom,
-    ModelOptions,
     RunConfig,
     Strict,
     TaskConfig,

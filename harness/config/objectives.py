@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from harness.config.metrics import EVALUATED, METRICS, OBJECTIVES, Direction
-from harness.config.run import Strict
+from harness.config.strict import Strict
 
 ObjectiveName = Literal[OBJECTIVES]  # type: ignore[valid-type]  # the registry's metrics
 EvaluatedName = Literal[EVALUATED]  # type: ignore[valid-type]  # known at each evaluation

@@ -19,10 +19,8 @@ from pydantic import (
     model_validator,
 )
 
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+from harness.config.model_options import ModelOptions
+from harness.config.strict import Strict
 
 GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "sample")
 
@@ -289,30 +287,6 @@ class MemoryConfig(Strict):
     @property
     def offloaded(self) -> list[str]:
         return self.offload if isinstance(self.offload, list) else []
-
-
-class ModelOptions(Strict):
-    """How the harness builds the model named by `model`: its MLP width (presets) and the
-    kernels its layers run."""
-
-    mlp_multiple_of: int | None = Field(
-        None, ge=1, description="a preset's MLP width rounded up to a multiple of this (64: "
-        "LLaMA-1B's 5461 becomes 5504, a shape the GPU's matmuls run faster); default: the "
-        "paper's width"
-    )
-    intermediate_size: int | None = Field(
-        None, ge=1, description="a preset's MLP width set outright"
-    )
-    kernels: Literal["torch", "liger"] = Field(
-        "torch", description="liger: liger-kernel's fused RMSNorm, SwiGLU, RoPE and linear "
-        "cross-entropy (CUDA with Triton; pip install '.[kernels]')"
-    )
-
-    @model_validator(mode="after")
-    def _one_width(self) -> ModelOptions:
-        if self.mlp_multiple_of is not None and self.intermediate_size is not None:
-            raise ValueError("set mlp_multiple_of or intermediate_size, not both")
-        return self
 
 
 class ModelFrom(Strict):

@@ -7,7 +7,7 @@ from typing import ClassVar, get_args
 
 from pydantic import Field
 
-from harness.config.run import Strict
+from harness.config.strict import Strict
 
 
 class LauncherConfig(Strict):
