@@ -18,9 +18,9 @@ from harness.cost import meter
 from harness.cost.grad_peak import GradPeak
 from harness.distributed import fsdp
 from harness.methods import memory_of
-from harness.train import setup
+from harness.train import checkpointing, setup
 from harness.train.hooks import Hooks, Interrupted, NonFinite, Pruned, Step
-from harness.trials import Records, Status, checkpoints, rng_state, set_rng_state
+from harness.trials import Records, Status
 from harness.trials.events import event_text, say_event
 
 Prune = Callable[[int, dict[str, float]], bool]  # (step, eval metrics) -> cut the trial?
@@ -50,7 +50,7 @@ class Trainer:
         self.sharded = setup.parallelize(self.model, run, self.steps, self.device)
         self.loss = setup.compile_model(self.model, self.data, run.train, rec.out)
         self.optimizer, self.precision = setup.optimizer(self.method, self.model, run,
-                                                         self.device, self.sharded)
+                                                         self.device)
         self.build_s = time.perf_counter() - built  # model, method and optimizer: not launching
         self.scheduler = setup.schedule(self.optimizer, self.method, run)
         self._resume()
@@ -60,42 +60,13 @@ class Trainer:
 
     def _resume(self) -> None:
         """Model, optimizer, schedule, data, RNG, precision and counters from the last
-        checkpoint; without one, counters from zero and no metrics lines kept."""
+        checkpoint (harness/train/checkpointing.py); without one, counters from zero."""
         self.step, self.tokens = 0, 0
         self.last_eval: dict[str, float] = {}
         self.best: dict[str, float] = {}  # fine-tuning: the evaluation with the best score
         self.costs: dict[str, Any] = {}
         self.grad_norms = [0.0, 0]  # the logged steps' pre-clip gradient norms: sum, count
-        state = self.rec.load_checkpoint()
-        if state is None:
-            self.rec.truncate_metrics(0)  # a start from scratch owns no earlier lines
-            return
-        self._load_tensors(state)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.data.restore(state["data"])
-        set_rng_state(state["rng"])
-        self.step, self.tokens = state["step"], state["tokens"]
-        self.last_eval, self.costs, self.best = state["last_eval"], state["costs"], state["best"]
-        self.grad_norms = state.get("grad_norms", self.grad_norms)  # older checkpoints: none
-        self.precision.load_state_dict(state["precision"])
-        self.rec.truncate_metrics(self.step)
-        self.rec.set_aside_skipped()  # newer ones that did not load: one line each
-        distributed.say(f"resumed from {self.rec.loaded} at step {self.step}")
-
-    def _load_tensors(self, state: dict[str, Any]) -> None:
-        """The model's and optimizer's tensors, as this world size holds them."""
-        if "sharded" in state:  # written shard by shard: read as this world size holds it
-            tensors = fsdp.templates(state["tensors"], self.model)
-            state.update(fsdp.join(state.pop("tensors"),
-                                   checkpoints.load_sharded(state["sharded"], tensors)))
-            self.model.load_state_dict(state["model"])
-        elif self.sharded:  # a whole model (one process's checkpoint): each rank keeps its rows
-            fsdp.load_whole(self.model, state["model"])
-        else:
-            self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.sharded:
-            fsdp.shard_states(self.optimizer.state)
+        checkpointing.resume(self)
 
     def _wrap(self) -> None:
         """`net` is what forward runs through: DDP, or the model itself (one process, fsdp, or
@@ -144,33 +115,9 @@ class Trainer:
             self.rec.log({"kind": "event", "step": step, "skipped": "overflow"})
 
     def save(self) -> None:
-        """Rank 0 writes the bare model's state; under fsdp every rank writes its own shards
-        and rank 0 the rest (torch.distributed.checkpoint), which a resume reads at any number
-        of processes."""
-        if not self.sharded:  # fsdp ranks hold different rows by design
-            distributed.check_same(self.model, self.step)
+        """The trainer's checkpoint (harness/train/checkpointing.py), fp16's skips logged first."""
         self._settle()
-        tensors = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-        if self.sharded:
-            skeleton, flat = fsdp.split(tensors)
-            self.rec.save_sharded_checkpoint(flat, {"tensors": skeleton, **self._rest()})
-        else:
-            self.rec.save_checkpoint({**tensors, **self._rest()})
-
-    def _rest(self) -> dict[str, Any]:
-        """A checkpoint's state beside the model's and the optimizer's."""
-        return {
-            "scheduler": self.scheduler.state_dict(),
-            "data": self.data.state(),
-            "rng": rng_state(),
-            "step": self.step,
-            "tokens": self.tokens,
-            "last_eval": self.last_eval,
-            "best": self.best,
-            "costs": self.costs,
-            "grad_norms": self.grad_norms,
-            "precision": self.precision.state_dict(),
-        }
+        checkpointing.save(self)
 
     def train_step(self) -> torch.Tensor:
         """One optimizer step, then "update"; returns this rank's share of the step's mean loss."""
@@ -207,10 +154,12 @@ class Trainer:
         return loss
 
     def _reduce(self, last: bool) -> AbstractContextManager[Any]:
-        """DDP and fsdp reduce in the last micro-batch's backward only; before it, gradients
-        add up on each rank (fsdp: unsharded, then reduce-scattered once)."""
+        """fsdp reduce-scatters every micro-batch's gradients into the shards they add up in
+        (`fsdp_reduce: every`), or only the last's (`last`: whole ones add up before it); DDP
+        reduces in the last micro-batch's backward only."""
         if self.sharded:
-            self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
+            every = self.run.train.fsdp_reduce == "every"
+            self.model.set_requires_gradient_sync(last or every)  # type: ignore[operator]
             return nullcontext()
         return self.net.no_sync() if self.net is not self.model and not last else nullcontext()
 
