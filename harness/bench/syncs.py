@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from harness.bench.memory import METHODS, method_run
 from harness.train import Trainer
+from harness.train.hooks import Step
 from harness.trials import Records
 
 READS = {Tensor.item, Tensor.__bool__, Tensor.__float__, Tensor.__int__, Tensor.__index__,
@@ -64,20 +65,22 @@ def _site() -> str:
 
 
 def count_reads(run: Any, steps: int) -> tuple[Counter[str], int]:
-    """Host reads (by site) and CUDA synchronizations over `steps` steady training steps."""
+    """Host reads (by site) and CUDA synchronizations over `steps` steady training steps, each
+    with the events `Trainer.fit` fires after it (the stop agreement among them): `run` has
+    more than `WARMUP + steps` steps, so none of them is the last, logs, evaluates or saves."""
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(run, Records(Path(out), run), lambda step: False)
         try:
             trainer.model.train()
             for _ in range(WARMUP):
-                trainer.train_step()
+                step(trainer)
             if trainer.device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode("warn")
             with warnings.catch_warnings(record=True) as caught, HostReads() as reads:
                 warnings.simplefilter("always")
                 for _ in range(steps):
-                    trainer.train_step()
+                    step(trainer)
             return reads.sites, sum("synchroniz" in str(w.message) for w in caught)
         finally:
             if trainer.device.type == "cuda":
@@ -85,11 +88,20 @@ def count_reads(run: Any, steps: int) -> tuple[Counter[str], int]:
             trainer.close()
 
 
+def step(trainer: Trainer) -> None:
+    """One step as `Trainer.fit` runs it: the optimizer step, then its events."""
+    loss = trainer.train_step()
+    trainer.step += 1
+    done = Step(trainer.step, loss, last=trainer.step == trainer.run.train.steps)
+    trainer.hooks.fire("step", done)
+    trainer.hooks.fire("step_end", done)
+
+
 def bench_syncs(preset: str, steps: int, seq_len: int, batch_size: int) -> list[dict[str, Any]]:
     """One record per method and variant: host reads per step (`value`), where they are."""
-    runs = {label: method_run(label, preset, WARMUP + steps, seq_len, batch_size)
-            for label in METHODS}
-    runs |= {label: method_run(base, preset, WARMUP + steps, seq_len, batch_size, overrides)
+    total = WARMUP + steps + 1  # the last step, which logs, evaluates and saves, not counted
+    runs = {label: method_run(label, preset, total, seq_len, batch_size) for label in METHODS}
+    runs |= {label: method_run(base, preset, total, seq_len, batch_size, overrides)
              for label, (base, overrides) in VARIANTS.items()}
     records = []
     for label, run in runs.items():

@@ -17,6 +17,7 @@ from harness.config import RunConfig
 from harness.cost import meter
 from harness.cost.grad_peak import GradPeak
 from harness.distributed import fsdp
+from harness.distributed.host import LateFlag
 from harness.methods import memory_of
 from harness.train import checkpointing, setup
 from harness.train.hooks import Hooks, Interrupted, NonFinite, Pruned, Step
@@ -31,8 +32,9 @@ class Trainer:
     `steps.accumulation` micro-batches, its share of the step (Prefetcher). The loss is divided
     by the step's target count over all ranks and multiplied by W, which DDP's gradient average
     cancels: gradients equal one process's. Layer-wise optimizers reduce in their hooks
-    (harness/modifiers/layerwise.py). Logged and eval losses are summed over ranks; stop and
-    prune are agreed every step; only rank 0 writes (train() gives the others `main_only`)."""
+    (harness/modifiers/layerwise.py). Logged and eval losses are summed over ranks; a stop is
+    agreed one step late (no host sync in the step), a prune at each evaluation; only rank 0
+    writes (train() gives the others `main_only`)."""
 
     def __init__(self, run: RunConfig, rec: Records, should_stop: Callable[[int], bool],
                  prune: Prune | None = None):
@@ -93,6 +95,7 @@ class Trainer:
         self.window: list[torch.Tensor] = []  # this rank's step losses since the last log
         self.grad_norm: torch.Tensor | None = None  # this step's, on a step a line logs
         self.eval_every = self.run.eval.every or (self.data.steps_per_epoch or 0)  # glue: epochs
+        self.stop_flag = LateFlag()  # a stop asked at step n: every rank's at n + 1
 
     def _register(self) -> None:
         """The trainer's own jobs, on the events of hooks.py, in the order they run."""
@@ -291,9 +294,10 @@ class Trainer:
             raise Pruned(f"pruned by the study at step {step.number}")
 
     def _checkpoint(self, step: Step) -> None:
-        """Every `checkpoint_every` steps, the last, and when any rank is asked to stop."""
+        """Every `checkpoint_every` steps, the last, and when any rank was asked to stop (one
+        process: at this step; W: at the previous one, so every rank stops at this one)."""
         every = self.run.train.checkpoint_every
-        stop = distributed.any_rank(self.should_stop(step.number), self.device)
+        stop = self.stop_flag.agree(self.should_stop(step.number), step.last)
         if stop or step.last or (every and step.number % every == 0):
             self.meter.pause()
             self.save()

@@ -256,7 +256,7 @@ def test_training_step_reads_no_device_value():
     for label, overrides, expected in [("full", None, set()),
                                        ("full", {"train.precision": "fp16"}, set()),
                                        ("galore", {"train.precision": "fp16"}, {"precision.py"})]:
-        sites, cuda = count_reads(method_run(label, "llama_micro", 4, 32, 2, overrides), 2)
+        sites, cuda = count_reads(method_run(label, "llama_micro", 5, 32, 2, overrides), 2)
         assert {s.split(":")[0].split("/")[-1] for s in sites} == expected, sites
         assert sum(sites.values()) == 2 * len(expected) and cuda == 0
         records.append({"name": label, "value": sum(sites.values()) / 2, "target": len(expected),
