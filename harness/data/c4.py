@@ -2,8 +2,9 @@
 
 All three go through the same `datasets` streaming reader, then a seeded shuffle buffer, then
 packing into `seq_len` blocks (EOS between documents) or the papers' truncate-and-pad. The
-whole position (reader, shuffle buffer, RNG, leftover tokens) is a picklable state, so a
-resumed run sees exactly the blocks an uninterrupted one would.
+whole position (reader, shuffle buffer, RNG, leftover tokens, documents tokenized ahead) is a
+picklable state, so a resumed run sees exactly the blocks an uninterrupted one would. Data
+parallel, each rank tokenizes a share of the documents (harness/data/split.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from harness.config import TaskConfig
 from harness.config.hub import cache_only, offline
+from harness.data.split import SplitTokenizer
 from harness.errors import UserError, brief
 
 SAMPLE = Path(__file__).parent / "sample"
@@ -131,12 +133,17 @@ class Packer:
 class BlockStream:
     """Training blocks in a seeded order; `state()` and `restore()` make the position exact."""
 
-    def __init__(self, task: TaskConfig, tokenizer: Any, seed: int) -> None:
+    def __init__(self, task: TaskConfig, tokenizer: Any, seed: int,
+                 tokenize: SplitTokenizer | None = None) -> None:
+        """`tokenize`: data parallel, this rank's share of the tokenizing (harness/data/split.py);
+        every rank then holds the same stream, and the same state."""
         self.task = task
         self.tok = tokenizer
+        self.tokenize = tokenize or SplitTokenizer(tokenizer)
         self.rng = random.Random(seed)
         self.epoch = 0
         self.buffer: list[str | np.ndarray] = []
+        self.ready: list[np.ndarray] = []  # drawn and tokenized ahead, not yet packed
         self.packer = Packer(task, tokenizer)
         self.docs = open_documents(task, "train")
         self._docs_iter: Iterator[dict[str, Any]] | None = None
@@ -148,6 +155,7 @@ class BlockStream:
             "rng": self.rng.getstate(),
             "buffer": list(self.buffer),
             "carry": self.packer.carry.copy(),
+            "ready": list(self.ready),
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -159,6 +167,7 @@ class BlockStream:
         self.rng.setstate(state["rng"])
         self.buffer = list(state["buffer"])
         self.packer.carry = state["carry"].copy()
+        self.ready = list(state.get("ready", []))  # states written before it: none
 
     def _read_chunk(self) -> list[str]:
         texts: list[str] = []
@@ -176,7 +185,7 @@ class BlockStream:
             self._docs_iter = None
         raise UserError(f"task.dataset: '{self.task.dataset}' has no training documents")
 
-    def _next_document(self) -> np.ndarray:
+    def _draw(self) -> str | np.ndarray:
         """The buffer holds raw texts, tokenized when drawn: filling 1000 documents then costs
         a read, not 2 s of tokenization before a trial's first step (the sample corpus, 2 cores).
         A token array in it comes from a checkpoint written before that and is used as it is."""
@@ -187,13 +196,23 @@ class BlockStream:
                 break  # end of an epoch: draw from what the buffer holds
         i = self.rng.randrange(len(self.buffer))
         self.buffer[i], self.buffer[-1] = self.buffer[-1], self.buffer[i]
-        doc = self.buffer.pop()
-        if isinstance(doc, np.ndarray):
-            return doc
-        return np.asarray(self.tok(doc, add_special_tokens=False)["input_ids"], dtype=np.int32)
+        return self.buffer.pop()
+
+    def _next_document(self) -> np.ndarray:
+        """Drawn `tokenize.batch` at a time (one in one process): which documents are drawn
+        depends on the seed and the texts only, so drawing ahead leaves the stream as it was."""
+        if not self.ready:
+            drawn = [self._draw() for _ in range(self.tokenize.batch)]
+            ids = iter(self.tokenize([d for d in drawn if isinstance(d, str)]))
+            self.ready = [d if isinstance(d, np.ndarray) else next(ids) for d in drawn]
+        return self.ready.pop(0)
 
     def next_block(self) -> tuple[np.ndarray, int]:
         return self.packer.block(self._next_document)
+
+    def end(self) -> None:
+        """This rank stops reading (the other ranks are told at their next exchange)."""
+        self.tokenize.end()
 
 
 def eval_blocks(task: TaskConfig, tokenizer: Any, tokens: int) -> list[tuple[np.ndarray, int]]:

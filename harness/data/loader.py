@@ -27,10 +27,11 @@ def to_batch(blocks: list[tuple[np.ndarray, int]], pin: bool) -> tuple[torch.Ten
 class Prefetcher:
     """Keeps `depth` micro-batches ready; `state()` is the position after the last one taken.
 
-    Data parallel (`world` > 1): every rank reads the same seeded stream in rounds of `world`
+    Data parallel (`world` > 1): every rank packs the same seeded stream in rounds of `world`
     micro-batches and keeps the `rank`-th of each, so in one step the ranks together see exactly
-    the micro-batches one process would. The position is taken after the whole round, so rank 0's
-    checkpoint restores every rank.
+    the micro-batches one process would; the stream's documents are tokenized a share a rank
+    (its SplitTokenizer). The position is taken after the whole round, so rank 0's checkpoint
+    restores every rank.
     """
 
     def __init__(self, stream: BlockStream, batch_size: int, device: torch.device, depth: int = 8,
@@ -51,15 +52,18 @@ class Prefetcher:
             while not self.stop.is_set():
                 blocks = [self.stream.next_block() for _ in range(self.batch_size * self.world)]
                 mine = blocks[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-                item = (to_batch(mine, pin), self.stream.state())
-                while not self.stop.is_set():
-                    try:
-                        self.queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                self._put((to_batch(mine, pin), self.stream.state()))
+            self.stream.end()  # ranks waiting to exchange tokens with this one stop too
         except BaseException as e:  # surfaced in the training thread, where it can be reported
-            self.queue.put(e)
+            self._put(e)
+
+    def _put(self, item: Any) -> None:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         item = self.queue.get()

@@ -16,6 +16,8 @@ from harness.config import RunConfig
 from harness.config.steps import Steps
 from harness.data.c4 import BlockStream, eval_blocks, load_tokenizer
 from harness.data.loader import IGNORE, Prefetcher, to_batch
+from harness.data.split import SplitTokenizer
+from harness.distributed.host import host_group
 from harness.models import build_model
 from harness.modifiers.kernels import use_kernels
 from harness.modifiers.precision import Precision
@@ -41,13 +43,16 @@ def loss_sum(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
 
 class LMData:
     """The seeded block stream, read ahead by a thread once training starts (after a resume
-    has restored its position); under DDP each rank takes its share of every round."""
+    has restored its position); data parallel, each rank tokenizes a share of the documents,
+    the ranks exchange token ids over a gloo group of the thread's own, and each takes its
+    share of every round (harness/data/split.py)."""
 
     steps_per_epoch = None
 
     def __init__(self, run: RunConfig, tok: Any, device: torch.device, steps: Steps) -> None:
         self.run, self.tok, self.device, self.steps = run, tok, device, steps
-        self.stream = BlockStream(run.task, tok, run.seed)
+        split = SplitTokenizer(tok, distributed.rank(), steps.world, host_group())
+        self.stream = BlockStream(run.task, tok, run.seed, split)
         self.prefetch: Prefetcher | None = None
         self._eval: list[tuple[np.ndarray, int]] | None = None
         # after the model's last hidden state; `train.compile` compiles it in place

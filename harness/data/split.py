@@ -1,0 +1,86 @@
+"""Tokenization split over data-parallel ranks.
+
+Packing needs every document's token count before it, so a rank cannot skip documents. Every
+rank reads and draws the same documents (reading text costs far less than tokenizing it), each
+tokenizes every W-th of a drawn batch (documents i ≡ rank mod W), and the ranks all-gather the
+token ids over a gloo group of their own (the prefetch thread's: a collective issued from it on
+the trainer's group would interleave with the trainer's collectives). Each rank then packs the
+whole stream, as one process would, and keeps its blocks. Per exchange a rank receives every
+rank's header (8 bytes a document) and token ids (4 bytes a token, each rank's padded to the
+longest share), so about 4 bytes per token of the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+DOCS_PER_RANK = 16  # documents each rank tokenizes per exchange (W > 1)
+
+
+class StreamEnded(Exception):
+    """Another rank stopped reading (its trial is closing): this rank's stream ends too."""
+
+
+def encode(tok: Any, texts: list[str]) -> list[np.ndarray]:
+    return [np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+            for text in texts]
+
+
+class SplitTokenizer:
+    """Token ids of a batch of texts that every rank holds alike, each rank tokenizing its
+    share. One process (or no group): all of them, one batch a document, as before."""
+
+    def __init__(self, tok: Any, rank: int = 0, world: int = 1, group: Any = None) -> None:
+        self.tok, self.rank, self.world, self.group = tok, rank, world, group
+        self.ended = False
+
+    @property
+    def batch(self) -> int:
+        """Documents to draw ahead and tokenize together."""
+        return DOCS_PER_RANK * self.world if self.split else 1
+
+    @property
+    def split(self) -> bool:
+        return self.world > 1 and self.group is not None
+
+    def __call__(self, texts: list[str]) -> list[np.ndarray]:
+        if not self.split or not texts:  # every rank holds the same texts: all skip alike
+            return encode(self.tok, texts)
+        if self.ended:
+            raise StreamEnded("the data stream ended: another rank stopped reading")
+        mine = encode(self.tok, texts[self.rank :: self.world])
+        lengths = self._headers([len(ids) for ids in mine], stop=False).clip(min=0)
+        flat = np.zeros(lengths.sum(1).max(), dtype=np.int32)  # padded to the longest share
+        if mine:
+            flat[: lengths[self.rank].sum()] = np.concatenate(mine)
+        parts = [torch.empty(len(flat), dtype=torch.int32) for _ in range(self.world)]
+        dist.all_gather(parts, torch.from_numpy(flat), group=self.group)
+        docs = [np.split(part.numpy(), np.cumsum(n)) for part, n in zip(parts, lengths,
+                                                                        strict=True)]
+        return [docs[i % self.world][i // self.world] for i in range(len(texts))]
+
+    def _headers(self, lengths: list[int], stop: bool) -> np.ndarray:
+        """Every rank's document lengths (W × DOCS_PER_RANK, -1 past its share); a rank
+        that stops says so here, and then every rank's stream ends."""
+        mine = torch.full((DOCS_PER_RANK + 1,), -1, dtype=torch.int64)
+        mine[0] = int(stop)
+        mine[1 : 1 + len(lengths)] = torch.tensor(lengths, dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)
+        headers = torch.stack(every).numpy()
+        if (headers[:, 0] > 0).any():
+            self.ended = True
+            raise StreamEnded("the data stream ended: another rank stopped reading")
+        return headers[:, 1:]
+
+    def end(self) -> None:
+        """This rank stops reading: the others, waiting in or reaching the next exchange, are
+        told so there, instead of waiting for this rank until the collective's timeout."""
+        if self.split and not self.ended:
+            with contextlib.suppress(StreamEnded):  # it was the last exchange anyway
+                self._headers([], stop=True)
