@@ -39,15 +39,18 @@ def build(run: RunConfig) -> tuple[nn.Module, Any]:
 class GlueData:
     """The training split as a stream of seeded permutations, one per epoch; micro-batch g
     holds examples g·b … g·b+b−1 of that stream, and under DDP rank r takes g ≡ r (mod W), so
-    the ranks together see what one process would. An epoch is the floor of n / total batch."""
+    the ranks together see what one process would. An epoch is the floor of n / total batch.
+    Training examples are tokenized as a micro-batch takes them (each independently: the
+    same ids as the whole split's), so a rank tokenizes only its share; the validation
+    split(s), which every rank scores whole, are tokenized once."""
 
     def __init__(self, run: RunConfig, tok: Any, device: torch.device, steps: Steps) -> None:
         self.run, self.tok, self.device, self.steps = run, tok, device, steps
         self.task: GlueTask = get_task(run.task.glue_task)
         self.regression = self.task.num_labels == 1
-        self.train = self._encode(load_split(self.task, run.task.dataset, "train"))
+        self.train = self._texts(load_split(self.task, run.task.dataset, "train"))
         self.validation = {
-            split: self._encode(load_split(self.task, run.task.dataset, split))
+            split: self._encode(self._texts(load_split(self.task, run.task.dataset, split)))
             for split in self.task.validation
         }
         total = steps.sequences
@@ -58,10 +61,17 @@ class GlueData:
         self.cursor = 0  # this rank's micro-batches taken so far
         self._orders: dict[int, np.ndarray] = {}
 
-    def _encode(self, data: Any) -> dict[str, Any]:
-        texts = [list(data[c]) for c in self.task.columns]
-        ids = self.tok(*texts, truncation=True, max_length=self.run.task.seq_len)["input_ids"]
-        return {"input_ids": ids, "label": np.asarray(data["label"])}
+    def _texts(self, data: Any) -> dict[str, Any]:
+        return {"texts": [list(data[c]) for c in self.task.columns],
+                "label": np.asarray(data["label"])}
+
+    def _tokenize(self, split: dict[str, Any], rows: np.ndarray) -> list[list[int]]:
+        texts = [[column[i] for i in rows] for column in split["texts"]]
+        return self.tok(*texts, truncation=True, max_length=self.run.task.seq_len)["input_ids"]
+
+    def _encode(self, split: dict[str, Any]) -> dict[str, Any]:
+        return {"input_ids": self._tokenize(split, np.arange(len(split["label"]))),
+                "label": split["label"]}
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
@@ -69,8 +79,7 @@ class GlueData:
             self._orders = {epoch: np.random.default_rng([self.run.seed, epoch]).permutation(n)}
         return self._orders[epoch]
 
-    def _batch(self, split: dict[str, Any], rows: np.ndarray) -> Batch:
-        ids = [split["input_ids"][i] for i in rows]
+    def _batch(self, ids: list[list[int]], labels: np.ndarray) -> Batch:
         longest = self.run.task.padding == "longest"
         width = max(map(len, ids)) if longest else self.run.task.seq_len
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
@@ -80,7 +89,7 @@ class GlueData:
             input_ids[row, : len(seq)] = torch.tensor(seq)
             mask[row, : len(seq)] = 1
         dtype = torch.float32 if self.regression else torch.long
-        labels = torch.as_tensor(split["label"][rows], dtype=dtype)
+        labels = torch.as_tensor(labels, dtype=dtype)
         return {k: v.to(self.device) for k, v in
                 (("input_ids", input_ids), ("attention_mask", mask), ("labels", labels))}
 
@@ -92,7 +101,7 @@ class GlueData:
         epochs = positions // n  # a batch may straddle two epochs
         rows = np.concatenate([self._order(int(e))[positions[epochs == e] % n]
                                for e in np.unique(epochs)])
-        batch = self._batch(self.train, rows)
+        batch = self._batch(self._tokenize(self.train, rows), self.train["label"][rows])
         return batch, int(batch["attention_mask"].sum())
 
     def count(self, batch: Batch) -> torch.Tensor:
@@ -119,7 +128,7 @@ class GlueData:
             batch_size = self.run.eval.batch_size or self.run.train.batch_size
             for start in range(0, len(data["label"]), batch_size):
                 rows = np.arange(start, min(start + batch_size, len(data["label"])))
-                batch = self._batch(data, rows)
+                batch = self._batch([data["input_ids"][i] for i in rows], data["label"][rows])
                 with precision.autocast():
                     loss, logits = loss_sum(model, batch, self.regression)
                 total += float(loss)
