@@ -160,7 +160,10 @@ def format_plan(p: Plan, model: str, top: int = 20, runs_dir: PathArg | None = N
     table = tabulate([row(i, c) for i, c in enumerate(shown, 1)], headers=headers,
                      disable_numparse=True)
     budget = human_bytes(p.budget)
-    if p.gpus > 1:
+    if p.nodes > 1:
+        budget += (f" a GPU, sharded over each node's {p.gpus // p.nodes} GPUs, {p.nodes} nodes "
+                   "replicating each other (train.parallel: hsdp)")
+    elif p.gpus > 1:
         budget += f" a GPU, sharded over {p.gpus} GPUs (train.parallel: fsdp)"
     if not p.fits:
         head = f"nothing fits {model} in {budget}; the {len(shown)} closest by peak:"
@@ -201,7 +204,8 @@ def to_json(p: Plan, model: str, runs_dir: PathArg | None = None) -> str:
     ppl, source = perplexities(model, runs_dir)
     ranked = [{"method": r["method"], "perplexity": r["perplexity"], "frontier": r["frontier"],
                "config": r["candidate"].record()} for r in by_quality(p, ppl)]
-    return json.dumps({"budget_bytes": p.budget, "gpus": p.gpus, "unusable": p.unusable,
+    return json.dumps({"budget_bytes": p.budget, "gpus": p.gpus, "nodes": p.nodes,
+                       "unusable": p.unusable,
                        "apart": p.apart, "fits": [c.record() for c in p.fits],
                        "closest": [c.record() for c in p.closest], "refused": p.refused,
                        "by_quality": ranked, "quality_source": source,

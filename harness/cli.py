@@ -147,7 +147,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise UserError(f"--from: {e}") from None
     with logs_to_stderr(args.json):
         result = plan(args.model, parse_memory(args.memory), args.seq_len, args.token_batch,
-                      args.tokenizer, gpus=args.gpus)
+                      args.tokenizer, gpus=args.gpus, nodes=args.nodes)
     print(to_json(result, args.model, args.from_runs) if args.json
           else format_plan(result, args.model, args.top, args.from_runs))
     return EXIT_OK
@@ -288,6 +288,9 @@ def build_parser() -> Parser:
     pl.add_argument("--gpus", type=positive_int, default=1,
                     help="GPUs the model is sharded over (train.parallel: fsdp), each of "
                     "--memory; default 1")
+    pl.add_argument("--nodes", type=positive_int, default=1,
+                    help="nodes the --gpus are on, equally: more than 1 shards within a node "
+                    "and replicates across nodes (train.parallel: hsdp); default 1")
     pl.add_argument("--tokenizer", default="t5-base", help="its vocabulary sizes the embedding "
                     "(default t5-base, the papers')")
     pl.add_argument("--from", dest="from_runs", metavar="RUNS_DIR",

@@ -20,6 +20,26 @@ from harness.cli_args import (
 from harness.errors import UserError
 
 
+def counts(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]: process counts, each at least 1, without repeats."""
+    parts = text.split(",")
+    if not all(p.isdigit() and int(p) > 0 for p in parts) or len(set(parts)) < len(parts):
+        raise argparse.ArgumentTypeError(f"expected process counts of at least 1, comma-"
+                                         f"separated without repeats (e.g. 1,2,4), got '{text}'")
+    return [int(p) for p in parts]
+
+
+def strategies(text: str) -> list[str]:
+    """'ddp,hsdp' -> ['ddp', 'hsdp'], each one `harness bench fsdp` runs."""
+    from harness.bench.fsdp import PARALLEL
+
+    parts = text.split(",")
+    if not set(parts) <= set(PARALLEL) or len(set(parts)) < len(parts):
+        raise argparse.ArgumentTypeError(f"expected strategies among {', '.join(PARALLEL)}, "
+                                         f"comma-separated without repeats, got '{text}'")
+    return parts
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "gpu":
         from harness.bench.gpu import bench_gpu
@@ -63,17 +83,18 @@ def add_bench(sub: Any, command: Callable[..., Parser]) -> None:
                 "modifier, with where they are (target: none). gpu: every CUDA check in "
                 "priority order within --budget-min, each part in its own process under its own "
                 "cap, into --out's gpu.json and gpu.md; run again with the same --out to go on "
-                "(docs/bench.md). fsdp: tokens/s of train.parallel fsdp against ddp on --procs "
-                "processes, --model, in --rounds alternating rounds. report: the time and peak "
-                "memory of `harness report` on --trials synthetic finished trials (target: "
-                "2,000 in under 15 s)")
+                "(docs/bench.md). fsdp: each rank's peak memory, the bytes it sends a step and the "
+                "step time under train.parallel ddp, fsdp and hsdp (--parallel) at each of "
+                "--procs process counts, --model, in --rounds alternating rounds. report: the "
+                "time and peak memory of `harness report` on --trials synthetic finished "
+                "trials (target: 2,000 in under 15 s)")
     b.add_argument("what", choices=["loop", "optim", "memory", "launch", "syncs", "gpu", "fsdp",
                                     "report"],
                    help="loop: harness vs bare loop; optim: optimizer step per method vs AdamW "
                    "and galore-torch; memory: estimator vs measured bytes per method; launch: "
                    "each launcher's per-trial overhead; syncs: host reads per training step; "
-                   "gpu: the CUDA kit; fsdp: fsdp vs ddp tokens/s; report: a large sweep's "
-                   "report")
+                   "gpu: the CUDA kit; fsdp: ddp, fsdp and hsdp peaks, bytes sent, step time; "
+                   "report: a large sweep's report")
     b.add_argument("--model", default="llama_tiny", help="model preset (default llama_tiny)")
     b.add_argument("--steps", type=positive_int, default=20, help="steps per run (default 20)")
     b.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
@@ -84,7 +105,11 @@ def add_bench(sub: Any, command: Callable[..., Parser]) -> None:
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     b.add_argument("--rounds", type=positive_int, default=3,
                    help="alternating rounds (loop, fsdp); trials per launcher (launch)")
-    b.add_argument("--procs", type=positive_int, default=2, help="fsdp: processes (default 2)")
+    b.add_argument("--procs", type=counts, default=[2], metavar="N,...",
+                   help="fsdp: process counts, e.g. 1,2,4 (default 2)")
+    b.add_argument("--parallel", type=strategies, metavar="NAME,...",
+                   help="fsdp: strategies among ddp, fsdp, hsdp (default all three; hsdp as "
+                   "two replica groups)")
     b.add_argument("--preset", default="llama_60m",
                    help="shapes for optim, memory and syncs (default llama_60m)")
     b.add_argument("--gap", type=positive_int, default=200, help="GaLore update_proj_gap (optim)")

@@ -23,9 +23,10 @@ class Adam8bitConfig(AdamConfig):
 
 def own_kernel(run: RunConfig) -> bool:
     """Whether GaLore's optimizer runs the 8-bit kernel instead of bitsandbytes' AdamW8bit:
-    under fsdp (on 1 process too: one checkpoint format) and bf16-true settings it lacks."""
+    under fsdp or hsdp (on 1 process too: one checkpoint format) and bf16-true settings it
+    lacks."""
     t = run.train
-    return t.parallel == "fsdp" or (t.precision == "bf16-true" and (
+    return t.sharded or (t.precision == "bf16-true" and (
         t.state_dtype, t.update_compensation) != ("float32", "none"))
 
 

@@ -68,9 +68,10 @@ class Memory:
         raise NotImplementedError
 
     def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
-        """Rank 0's bytes under fsdp over `world` ranks (the largest share: ceil(m / world)
-        rows of each tensor). Per-element states follow their tensor's rows; a method keeping
-        states of another shape, or whole on every rank, overrides this."""
+        """Rank 0's bytes under fsdp over `world` ranks (hsdp: its shard group's; the largest
+        share: ceil(m / world) rows of each tensor). Per-element states follow their tensor's
+        rows; a method keeping states of another shape, or whole on every rank, overrides
+        this."""
         return self.estimate(row_shards(shapes, world), run)
 
     # Whether the multi-tensor chunks of this method's optimizer hold whole tensors (the

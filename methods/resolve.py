@@ -59,20 +59,22 @@ def check_modifiers(run: RunConfig) -> None:
         raise UserError(f"method {run.method_name} with train.compile: its INT8 layers update "
                         "inside backward, which a compiled graph cannot trace; use "
                         "train.compile: false")
-    if run.train.parallel == "fsdp":
+    if run.train.sharded:
         check_fsdp(run, terms.fsdp)
 
 
 def check_fsdp(run: RunConfig, reason: str | None) -> None:
-    """Refuse what `train.parallel: fsdp` cannot shard, in one line with what to use instead."""
+    """Refuse what `train.parallel: fsdp` (or hsdp, which shards the same way within each
+    group) cannot shard, in one line with what to use instead."""
+    with_parallel = f"with train.parallel {run.train.parallel}"
     if reason:
-        raise UserError(f"method {run.method_name} with train.parallel fsdp: {reason}")
+        raise UserError(f"method {run.method_name} {with_parallel}: {reason}")
     if run.train.precision == "16-mixed":
-        raise UserError("train.precision 16-mixed with train.parallel fsdp: GradScaler checks "
+        raise UserError(f"train.precision 16-mixed {with_parallel}: GradScaler checks "
                         "each rank's gradient shard for overflow on its own, so ranks could "
                         "disagree on skipping a step; use bf16-mixed")
     if run.memory.optimizer_offload == "paged":
-        raise UserError("memory.optimizer_offload paged with train.parallel fsdp: bitsandbytes' "
+        raise UserError(f"memory.optimizer_offload paged {with_parallel}: bitsandbytes' "
                         "paged optimizers take whole tensors, not FSDP's shards; use "
                         "optimizer_offload: host (FSDP's own CPU offload)")
 

@@ -42,6 +42,7 @@ INTEGRATION_FIXTURES = {"finished_run", "finished_run_copy"}  # a sweep through 
 INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_two_processes_train_as_one", "test_two_processes_layerwise_train_as_one",  # torchrun
     "test_two_processes_with_loss_chunk_train_as_one",  # ranks forked (tests/ranks.py)
+    "test_hsdp_2x2_trains_as_one_process",  # 4 ranks forked (tests/train/hsdp_cases.py)
     "test_bench_launch_times_each_launcher", "test_bench_loop_json_pipes_into_a_json_reader",
     "test_user_error_from_the_real_command", "test_llama_7b_in_24gb",
     "test_harness_export_copies_a_finished_trials_model",  # `harness export` in a child

@@ -31,10 +31,10 @@ def measure(args: argparse.Namespace) -> str:
         records = bench_syncs(args.preset, args.steps, args.seq_len, args.batch_size)
         table = syncs_table
     elif args.what == "fsdp":
-        from harness.bench.fsdp_vs_ddp import bench_fsdp, fsdp_table
+        from harness.bench.fsdp import bench_fsdp, fsdp_table
 
         records = bench_fsdp(args.model, args.steps, args.batch_size, args.seq_len, args.procs,
-                             args.rounds)
+                             args.rounds, args.parallel)
         table = fsdp_table
     elif args.what == "memory":
         from harness.bench.memory import bench_memory, memory_table

@@ -80,7 +80,8 @@ PURE_BF16_KEYS = {"state_dtype": "float32", "update_compensation": "none"}  # ke
 # Train settings added after trials had run: left out of a trial's id at their default, which
 # is what those trials did, so that earlier sweeps' finished trials stay finished.
 LATER_TRAIN_KEYS = {**PURE_BF16_KEYS, "parallel": "ddp", "reshard_after_forward": True,
-                    "update_chunk": None, "loss_chunk": 0, "tf32": False}
+                    "update_chunk": None, "loss_chunk": 0, "tf32": False, "shard_group": None}
+SHARDED = ("fsdp", "hsdp")  # the strategies that shard weights, gradients and states
 # Method settings added after trials had run, at the value that does what those trials did:
 # left out of a trial's id there, so that earlier sweeps' finished trials stay finished.
 LATER_METHOD_KEYS = {
@@ -123,10 +124,15 @@ class TrainConfig(Strict):
         "parameter at a time; default: the device's, 2^20 on a CPU, 2^24 on a GPU"
     )
     loss_scale: LossScaleConfig = LossScaleConfig()
-    parallel: Literal["ddp", "fsdp"] = Field(
+    parallel: Literal["ddp", "fsdp", "hsdp"] = Field(
         "ddp", description="a trial of several processes: ddp (each holds the whole model and "
-        "its optimizer states) or fsdp (weights, gradients and states sharded over them; "
+        "its optimizer states), fsdp (weights, gradients and states sharded over them) or hsdp "
+        "(sharded within groups of shard_group processes, replicated across the groups; "
         "docs/scale-out.md)"
+    )
+    shard_group: int | None = Field(
+        None, ge=1, description="hsdp: the processes each weight is sharded over (e.g. a "
+        "node's GPUs), a divisor of the world size; default: a node's, LOCAL_WORLD_SIZE"
     )
     reshard_after_forward: bool = Field(
         True, description="fsdp: a layer frees its gathered weights after its forward and "
@@ -166,6 +172,18 @@ class TrainConfig(Strict):
                 f"total_batch_size {total} is not a multiple of batch_size {self.batch_size}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _shard_group_fits(self) -> TrainConfig:
+        if self.shard_group is not None and self.parallel != "hsdp":
+            raise ValueError(f"shard_group applies to parallel hsdp only (this run is "
+                             f"{self.parallel}); remove it or use parallel: hsdp")
+        return self
+
+    @property
+    def sharded(self) -> bool:
+        """fsdp or hsdp: weights, gradients and states are sharded when processes are many."""
+        return self.parallel in SHARDED
 
     @field_validator("precision", mode="before")
     @classmethod

@@ -21,13 +21,16 @@ class Steps:
     micro_batch: int  # sequences per forward on one process (train.batch_size)
     accumulation: int  # micro-batches per step on one process
     seq_len: int  # tokens per sequence (GLUE: at most this)
+    # processes a weight is split over: 1 (one process, ddp), world (fsdp), the group (hsdp)
+    shards: int = 1
 
     @classmethod
     def of(cls, train: TrainConfig, seq_len: int, world: int = 1,
-           world_from: str = "WORLD_SIZE") -> Steps:
-        """The arithmetic of `train` over `world` processes; refuses a global batch that does
-        not split into whole micro-batches on every process (`world_from`: where the error
-        says the process count came from)."""
+           world_from: str = "WORLD_SIZE", local: int | None = None) -> Steps:
+        """The arithmetic of `train` over `world` processes, `local` of them a node's (default:
+        all); refuses a global batch that does not split into whole micro-batches on every
+        process, or an hsdp shard group that does not divide the processes (`world_from`:
+        where the error says the process count came from)."""
         total, micro = train.total_batch_size or train.batch_size, train.batch_size
         if total % (micro * world):
             raise UserError(
@@ -35,7 +38,8 @@ class Steps:
                 f"micro-batches of batch_size {micro} over {world} processes "
                 f"({world_from}); use a multiple of {micro * world}"
             )
-        return cls(world, micro, total // (micro * world), seq_len)
+        return cls(world, micro, total // (micro * world), seq_len,
+                   shards_of(train, world, world_from, local))
 
     @property
     def global_accumulation(self) -> int:
@@ -51,6 +55,24 @@ class Steps:
     def tokens(self) -> int:
         """Tokens per optimizer step, over all processes (GLUE: at most this many)."""
         return self.sequences * self.seq_len
+
+
+def shards_of(train: TrainConfig, world: int, world_from: str = "WORLD_SIZE",
+              local: int | None = None) -> int:
+    """The processes each weight is split over: hsdp's shard group (`train.shard_group`, else
+    the `local` processes of a node) must divide `world`, the groups replicating each other."""
+    if world == 1 or not train.sharded:
+        return 1
+    if train.parallel == "fsdp":
+        return world
+    group = train.shard_group or local or world
+    if world % group:
+        allowed = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+        said = (f"{group}" if train.shard_group else
+                f"unset, so a node's {group} processes (LOCAL_WORLD_SIZE),")
+        raise UserError(f"train.shard_group: {said} does not divide the {world} processes "
+                        f"({world_from}) into whole groups; allowed: {allowed}")
+    return group
 
 
 def lr_factor(step: int, t: TrainConfig) -> float:

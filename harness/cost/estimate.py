@@ -70,7 +70,7 @@ def vocab_size(tokenizer: str) -> int:
 ACTIVATION_KEYS = {"recompute", "offload", "offload_min_bytes"}  # memory keys of activations
 
 
-def memoized(memo: dict[str, Any] | None, run: RunConfig, world: int,
+def memoized(memo: dict[str, Any] | None, run: RunConfig, world: Any,
              compute: Callable[[], Any]) -> Any:
     """`compute()`, kept in `memo` for the next run that differs only in its activation
     modifiers (recompute, offload), which change the activations a step holds and none of a
@@ -98,25 +98,27 @@ def run_shapes(run: RunConfig) -> dict[str, torch.Size]:
     return _shapes(run.model, vocab_size(run.task.tokenizer), mlp)
 
 
-def estimate_run(run: RunConfig, world: int = 1, memo: dict[str, Any] | None = None
-                 ) -> dict[str, Any]:
-    """The method's predicted bytes for one run on `world` data-parallel processes, by kind and
-    in total, and its peak: each process holds all of them under DDP, rank 0 its share and what
-    FSDP gathers under fsdp (harness/cost/sharded.py). `memo` keeps the method's bytes for the
+def estimate_run(run: RunConfig, world: int = 1, memo: dict[str, Any] | None = None,
+                 local: int | None = None) -> dict[str, Any]:
+    """The method's predicted bytes for one run on `world` data-parallel processes, `local` of
+    them a node's (default: all), by kind and in total, and its peak: each process holds all
+    of them under DDP, rank 0 its share and what FSDP gathers under fsdp, its share of its
+    shard group under hsdp (harness/cost/sharded.py). `memo` keeps the method's bytes for the
     next run that differs only in its activation modifiers (`harness plan`'s candidates)."""
-    steps = Steps.of(run.train, run.task.seq_len, world, "launcher: nodes x tasks_per_node")
+    steps = Steps.of(run.train, run.task.seq_len, world, "launcher: nodes x tasks_per_node",
+                     local)
     shapes = run_shapes(run)
     memory = build_memory(run, steps)
-    sharded = run.train.parallel == "fsdp" and world > 1
+    sharded, shards = run.train.sharded and world > 1, steps.shards
 
     def method_bytes() -> tuple[MemoryEstimate, MemoryEstimate, dict[str, int]]:
         whole = memory.estimate(shapes, run)
-        return (whole, memory.estimate_sharded(shapes, run, world) if sharded else whole,
+        return (whole, memory.estimate_sharded(shapes, run, shards) if sharded else whole,
                 disk_bytes(run, whole, shapes))
 
-    whole, estimate, disk = memoized(memo, run, world, method_bytes)
+    whole, estimate, disk = memoized(memo, run, (world, shards), method_bytes)
     acts = activations(run, shapes, memory, "cpu" if run.device == "cpu" else "cuda")
-    peak = (fsdp_peak(estimate, whole, acts, run, shapes, memory, world) if sharded
+    peak = (fsdp_peak(estimate, whole, acts, run, shapes, memory, shards) if sharded
             else peak_bytes(estimate, acts, run, shapes))
     return {"method_name": run.method_name, "params": run.method_params, **estimate.as_dict(),
             "activation_bytes": acts.start, "workspace_bytes": acts.workspace, "peak_bytes": peak,

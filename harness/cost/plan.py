@@ -129,6 +129,7 @@ class Plan:
     unusable: dict[str, str] = field(default_factory=dict)  # method entry -> why none of it ran
     # method entry -> why it is not for pretraining from scratch (`Method.tasks`): left out
     apart: dict[str, str] = field(default_factory=dict)
+    nodes: int = 1  # more than one: hsdp, each GPU its share of its node's (a shard group)
 
 
 def method_entries(model: str) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -160,23 +161,40 @@ def candidates(model: str, seq_len: int, token_batch: int) -> list[Candidate]:
             for precision in PRECISIONS for m in micro]  # fmt: skip
 
 
-def run_of(c: Candidate, model: str, seq_len: int, tokenizer: str, gpus: int = 1):
+def run_of(c: Candidate, model: str, seq_len: int, tokenizer: str, gpus: int = 1,
+           nodes: int = 1):
     """The candidate's run; on more than one GPU sharded with FSDP2, each GPU taking its
-    micro-batches of the step."""
+    micro-batches of the step: over all of them (fsdp), or on several nodes within each node,
+    the nodes replicating each other (hsdp)."""
     return load_run({
         "model": model, "device": "cuda",
         "task": {"seq_len": seq_len, "tokenizer": tokenizer},
         "train": {**PRECISIONS[c.precision], "batch_size": c.micro_batch,
                   "total_batch_size": c.micro_batch * c.accumulation * gpus,
-                  **({"parallel": "fsdp"} if gpus > 1 else {})},
+                  **parallel_keys(gpus, nodes)},
         "memory": c.memory, "method": {"name": c.method, **c.settings},
     })  # fmt: skip
 
 
+def parallel_keys(gpus: int, nodes: int) -> dict[str, Any]:
+    """The train keys of `gpus` GPUs on `nodes` nodes: one GPU none, one node fsdp, several
+    hsdp sharded within a node; refuses nodes that do not hold the GPUs equally."""
+    if gpus % nodes:
+        allowed = ", ".join(str(n) for n in range(1, gpus + 1) if gpus % n == 0)
+        raise UserError(f"--nodes {nodes} does not split --gpus {gpus} into whole nodes of "
+                        f"equal GPUs; allowed: {allowed}")
+    if gpus == 1:
+        return {}
+    return {"parallel": "fsdp"} if nodes == 1 else {"parallel": "hsdp",
+                                                     "shard_group": gpus // nodes}
+
+
 def plan(model: str, budget: int, seq_len: int = 256, token_batch: int = 256,
-         tokenizer: str = "t5-base", closest: int = 5, gpus: int = 1) -> Plan:
+         tokenizer: str = "t5-base", closest: int = 5, gpus: int = 1, nodes: int = 1) -> Plan:
     """`token_batch`: tokens a GPU takes each step; `gpus` > 1: each GPU holds its fsdp share
-    (harness/cost/sharded.py), `budget` is one GPU's."""
+    (harness/cost/sharded.py), `budget` is one GPU's; `nodes` > 1: the GPUs are that many
+    nodes' (hsdp), each GPU holding its share of its node's."""
+    parallel_keys(gpus, nodes)  # the shape, checked before any candidate
     longest = architecture(model).max_seq_len
     if seq_len > longest:
         raise UserError(f"--seq-len {seq_len}: {model} takes at most {longest}")
@@ -188,7 +206,7 @@ def plan(model: str, budget: int, seq_len: int = 256, token_batch: int = 256,
     worked: dict[str, Any] = {}
     for c in candidates(model, seq_len, token_batch):
         try:
-            run = run_of(c, model, seq_len, tokenizer, gpus)
+            run = run_of(c, model, seq_len, tokenizer, gpus, nodes)
         except UserError as e:
             refused.setdefault(f"{c.label} [{c.modifiers or 'none'}] {c.precision}", str(e))
             continue
@@ -197,7 +215,7 @@ def plan(model: str, budget: int, seq_len: int = 256, token_batch: int = 256,
             continue
         if base is None:  # full AdamW, bf16-mixed, no modifier, one micro-batch
             whole = Candidate("full", "full", {}, "", {}, "bf16-mixed", token_batch // seq_len, 1)
-            base = step_work(run_of(whole, model, seq_len, tokenizer, gpus), gpus)[2]
+            base = step_work(run_of(whole, model, seq_len, tokenizer, gpus, nodes), gpus)[2]
         record = estimate_run(run, gpus, estimated)
         c.peak_bytes = record["peak_bytes"] - on_host(run, record)
         c.breakdown = {k: record[k] for k in BREAKDOWN}
@@ -219,15 +237,15 @@ def plan(model: str, budget: int, seq_len: int = 256, token_batch: int = 256,
         label = combination.split(" [")[0]
         if label not in ran and label not in apart:
             unusable.setdefault(label, why)
-    return Plan(budget, fits, near, refused, gpus, unusable, apart)
+    return Plan(budget, fits, near, refused, gpus, unusable, apart, nodes)
 
 
 def on_host(run: Any, record: dict[str, Any]) -> int:
     """Bytes `optimizer_offload: host` keeps off the GPU: the optimizer states, and under fsdp
-    (FSDP's CPU offload) the weight and gradient shards too."""
+    or hsdp (FSDP's CPU offload) the weight and gradient shards too."""
     if run.memory.optimizer_offload != "host":
         return 0
-    sharded = run.train.parallel == "fsdp"
+    sharded = run.train.sharded
     return record["optimizer_state_bytes"] + (
         record["weight_bytes"] + record["grad_bytes"] if sharded else 0)
 

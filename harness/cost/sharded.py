@@ -1,4 +1,5 @@
-"""A rank's peak under FSDP2 (`train.parallel: fsdp`) from shapes alone.
+"""A rank's peak under FSDP2 (`train.parallel: fsdp`; hsdp within its shard group, W then
+the group's ranks: the replicas all-reduce the reduced shard in place) from shapes alone.
 
 Rank 0 holds the largest share: ceil(m / W) rows of every tensor, its states as the method keeps
 them (`Memory.estimate_sharded`). Beside that share, FSDP2 holds whole tensors for a while, in

@@ -45,6 +45,11 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def local_world_size() -> int:
+    """The processes on this node (LOCAL_WORLD_SIZE, as torchrun sets it); unset, all of them."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size())))
+
+
 def is_main() -> bool:
     return rank() == 0
 

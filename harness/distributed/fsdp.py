@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from harness import distributed
@@ -27,6 +28,7 @@ from harness import distributed
 # take ~1 s of CPU to import (sympy among them), in every trial, worker and CLI process, most of
 # which never shard. Until a sharded run imports them, no tensor can be a DTensor (`is_sharded`).
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
 
@@ -43,21 +45,64 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
 
 
 def shard(model: nn.Module, layers: Iterable[nn.Module], device: torch.device, precision: str,
-          reshard_after_forward: bool, offload: bool) -> None:
+          reshard_after_forward: bool, offload: bool, shards: int | None = None) -> None:
     """`fully_shard` on each of `layers`, then on the root (embeddings, final norm, head). The
     root stays gathered after forward, since backward starts there; each layer frees its
     gathered weights after its forward when `reshard_after_forward` (gathered again for its
     backward), or keeps them to save that all-gather. `offload`: FSDP's CPU offload, the
-    sharded weights, gradients and optimizer states on the host, the step run there."""
-    from torch.distributed.device_mesh import init_device_mesh
+    sharded weights, gradients and optimizer states on the host, the step run there. `shards`:
+    hsdp's shard group (`device_mesh`); None: every rank's (fsdp)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (distributed.world_size(),))
+    mesh = device_mesh(device, shards)
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     common = {"mesh": mesh, "mp_policy": mixed_precision(precision), "offload_policy": policy}
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **common)
     fully_shard(model, **common)
+
+
+_mesh: DeviceMesh | None = None  # the last sharded model's (`device_mesh`); its last dim shards
+
+
+def device_mesh(device: torch.device, shards: int | None = None) -> DeviceMesh:
+    """The ranks a model is sharded over, kept for `rows` and `shard_sum`: fsdp (`shards` None
+    or the world size) a 1-D mesh of every rank; hsdp a 2-D one ("replicate", "shard") of
+    world / shards groups of `shards` consecutive ranks (a node's, as torchrun numbers them),
+    each group holding the whole model once, FSDP reduce-scattering within a group and
+    all-reducing across groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    global _mesh
+    world = distributed.world_size()
+    shards = shards or world
+    shape, names = ((world,), ("shard",)) if shards == world else \
+        ((world // shards, shards), ("replicate", "shard"))
+    _mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    return _mesh
+
+
+def shard_ranks() -> tuple[int, int]:
+    """How many ranks split a sharded tensor, and this rank's place among them: its shard
+    group's size and its position in it (fsdp: the world size and its rank)."""
+    if _mesh is None or not distributed.active():
+        return distributed.world_size(), distributed.rank()
+    return _mesh.size(_mesh.ndim - 1), _mesh.get_local_rank(_mesh.ndim - 1)
+
+
+def shard_group() -> dist.ProcessGroup | None:
+    """The process group of this rank's shard group (None: every rank's, the default group)."""
+    return None if _mesh is None else _mesh.get_group(_mesh.ndim - 1)
+
+
+def shard_sum(t: torch.Tensor) -> torch.Tensor:
+    """`t` summed in place over the ranks of this rank's shard group (each one's part of a sum
+    over a sharded tensor's rows): every rank under fsdp; the replicas under hsdp hold the same
+    parts and are not added."""
+    if not distributed.active():
+        return t
+    dist.all_reduce(t, group=shard_group())
+    return t
 
 
 def is_sharded(t: Any) -> bool:
@@ -78,10 +123,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def rows(t: torch.Tensor, sharded: bool = False) -> slice:
     """The rows of the whole tensor that this rank's shard holds (all of them unsharded);
-    `sharded`: as if `t` were row-sharded over the ranks."""
+    `sharded`: as if `t` were row-sharded over the ranks. Under hsdp a rank's rows are its
+    place in its shard group (`shard_ranks`)."""
     if not (sharded or is_sharded(t)):
         return slice(0, t.shape[0])
-    world, rank = distributed.world_size(), distributed.rank()
+    world, rank = shard_ranks()
     chunk = -(-t.shape[0] // world)
     start = min(rank * chunk, t.shape[0])
     return slice(start, min(start + chunk, t.shape[0]))

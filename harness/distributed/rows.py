@@ -50,17 +50,20 @@ class Rows:
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the ranks in place where this tensor is split (each rank's part
-        of a sum over its rows); else `t` as it is."""
-        return distributed.all_sum(t) if self.sharded else t
+        of a sum over its rows; hsdp: over its shard group, whose replicas FSDP averages the
+        gradients of); else `t` as it is."""
+        return fsdp.shard_sum(t) if self.sharded else t
 
     @staticmethod
     def total(t: torch.Tensor) -> torch.Tensor:
-        """`t` summed over every rank, in place (a count or norm each rank took of its rows)."""
-        return distributed.all_sum(t)
+        """`t` summed in place over the ranks that split the tensors (a count or norm each rank
+        took of its rows): every rank under fsdp, the shard group under hsdp."""
+        return fsdp.shard_sum(t)
 
     @staticmethod
     def ranks() -> int:
-        return distributed.world_size()
+        """The ranks a sharded tensor's rows are split over (hsdp: its shard group's)."""
+        return fsdp.shard_ranks()[0]
 
     @staticmethod
     def in_turn(i: int, compute: Callable[[], Any]) -> Any:
@@ -76,7 +79,7 @@ class Rows:
         `block`-value blocks of the flattened tensor: then blockwise states on the shards
         are the whole's."""
         rows, *rest = shape
-        world = distributed.world_size()
+        world = fsdp.shard_ranks()[0]
         return rows % world == 0 and (rows // world) * math.prod(rest) % block == 0
 
     # -- an optimizer's states of this parameter, in checkpoints ------------------------------

@@ -35,7 +35,8 @@ Loss = Callable[[nn.Module, Any], torch.Tensor]
 def join(run: RunConfig) -> tuple[Steps, torch.device]:
     """The step's shape, then this rank's device in the process group: the shape is checked
     before joining, so a batch that does not split is one line, not a hang."""
-    steps = Steps.of(run.train, run.task.seq_len, distributed.world_size())
+    steps = Steps.of(run.train, run.task.seq_len, distributed.world_size(),
+                     local=distributed.local_world_size())
     return steps, distributed.init(pick_device(run.device))
 
 
@@ -88,15 +89,16 @@ def modifiers(built: nn.Module, chosen: Method, run: RunConfig,
 
 
 def parallelize(built: nn.Module, run: RunConfig, steps: Steps, device: torch.device) -> bool:
-    """fsdp over several processes: rank 0's weights, sharded per decoder layer, before the
-    optimizer, whose parameters are then the shards; returns whether it sharded. DDP wraps
-    later (Trainer._wrap): how depends on the optimizer (layer-wise ones reduce in hooks)."""
+    """fsdp or hsdp over several processes: rank 0's weights, sharded per decoder layer (hsdp:
+    within each shard group), before the optimizer, whose parameters are then the shards;
+    returns whether it sharded. DDP wraps later (Trainer._wrap): how depends on the optimizer
+    (layer-wise ones reduce in hooks)."""
     t = run.train
-    if steps.world == 1 or t.parallel != "fsdp":
+    if steps.world == 1 or not t.sharded:
         return False
     distributed.broadcast_(built)  # rank 0's weights, as DDP starts from them
     fsdp.shard(built, decoder_layers(built), device, t.precision, t.reshard_after_forward,
-               run.memory.optimizer_offload == "host" and device.type == "cuda")
+               run.memory.optimizer_offload == "host" and device.type == "cuda", steps.shards)
     return True
 
 

@@ -279,16 +279,28 @@ def test_train_profile_writes_trace_and_operator_table(tmp_path, capsys):
     assert "aten::mm" in ops and "Self CPU" in ops
 
 
-def test_bench_fsdp_runs_both_strategies_and_prints_the_ratio(capfd):
-    """One round of each at llama_micro: both trials ran (tokens/s > 0) and the fsdp one was
-    sharded (rank 0 holds half of each of llama_micro's even-row weights: 1,149,248 of them
-    as float32 over 2 processes, counted by hand: 4 · 1,149,248 / 2)."""
-    assert main(["bench", "fsdp", "--model", "llama_micro", "--procs", "2", "--steps", "3",
-                 "--batch-size", "2", "--seq-len", "32", "--rounds", "1", "--json"]) == 0
+def test_bench_fsdp_counts_each_strategys_bytes_peaks_and_step_time(capfd):
+    """One round of ddp, fsdp and hsdp (2 x 1) on 2 processes at llama_micro, full AdamW in
+    float32: the bytes each rank sends in a step are the ring's, counted by hand from its
+    1,149,248 weights (N; the root's embeddings, norm and head R = 1,048,640, the layers' L =
+    100,608): DDP all-reduces every gradient, 2 · ½ · 4N; FSDP all-gathers the root once and
+    each layer twice (forward, backward) and reduce-scatters every gradient, ½ · 4(R + 2L) +
+    ½ · 4N; HSDP of one rank a group gathers and scatters nothing and all-reduces across the
+    two replicas, as DDP. Beside them only a few scalars (the step's target count, the sharded
+    gradient norm): under 1 kB. FSDP's ranks hold half the weights and peak below DDP's."""
+    assert main(["bench", "fsdp", "--model", "llama_micro", "--procs", "2", "--parallel",
+                 "ddp,fsdp,hsdp", "--steps", "6", "--batch-size", "2", "--seq-len", "32",
+                 "--rounds", "1", "--json"]) == 0
     records = json.loads(capfd.readouterr().out)
-    ddp, fsdp, ratio = records
-    assert [r["name"] for r in records] == ["fsdp/ddp_tokens_per_s", "fsdp/fsdp_tokens_per_s",
-                                            "fsdp/ratio"]
-    assert ddp["value"] > 0 and fsdp["value"] > 0 and len(ddp["per_round"]) == 1
-    assert ddp["param_bytes"] == 4 * 1_149_248 and fsdp["param_bytes"] == 4 * 1_149_248 // 2
-    assert ratio["value"] == pytest.approx(fsdp["value"] / ddp["value"])
+    assert [r["name"] for r in records] == ["fsdp/ddp-2", "fsdp/fsdp-2", "fsdp/hsdp-2"]
+    ddp, fsdp, hsdp = records
+    n, root, layers = 1_149_248, 1_048_640, 100_608
+    expected = {"ddp": 4 * n, "fsdp": 2 * (root + 2 * layers) + 2 * n, "hsdp": 4 * n}
+    for r in records:
+        assert len(r["sent_bytes"]) == 2 and len(r["peak_bytes"]) == 2
+        for sent in r["sent_bytes"]:
+            assert 0 <= sent - expected[r["parallel"]] < 1024, (r["parallel"], sent)
+        assert r["value"] > 0 and r["tokens_per_s"] > 0 and len(r["per_round"]) == 1
+    assert ddp["param_bytes"] == hsdp["param_bytes"] == [4 * n] * 2
+    assert fsdp["param_bytes"] == [4 * n // 2] * 2 and hsdp["shard_group"] == 1
+    assert max(fsdp["peak_bytes"]) < min(ddp["peak_bytes"])

@@ -160,5 +160,7 @@ def estimate_sweep(sweep: SweepConfig) -> list[dict[str, Any]]:
     if sweep.task.kind != "pretrain":
         raise UserError("estimate: predicts pretraining presets only; a GLUE sweep's model "
                         "(an encoder or a checkpoint) is measured by running it")
-    return [{"trial": t.id, "method": t.label, **estimate_run(t.run, sweep.launcher.ranks)}
+    launcher = sweep.launcher  # hsdp's shard group unset: a node's tasks
+    return [{"trial": t.id, "method": t.label,
+             **estimate_run(t.run, launcher.ranks, local=launcher.tasks_per_node)}
             for t in expand(sweep)]

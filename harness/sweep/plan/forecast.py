@@ -48,7 +48,7 @@ def forecast(sweep: SweepConfig, trials: list[Trial], out: Path) -> list[dict[st
     rates = measured_rates(out)
     records = []
     for t in trials:
-        estimate = estimate_run(t.run, ranks)
+        estimate = estimate_run(t.run, ranks, local=sweep.launcher.tasks_per_node)
         if t.label in rates:
             hours, source = t.tokens / rates[t.label] / 3600 * ranks, "measured"
         else:
@@ -112,7 +112,8 @@ def check_disk(launcher: LauncherConfig, left: list[Trial], out: Path) -> None:
     if not left:
         return
     ranks, at_once = launcher.ranks, launcher.at_once
-    estimates = {t.id: estimate_run(t.run, ranks) for t in left}  # a search repeats its trials
+    local = launcher.tasks_per_node  # a search repeats its trials: one estimate each
+    estimates = {t.id: estimate_run(t.run, ranks, local=local) for t in left}
     records = [estimates[t.id] for t in left]
     needed, free = disk_needed(records, at_once), free_bytes(out)
     if needed > free:
