@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import itertools
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -215,14 +216,21 @@ class BlockStream:
         self.tokenize.end()
 
 
-def eval_blocks(task: TaskConfig, tokenizer: Any, tokens: int) -> list[tuple[np.ndarray, int]]:
-    """The first `tokens` validation targets in file order: the same for every method and trial."""
+def eval_blocks(task: TaskConfig, tokenizer: Any, tokens: int,
+                tokenize: SplitTokenizer | None = None) -> list[tuple[np.ndarray, int]]:
+    """The first `tokens` validation targets in file order: the same for every method and trial.
+    `tokenize`: data parallel, this rank's share of the tokenizing, as for training."""
     docs = iter(open_documents(task, "validation"))
     packer = Packer(task, tokenizer)
+    tokenize = tokenize or SplitTokenizer(tokenizer)
+    ready: list[np.ndarray] = []
 
     def next_doc() -> np.ndarray:
-        row = next(docs)
-        return np.asarray(tokenizer(row["text"], add_special_tokens=False)["input_ids"], np.int32)
+        if not ready:
+            ready.extend(tokenize([row["text"] for row in itertools.islice(docs, tokenize.batch)]))
+        if not ready:
+            raise StopIteration  # the split is read to its end
+        return ready.pop(0)
 
     blocks: list[tuple[np.ndarray, int]] = []
     counted = 0

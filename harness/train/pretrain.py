@@ -51,8 +51,10 @@ class LMData:
 
     def __init__(self, run: RunConfig, tok: Any, device: torch.device, steps: Steps) -> None:
         self.run, self.tok, self.device, self.steps = run, tok, device, steps
-        split = SplitTokenizer(tok, distributed.rank(), steps.world, host_group())
-        self.stream = BlockStream(run.task, tok, run.seed, split)
+        rank = distributed.rank()  # each tokenizer's group: its thread's own (prefetch, main)
+        self.stream = BlockStream(run.task, tok, run.seed,
+                                  SplitTokenizer(tok, rank, steps.world, host_group()))
+        self._split_eval = SplitTokenizer(tok, rank, steps.world, host_group())
         self.prefetch: Prefetcher | None = None
         self._eval: list[tuple[np.ndarray, int]] | None = None
         # after the model's last hidden state; `train.compile` compiles it in place
@@ -86,7 +88,7 @@ class LMData:
         forwards, a rank out of batches repeating the first without counting it."""
         run, world = self.run, self.steps.world
         if self._eval is None:
-            self._eval = eval_blocks(run.task, self.tok, run.eval.tokens)
+            self._eval = eval_blocks(run.task, self.tok, run.eval.tokens, self._split_eval)
             held = sum(n - 1 for _, n in self._eval)
             if held < run.eval.tokens:
                 distributed.say(f"eval: the validation split holds {held:,} tokens, fewer "

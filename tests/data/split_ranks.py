@@ -1,7 +1,8 @@
 """Each rank of tests/data/test_split_ranks.py, forked with torchrun's environment at 4 ranks
-(tests/ranks.py): the training stream read as 4 ranks and, on two groups of 2, as 2 ranks,
-with the documents each rank tokenized counted; and a stop flag offered by rank 1 alone.
-Writes `rank-<r>.json` (batches and counts) and `state-<W>-<r>.pkl` into the folder given."""
+(tests/ranks.py): the training stream and the validation blocks read as 4 ranks and, on two
+groups of 2, as 2 ranks, with the documents each rank tokenized counted; and a stop flag
+offered by rank 1 alone. Writes `rank-<r>.json` (blocks and counts) and `state-<W>-<r>.pkl`
+into the folder given."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ import torch.distributed as dist
 
 from harness import distributed
 from harness.config import TaskConfig
-from harness.data.c4 import BlockStream, load_tokenizer
+from harness.data.c4 import BlockStream, eval_blocks, load_tokenizer
 from harness.data.loader import Prefetcher
 from harness.data.split import SplitTokenizer
 from harness.distributed.host import LateFlag, host_group
 
 BLOCKS = 320  # each world size reads this many blocks in all
+EVAL_TOKENS = 2000
 MICRO = 2  # a rank's micro-batch
+PAIRS = ([0, 1], [2, 3])
 
 
 class Counting:
@@ -40,8 +43,21 @@ class Counting:
         return getattr(self.tok, name)
 
 
-def read(task: TaskConfig, folder: Path, rank: int, world: int, group: Any) -> dict[str, Any]:
-    tok = Counting(load_tokenizer("sample"))
+def groups(world: int) -> tuple[int, Any]:
+    """This rank's rank in its group of `world` (all 4, or a pair) and the group, a new one."""
+    rank = dist.get_rank()
+    if world == 4:
+        return rank, host_group()
+    pairs = [dist.new_group(pair, backend="gloo") for pair in PAIRS]
+    return rank % 2, pairs[rank // 2]
+
+
+def read(task: TaskConfig, folder: Path, world: int) -> dict[str, Any]:
+    """The batches as the trainer takes them (the prefetch thread); the documents tokenized
+    counted on the main thread, where the count does not depend on how far the thread ran
+    ahead or on where it was when the others stopped. A group for each: a thread's own."""
+    tok = load_tokenizer("sample")
+    rank, group = groups(world)
     stream = BlockStream(task, tok, 0, SplitTokenizer(tok, rank, world, group))
     loader = Prefetcher(stream, MICRO, torch.device("cpu"), rank=rank, world=world)
     try:
@@ -49,8 +65,20 @@ def read(task: TaskConfig, folder: Path, rank: int, world: int, group: Any) -> d
         state = loader.state()
     finally:
         loader.close()
-    (folder / f"state-{world}-{rank}.pkl").write_bytes(pickle.dumps(state))
-    return {"batches": batches, "texts": tok.texts, "tokens": tok.tokens}
+    (folder / f"state-{world}-{dist.get_rank()}.pkl").write_bytes(pickle.dumps(state))
+    counted = Counting(tok)
+    rank, group = groups(world)
+    stream = BlockStream(task, counted, 0, SplitTokenizer(counted, rank, world, group))
+    for _ in range(BLOCKS):
+        stream.next_block()
+    return {"batches": batches, "texts": counted.texts, "tokens": counted.tokens}
+
+
+def validation(task: TaskConfig, world: int) -> dict[str, Any]:
+    tok = Counting(load_tokenizer("sample"))
+    rank, group = groups(world)
+    blocks = eval_blocks(task, tok, EVAL_TOKENS, SplitTokenizer(tok, rank, world, group))
+    return {"blocks": [[b.tolist(), n] for b, n in blocks], "texts": tok.texts}
 
 
 def main(argv: list[str]) -> int:
@@ -58,13 +86,12 @@ def main(argv: list[str]) -> int:
     distributed.init(torch.device("cpu"))
     rank = dist.get_rank()
     try:
-        four = host_group()
-        pairs = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")]
-        out = {4: read(task, folder, rank, 4, four),
-               2: read(task, folder, rank % 2, 2, pairs[rank // 2])}
+        out = {world: read(task, folder, world) for world in (4, 2)}
+        held = {world: validation(task, world) for world in (4, 2)}
         flag = LateFlag()
         agreed = [flag.agree(rank == 1 and i == 2, last=i == 4) for i in range(5)]
     finally:
         distributed.teardown()
-    (folder / f"rank-{rank}.json").write_text(json.dumps({"reads": out, "agreed": agreed}))
+    (folder / f"rank-{rank}.json").write_text(json.dumps({"reads": out, "validation": held,
+                                                          "agreed": agreed}))
     return 0

@@ -10,10 +10,10 @@ import pickle
 
 from conftest import free_port, write_c4_shards
 from ranks import Ranks
-from split_ranks import BLOCKS, Counting
+from split_ranks import BLOCKS, EVAL_TOKENS, PAIRS, Counting
 
 from harness.config import TaskConfig
-from harness.data.c4 import BlockStream, load_tokenizer
+from harness.data.c4 import BlockStream, eval_blocks, load_tokenizer
 from harness.data.split import DOCS_PER_RANK
 
 
@@ -23,22 +23,25 @@ def corpus(root):
              "river"]
     docs = [" ".join([f"document {i}"] + [words[(i * 7 + j) % len(words)]
                                          for j in range(1 + i % 38)]) for i in range(400)]
-    return write_c4_shards(root, {"train": docs, "validation": docs[:4]})
+    return write_c4_shards(root, {"train": docs, "validation": docs[::-1]})
 
 
 def test_ranks_tokenize_a_share_and_see_one_processs_blocks(tmp_path):
     task = TaskConfig(dataset=str(corpus(tmp_path / "corpus")), seq_len=32, shuffle_buffer=64)
     done = Ranks([str(tmp_path), task.dataset], 4, free_port(), "split_ranks")
-    tok = Counting(load_tokenizer("sample"))
+    tok = Counting(load_tokenizer("sample"))  # one process, while the ranks run
     one = BlockStream(task, tok, 0)
-    blocks = [one.next_block()[0].tolist() for _ in range(BLOCKS)]  # one process's
+    blocks = [one.next_block()[0].tolist() for _ in range(BLOCKS)]
     alone = (tok.texts, tok.tokens)
     after = [one.next_block()[0].tolist() for _ in range(16)]
+    tok = Counting(load_tokenizer("sample"))
+    held = [[b.tolist(), n] for b, n in eval_blocks(task, tok, EVAL_TOKENS)]
+    held_alone = tok.texts
     log, _ = done.communicate(timeout=300)
     assert done.returncode == 0, log
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(4)]
-    figures = [f"1 rank: {alone[0]} documents, {alone[1]} tokens tokenized"]
-    for world, members in ((4, [0, 1, 2, 3]), (2, [0, 1]), (2, [2, 3])):
+    figures = [f"1 rank: {alone[0]} documents, {alone[1]} tokens; validation {held_alone}"]
+    for world, members in ((4, [0, 1, 2, 3]), *((2, pair) for pair in PAIRS)):
         reads = [ranks[r]["reads"][str(world)] for r in members]
         rounds = zip(*(r["batches"] for r in reads), strict=True)
         assert [row for parts in rounds for part in parts for row in part] == blocks
@@ -47,12 +50,18 @@ def test_ranks_tokenize_a_share_and_see_one_processs_blocks(tmp_path):
         drawn = texts.pop() * world  # drawn DOCS_PER_RANK a rank at a time: at most one ahead
         assert alone[0] <= drawn < alone[0] + DOCS_PER_RANK * world
         assert alone[1] <= sum(r["tokens"] for r in reads)
-        figures.append(f"{world} ranks {members}: {reads[0]['texts']} documents, "
-                       f"{[r['tokens'] for r in reads]} tokens tokenized per rank")
         for r in members:  # a rank's position, restored in one process, goes on as one would
-            state = pickle.loads((tmp_path / f"state-{world}-{r % world}.pkl").read_bytes())
+            state = pickle.loads((tmp_path / f"state-{world}-{r}.pkl").read_bytes())
             resumed = BlockStream(task, load_tokenizer("sample"), 0)
             resumed.restore(state)
             assert [resumed.next_block()[0].tolist() for _ in range(16)] == after
+        evals = [ranks[r]["validation"][str(world)] for r in members]
+        assert all(e["blocks"] == held for e in evals)
+        counts = {e["texts"] for e in evals}
+        assert len(counts) == 1 and held_alone <= counts.pop() * world < (
+            held_alone + DOCS_PER_RANK * world)
+        figures.append(f"{world} ranks {members}: {reads[0]['texts']} documents, "
+                       f"{[r['tokens'] for r in reads]} tokens a rank; validation "
+                       f"{evals[0]['texts']} a rank")
     print("\n".join(figures))
     assert [r["agreed"] for r in ranks] == [[False, False, False, True, False]] * 4
