@@ -46,8 +46,9 @@ class GaLoreMemory(Memory):
         return self.estimate_sharded(shapes, run, 1)
 
     def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
-        """Weights, gradients and the moments of a right side (or an unprojected tensor) by
-        this rank's rows; a left side's r×n moments and every basis whole on every rank."""
+        """Weights, gradients, the moments of a right side (or an unprojected tensor) and a left
+        basis P by this rank's rows; a left side's r×n moments and a right basis Q whole on
+        every rank (each rank's rows of G take all of Q)."""
         c, w = self.config, widths(run)
         sizes = [numel(row_share(s, world)) for s in shapes.values()]
         state, extra = w.compensation * sum(sizes), 0
@@ -55,7 +56,7 @@ class GaLoreMemory(Memory):
             shape, side = tuple(full), "none"
             if c.targeted(name, shape):  # the basis is kept in the weights' dtype
                 side = side_of(shape, c.proj_type, c.rank)
-                extra += w.weight * basis_numel(shape, side, c.rank)
+                extra += w.weight * basis_numel(shape, side, c.rank, world)
                 shape = lowrank_shape(shape, side, c.rank)
             least = c.min_8bit_size if numel(shape) < c.min_8bit_size else 0  # by the whole
             if side in ("right", "none"):
@@ -77,8 +78,10 @@ class GaLoreMemory(Memory):
         )
 
 
-def basis_numel(shape: tuple[int, ...], side: str, rank: int) -> int:
-    m, n = shape
+def basis_numel(shape: tuple[int, ...], side: str, rank: int, world: int = 1) -> int:
+    """Elements of a `shape` weight's bases that rank 0 keeps under fsdp over `world` ranks
+    (1: unsharded): its rows of a left basis P (m×r), a right one Q (r×n) whole."""
+    m, n = row_share(shape, world)[0], shape[1]
     return {"none": 0, "left": m * rank, "right": rank * n, "full": (m + n) * rank}[side]
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any
 
 import torch
@@ -41,8 +40,8 @@ from harness.methods.projection import (
     project,
     project_back_,
     rotate,
-    safe_basis,
     side_of,
+    spread_bases,
     square,
 )
 from harness.modifiers.compensation import add_update, kernel_steps, restore_dtypes
@@ -53,6 +52,8 @@ QMAPS = ("qmap1", "qmap2")  # 8-bit states' quantization maps: the same on every
 ABSMAX = ("absmax1", "absmax2")  # 8-bit states' per-block scales: under fsdp, a rank's blocks
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col",
                "state1", "state2", "absmax1", "absmax2")
+# fsdp, a left (or full) side: what every rank holds whole; the rest (P) by rows
+LEFT_WHOLE = (*MOMENT_KEYS, "right", *QMAPS)
 
 
 class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
@@ -209,7 +210,7 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         live = [i for i, st in enumerate(states) if sides[i] == "none" or _has_basis(st)]
         params = [params[i] for i in live]  # a weight whose first SVD failed waits a step
         states, sides = [states[i] for i in live], [sides[i] for i in live]
-        bases = [_cut(p, st) for p, st in zip(params, states, strict=True)]
+        bases = states  # under fsdp a left basis is this rank's rows of P already
         held = [Rows(p.grad).local for p in params]  # G (this rank's rows), for Fira's residual
         sizes = [math.prod(_moment_shape(p, side, rank))  # whole: they choose 8-bit states
                  for p, side in zip(params, sides, strict=True)]
@@ -253,19 +254,18 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
 
     def _refresh_sharded(self, group: dict[str, Any], params: list[Tensor],
                          states: list[dict[str, Any]], sides: list[str]) -> None:
-        """fsdp: each gradient gathered whole once per refresh, its SVD run by one rank (the
-        weights in turn, so W ranks share the work), and the basis broadcast from there."""
-        rank, randomized = group["rank"], group["svd"] == "randomized"
+        """fsdp: each SVD computed by one rank, the bases sent as tensors (`spread_bases`):
+        a rank keeps its rows of a left basis P, and a right one Q whole."""
         self.svd_attempts += len(params)
-        for i, (p, st, side) in enumerate(zip(params, states, sides, strict=True)):
-            whole = Rows(p.grad).whole()  # collective: every rank, in the same order
-            basis, retried = Rows.in_turn(i, partial(_basis_on_host, whole, side, rank,
-                                                     randomized, st["proj_step"]))
+        found = spread_bases([Rows(p.grad).local for p in params],
+                             [tuple(p.shape) for p in params], sides, group["rank"],
+                             group["svd"] == "randomized", [st["proj_step"] for st in states])
+        for st, (basis, retried) in zip(states, found, strict=True):
             if basis is None:
                 self.svd_failures += 1  # keep the previous basis (or wait for one)
                 continue
             self.svd_retries += retried
-            self._switch(group["moments"], st, {k: v.to(whole.device) for k, v in basis.items()})
+            self._switch(group["moments"], st, basis)
 
     def _switch(self, policy: str, st: dict[str, Any], basis: dict[str, Tensor]) -> None:
         old = {k: st[k] for k in BASIS_KEYS if k in st}
@@ -279,6 +279,8 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
             st["step"] = 0
             return
         cl = basis["left"].T @ old["left"] if "left" in old else None
+        if cl is not None and self.sharded:  # each rank's rows of P: their part of PᵀP'
+            Rows.total(cl)
         cr = basis["right"] @ old["right"].T if "right" in old else None
         self._reproject(st, cl, cr)
 
@@ -310,11 +312,14 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Under fsdp, states of this rank's rows (a right-side or unprojected weight's) are
-        placed as row shards, which a checkpoint writes shard by shard."""
+        """Under fsdp, states of this rank's rows (a right-side or unprojected weight's
+        moments, a left basis P) are placed as row shards, which a checkpoint writes shard by
+        shard; a left side's moments and a right basis are whole on every rank."""
         sd = super().state_dict()
         for index, (p, side, rank) in enumerate(self._sides()):
-            if side in ("right", "none") and index in sd["state"]:
+            if side in ("left", "full") and index in sd["state"]:
+                sd["state"][index] = Rows(p).save(sd["state"][index], LEFT_WHOLE)
+            elif index in sd["state"]:
                 rows = Rows(p)
                 state = rows.save(sd["state"][index], (*BASIS_KEYS, *QMAPS, *ABSMAX))
                 blocks = -(-math.prod(_moment_shape(p, side, rank)) // BLOCK)
@@ -325,10 +330,12 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch casts every state tensor to its parameter's dtype: 8-bit states and float32
         moments of bf16 weights come back as saved. Under fsdp, whole row states are cut to
-        this rank's rows (the bases stay whole on every rank)."""
+        this rank's rows (`state_dict`'s whole ones stay whole)."""
         restore_dtypes(self, super().load_state_dict, state_dict)
         for p, side, _ in self._sides():
-            if side in ("right", "none") and p in self.state:
+            if side in ("left", "full") and p in self.state:
+                Rows(p).load(self.state[p], LEFT_WHOLE)
+            elif p in self.state:
                 Rows(p).load(self.state[p], (*BASIS_KEYS, *QMAPS, *ABSMAX))
                 Rows(p).load_blocks(self.state[p], ABSMAX)
         self.load_svd_counts(state_dict)
@@ -338,13 +345,6 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         order."""
         return [(p, side_of(p.shape, g["proj_type"], g["rank"]) if g["rank"] else "none",
                  g["rank"]) for g in self.param_groups for p in g["params"]]
-
-
-def _basis_on_host(grad: Tensor, side: str, rank: int, randomized: bool,
-                   seed: int) -> tuple[dict[str, Tensor] | None, bool]:
-    """`safe_basis`, its tensors on the host: sent to the other ranks from there."""
-    basis, retried = safe_basis(grad, side, rank, randomized, seed)
-    return (None if basis is None else {k: v.cpu() for k, v in basis.items()}), retried
 
 
 def _moment_shape(p: Tensor, side: str, rank: int | None) -> tuple[int, ...]:
@@ -365,7 +365,7 @@ def _low_rank(p: Tensor, st: dict[str, Any], basis: dict[str, Any], side: str) -
     """What the inner optimizer sees: R = PᵀG, plus the sum `fold` kept of earlier micro-batches.
     Under fsdp a right side's R = GQᵀ is this rank's rows of it; a left side's PᵀG is the sum
     over ranks of P's rows times G's (an all-reduce of r×n), the same R on every rank.
-    `basis`: the bases as this rank uses them (`_cut`)."""
+    `basis`: the bases as this rank holds them (a left one: its rows of P)."""
     acc = st.pop("folded", None)
     if p.grad is None:
         return acc
@@ -373,11 +373,3 @@ def _low_rank(p: Tensor, st: dict[str, Any], basis: dict[str, Any], side: str) -
     if side in ("left", "full"):
         Rows(p).sum(r)
     return r if acc is None else acc.add_(r)
-
-
-def _cut(p: Tensor, st: dict[str, Any]) -> dict[str, Any]:
-    """The bases as this rank uses them: a left basis P cut to the rows of W it holds."""
-    rows = Rows(p)
-    if not rows.sharded or "left" not in st:
-        return st
-    return {**st, "left": rows.mine(st["left"])}

@@ -8,10 +8,13 @@ The Muon arithmetic is torch's own (`torch.optim.Muon`: its momentum, Nesterov f
 torch's class, because that class cannot do three things the harness composes with every
 method: keep float32 momentum for a bfloat16 weight (bf16-true's `state_dtype`), add the update
 with stochastic rounding or Kahan compensation, and orthogonalize a matrix FSDP has split by
-rows. Under fsdp each rank computes its rows of the momentum, all-gathers the update matrix
-(one matrix at a time), runs the iteration on the whole of it, and keeps its rows: every rank
-does the whole iteration, so its flops are not divided by the world size. The tests check the
-update against `torch.optim.Muon` and the Moonlight example's optimizer, step for step.
+rows. Under fsdp each rank computes its rows of the momentum and of the update; the matrices
+of a step are shared out among the ranks, balanced by the iteration's flops
+(harness/distributed/owners.py), each goes whole to its owner (one all-to-all for all of them),
+the owner runs the iteration, and each rank gets its rows of the result back (a second
+all-to-all): a rank orthogonalizes about 1/W of the matrices, on the same input as one process.
+Layer-wise, a step is one matrix, whose owner goes round the ranks. The tests check the update
+against `torch.optim.Muon` and the Moonlight example's optimizer, step for step.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import Tensor, nn
 # Private to torch, but they are the arithmetic of its public torch.optim.Muon (module docstring).
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
+from harness.distributed import owners
 from harness.distributed.rows import Rows
 from harness.methods.base import Groups, Method, Terms, register, unpaged
 from harness.methods.full import AdamConfig, adamw
@@ -38,6 +42,9 @@ if TYPE_CHECKING:
 NOT_HIDDEN = ("embed_tokens", "lm_head")  # Moonlight's example: 2-D, but trained by AdamW
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) defaults
 NS_EPS = 1e-7
+# torch's iteration casts its input to this and returns it so: sharded, both trips carry it,
+# the same values as the float32 update's cast (half its bytes)
+NS_DTYPE = torch.bfloat16
 
 
 class MuonConfig(AdamConfig):
@@ -75,27 +82,74 @@ class MuonOptimizer(ParamwiseOptimizer):
                                   "adjust_lr_fn": adjust_lr_fn})
         self.dtype, self.compensation = state_dtype, compensation
 
-    def _update(self, group: dict[str, Any], p: Tensor) -> None:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Each group's matrices with a gradient: momentum, orthogonalized update, step."""
+        loss = None if closure is None else closure()
+        with torch.no_grad():
+            for group in self.param_groups:
+                params = [p for p in group["params"] if p.grad is not None]
+                if params and Rows(params[0]).sharded and owners.ranks()[0] > 1:
+                    self._spread(group, params)
+                    continue
+                for p in params:  # one matrix's temporaries at a time
+                    self._apply(group, p, newton_schulz(self._momentum(group, p),
+                                                        group["ns_steps"]))
+        return loss
+
+    def _spread(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        """fsdp: every matrix's update goes whole to the rank that orthogonalizes it
+        (owners.py: balanced by `ns_flops`), and each rank gets its rows of the result back;
+        this rank's rows of every update, and the wholes it owns, are held at once."""
+        updates = [self._momentum(group, p) for p in params]
+        steps = group["ns_steps"]
+        world, _ = owners.ranks()
+        who = owners.share("newton_schulz", [ns_flops(p.shape, steps) for p in params], world)
+        parts = [owners.Part(tuple(p.shape), o) for p, o in zip(params, who, strict=True)]
+        device = updates[0].device
+        wholes = owners.to_owners([u.to(NS_DTYPE) for u in updates], parts)
+        del updates
+        results = [None if x is None else newton_schulz(x, steps) for x in wholes]
+        del wholes
+        for p, o in zip(params, owners.from_owners(results, parts, NS_DTYPE, device),
+                        strict=True):
+            self._apply(group, p, o)
+
+    def _momentum(self, group: dict[str, Any], p: Tensor) -> Tensor:
+        """The momentum updated in place, and the update Newton–Schulz takes (this rank's
+        rows, float32)."""
         st, mu = self.state[p], group["momentum"]
         if not st:  # placed as the weight is: under fsdp, this rank's rows of a DTensor
             st["momentum_buffer"] = torch.zeros_like(p, dtype=self.dtype or p.dtype)
-        rows = Rows(p)
-        w, g = rows.local, Rows(p.grad).local.float()
+        g = Rows(p.grad).local.float()
         buf = Rows(st["momentum_buffer"]).local
         m = buf.float().lerp_(g, 1 - mu)  # torch's buffer: μ·B + (1 - μ)·g; in place at fp32
         if m is not buf:  # a float32 buffer's `.float()` is itself: no copy onto itself
             buf.copy_(m)
-        update = g.lerp(m, mu) if group["nesterov"] else m
-        whole = rows.gather(update)  # gathered when sharded: the iteration's input
-        ortho = _zeropower_via_newtonschulz(whole, NS_COEFFICIENTS, group["ns_steps"], NS_EPS)
-        ortho = rows.mine(ortho)
+        return g.lerp(m, mu) if group["nesterov"] else m
+
+    def _apply(self, group: dict[str, Any], p: Tensor, ortho: Tensor) -> None:
+        """W ← (1 − lr·wd)·W − adjusted lr · the orthogonalized update (this rank's rows)."""
+        w = Rows(p).local
         lr, wd = group["lr"], group["weight_decay"]
         adjusted = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
         if w.dtype != torch.bfloat16 or self.compensation == "none":
             w.mul_(1 - lr * wd)  # torch's order: decay, then the orthogonal update
             w.add_(ortho, alpha=-adjusted)
             return
-        add_update(w, ortho.float().mul_(-adjusted), self.compensation, st, lr * wd)
+        add_update(w, ortho.float().mul_(-adjusted), self.compensation, self.state[p], lr * wd)
+
+
+def ns_flops(shape: Iterable[int], steps: int) -> int:
+    """Multiply-adds ×2 of `steps` quintic Newton–Schulz iterations on a `shape` matrix
+    (torch's: on the wide orientation, a×b with a ≤ b): A = XXᵀ (2a²b), B = bA + cA² (2a³),
+    X = aX + BX (2a²b) each."""
+    a, b = sorted(shape)
+    return steps * (4 * a * a * b + 2 * a**3)
+
+
+def newton_schulz(update: Tensor, steps: int) -> Tensor:
+    """torch.optim.Muon's orthogonalization of a whole update matrix."""
+    return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, steps, NS_EPS)
 
 
 class Chain(torch.optim.Optimizer):
@@ -144,7 +198,7 @@ class Muon(Method):
     Config = MuonConfig
 
     def check(self, run: RunConfig) -> Terms:
-        # fsdp: each hidden matrix's update is gathered for the iteration (module docstring)
+        # fsdp: each hidden matrix's update goes whole to one rank (module docstring)
         return Terms(refusal=unpaged(run, "momentum", one=True), fsdp=None)
 
     def groups(self, model: nn.Module, run: RunConfig) -> Groups:

@@ -1,6 +1,7 @@
 """The projection maths GaLore and Q-GaLore share: which side of a weight is projected, its
-basis by (randomized) SVD, a gradient brought into the subspace and an update brought back,
-and the counts of SVDs that were retried or failed."""
+basis by (randomized) SVD (under fsdp, each SVD on one rank: `spread_bases`), a gradient brought
+into the subspace and an update brought back, and the counts of SVDs that were retried or
+failed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from harness.distributed import owners
 
 OVERSAMPLE, POWER_ITERS = 8, 2  # randomized SVD (Halko et al., 2011)
 
@@ -79,6 +82,49 @@ def safe_basis(grad: Tensor, side: str, rank: int, randomized: bool = False,
         if basis is not None and all(bool(t.isfinite().all()) for t in basis.values()):
             return basis, dtype == torch.float64
     return None, False
+
+
+def spread_bases(grads: list[Tensor], shapes: list[tuple[int, ...]], sides: list[str],
+                 rank: int, randomized: bool,
+                 seeds: list[int]) -> list[tuple[dict[str, Tensor] | None, bool]]:
+    """`safe_basis` of each whole gradient under fsdp (`grads`: this rank's rows), each SVD
+    computed by one rank (owners.py: balanced by m·n·min(m, n)): the gradients go whole to
+    their owners in one all-to-all, and the bases come back as tensors in another, a left
+    basis P by rows (this rank's rows of P: all it projects with), a right one Q whole (every
+    rank's rows of G take all of it), each with two flags: found, retried."""
+    world, _ = owners.ranks()
+    who = owners.share("svd", [m * n * min(m, n) for m, n in shapes], world)
+    wholes = owners.to_owners(grads, [owners.Part(s, o) for s, o in zip(shapes, who, strict=True)])
+    dtype, device = grads[0].dtype, grads[0].device
+    parts, sent = [], []
+    for shape, side, owner, whole, seed in zip(shapes, sides, who, wholes, seeds, strict=True):
+        basis, retried = (None, False) if whole is None else \
+            safe_basis(whole, side, rank, randomized, seed)
+        parts.append(owners.Part((2,), owner, rows=False))
+        sent.append(None if whole is None else
+                    torch.tensor([basis is not None, retried], dtype=dtype, device=device))
+        for key, part_shape, by_rows in _basis_parts(shape, side, rank):
+            parts.append(owners.Part(part_shape, owner, by_rows))
+            sent.append(None if whole is None else basis[key] if basis is not None
+                        else whole.new_zeros(part_shape))
+    del wholes
+    got = iter(owners.from_owners(sent, parts, dtype, device))
+    found = []
+    for shape, side in zip(shapes, sides, strict=True):
+        ok, retried = next(got).tolist()
+        basis = {key: next(got).clone()  # storage of its own, not the trip's buffer
+                 for key, _, _ in _basis_parts(shape, side, rank)}
+        found.append((basis if ok else None, bool(retried)))
+    return found
+
+
+def _basis_parts(shape: tuple[int, ...], side: str,
+                 rank: int) -> list[tuple[str, tuple[int, int], bool]]:
+    """A side's bases: key, whole shape, and whether a rank keeps its rows of it (P: the rows
+    of W's it holds) or the whole (Q)."""
+    m, n = shape
+    parts = [("left", (m, rank), True)] if side in ("left", "full") else []
+    return parts + ([("right", (rank, n), False)] if side in ("right", "full") else [])
 
 
 class SVDCounts:

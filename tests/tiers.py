@@ -35,6 +35,7 @@ INTEGRATION_FILES = {  # every test in these files
     "gpu/test_gpu.py",  # the CUDA checks (`pytest -m gpu`): a grid of trainings and a sweep
     "test_optional_imports.py",  # the CLI in a child without wandb and psycopg2
     "cost/test_sharded.py",  # fsdp ranks, forked (tests/ranks.py)
+    "methods/test_sharded_work.py",  # fsdp ranks, forked (tests/ranks.py)
     "bench/test_syncs_ranks.py", "data/test_split_ranks.py",  # ranks forked (tests/ranks.py)
     "test_exit.py",  # a harness process's exit, in a child
 }

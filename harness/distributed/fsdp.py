@@ -128,9 +128,14 @@ def rows(t: torch.Tensor, sharded: bool = False) -> slice:
     if not (sharded or is_sharded(t)):
         return slice(0, t.shape[0])
     world, rank = shard_ranks()
-    chunk = -(-t.shape[0] // world)
-    start = min(rank * chunk, t.shape[0])
-    return slice(start, min(start + chunk, t.shape[0]))
+    return span(t.shape[0], rank, world)
+
+
+def span(rows: int, rank: int, world: int) -> slice:
+    """The rows of `rows` that `rank` of `world` holds: [r·c, r·c + c), c = ceil(rows / world)."""
+    chunk = -(-rows // world)
+    start = min(rank * chunk, rows)
+    return slice(start, min(start + chunk, rows))
 
 
 def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

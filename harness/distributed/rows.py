@@ -1,6 +1,7 @@
 """What an optimizer needs of a tensor that FSDP may have split by rows, behind one helper:
 `Rows(t)` gives this rank's rows, the whole tensor gathered, sums over the ranks that each hold
-a part, states saved and loaded by rows, and (its static methods) which rank computes what.
+a part, and states saved and loaded by rows (work on whole matrices spread over the ranks, one
+rank a matrix: harness/distributed/owners.py).
 Methods ask it and nothing else of the strategy: none tests for DTensor or calls the process
 group itself. Unsharded (one process, or DDP) each answer is the tensor itself and a sum is
 one process's (harness/distributed/fsdp.py has the layout: rank r holds rows
@@ -10,12 +11,11 @@ one process's (harness/distributed/fsdp.py has the layout: rank r holds rows
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
 
-from harness import distributed
 from harness.distributed import fsdp
 
 
@@ -44,10 +44,6 @@ class Rows:
         """This rank's rows of `whole`, a tensor with the rows of this one (a left basis)."""
         return whole[self.span]
 
-    def gather(self, value: torch.Tensor) -> torch.Tensor:
-        """`value`, this rank's rows of a tensor shaped as this one, whole on every rank."""
-        return fsdp.full(fsdp.like(value, self.tensor))
-
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the ranks in place where this tensor is split (each rank's part
         of a sum over its rows; hsdp: over its shard group, whose replicas FSDP averages the
@@ -64,14 +60,6 @@ class Rows:
     def ranks() -> int:
         """The ranks a sharded tensor's rows are split over (hsdp: its shard group's)."""
         return fsdp.shard_ranks()[0]
-
-    @staticmethod
-    def in_turn(i: int, compute: Callable[[], Any]) -> Any:
-        """`compute()` run by one rank for the `i`-th of a list of whole matrices (rank
-        i mod W: W ranks share the work), its answer (picklable: host tensors) on every rank."""
-        owner = i % distributed.world_size()
-        return distributed.broadcast_object(compute() if distributed.rank() == owner else None,
-                                            owner)
 
     @staticmethod
     def aligned(shape: Iterable[int], block: int) -> bool:
