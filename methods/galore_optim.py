@@ -117,13 +117,16 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         """Layer-wise accumulation (harness/modifiers/layerwise.py): this micro-batch's R = PᵀG
         joins p's low-rank sum and p.grad is freed. A sum opens before the last micro-batch only,
         and only for a projected p whose basis this step keeps; a refresh needs the whole G for
-        its SVD, so p.grad then accumulates in full. Returns the sum (None: p.grad is kept)."""
+        its SVD, so p.grad then accumulates in full. Returns the sum (None: p.grad is kept).
+        Under fsdp p.grad is this rank's reduced rows: R as `_low_rank` forms it."""
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         side = side_of(p.shape, group["proj_type"], group["rank"]) if group["rank"] else "none"
         st = self.state.get(p, {})  # a sum opens only where a basis (so a state) exists
         if "folded" not in st and (last or side == "none" or _due(st, group["update_proj_gap"])):
             return None
-        r = project(p.grad, st, side)
+        r = project(Rows(p.grad).local, _cut(p, st), side)
+        if side in ("left", "full"):
+            Rows(p).sum(r)
         st["folded"] = st["folded"].add_(r) if "folded" in st else r
         p.grad = None
         return st["folded"]

@@ -80,6 +80,7 @@ PURE_BF16_KEYS = {"state_dtype": "float32", "update_compensation": "none"}  # ke
 # Train settings added after trials had run: left out of a trial's id at their default, which
 # is what those trials did, so that earlier sweeps' finished trials stay finished.
 LATER_TRAIN_KEYS = {**PURE_BF16_KEYS, "parallel": "ddp", "reshard_after_forward": True,
+                    "fsdp_reduce": "every",  # the same sums as "last", reduced in another order
                     "update_chunk": None, "loss_chunk": 0, "tf32": False, "shard_group": None}
 SHARDED = ("fsdp", "hsdp")  # the strategies that shard weights, gradients and states
 # Method settings added after trials had run, at the value that does what those trials did:
@@ -137,6 +138,11 @@ class TrainConfig(Strict):
     reshard_after_forward: bool = Field(
         True, description="fsdp: a layer frees its gathered weights after its forward and "
         "gathers them again for backward; false keeps them (memory for one all-gather)"
+    )
+    fsdp_reduce: Literal["every", "last"] = Field(
+        "every", description="fsdp with accumulation: reduce-scatter each micro-batch's "
+        "gradients (every: a rank holds its shard of them, 1/W) or only the last's (last: whole "
+        "gradients held between micro-batches, one reduce-scatter a step)"
     )
     grad_clip: float | None = Field(1.0, gt=0)
     compile: bool = Field(

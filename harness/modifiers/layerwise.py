@@ -11,8 +11,12 @@ is per parameter: each gradient's norm is clipped to `clip` on its own.
 An inner optimizer with a `fold(param, last)` method (GaLore's) may keep a smaller sum instead
 of the full gradient while micro-batches accumulate: called on every micro-batch, it frees
 `param.grad` and returns that sum, or returns None and the full gradient accumulates as usual.
-On the last micro-batch the sum is what is averaged over ranks and clipped (torch's rule, on
-the sum's norm), and the inner `step()` reads it. Without accumulation it always returns None.
+On the last micro-batch the sum is what is averaged over ranks, and the inner `step()` reads
+it. Without accumulation it always returns None. With `clip` nothing is folded: the clip is
+on the whole gradient's norm, as without accumulation, which a low-rank sum cannot give (so
+the result does not depend on how many micro-batches, or ranks, a step is split into).
+Under fsdp (`train.fsdp_reduce: every`) the hook runs after each micro-batch's reduce-scatter,
+on the shard the reduced gradients add up in; `sync` still holds the update to the last.
 
 Data parallel (harness/distributed/): DDP's wrapper would reduce gradients in buckets after
 they were complete, which either fails here (the hook has already freed them) or needs every
@@ -60,19 +64,18 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                        for p in params]
 
     def _update(self, param: torch.Tensor) -> None:
-        fold = getattr(self.inner[param], "fold", None)  # GaLore: accumulate in low rank
+        # GaLore: accumulate in low rank, unless clipping needs the whole gradient's norm
+        fold = None if self.clip else getattr(self.inner[param], "fold", None)
         low = fold(param, self.sync) if fold is not None else None
         if not self.sync:  # a middle micro-batch: let the gradient accumulate
             return
         grad = param.grad if low is None else low
         # the average over ranks, before anything reads the gradient (fsdp's reduce-scatter
         # took it already: FSDP runs this hook on the sharded, reduced gradient)
-        if distributed.active() and not fsdp.is_sharded(grad):
+        if distributed.active() and not fsdp.is_sharded(param):
             distributed.all_sum(grad).div_(distributed.world_size())
-        if self.clip and low is None:
+        if self.clip:
             torch.nn.utils.clip_grad_norm_([param], self.clip)
-        elif self.clip:  # torch's rule, on the low-rank sum that the inner optimizer reads
-            low.mul_((self.clip / (low.norm() + 1e-6)).clamp(max=1.0))
         self.inner[param].step()
         param.grad = None
 

@@ -120,23 +120,40 @@ def test_low_rank_sums_between_micro_batches_except_on_refresh_steps():
     assert held == [full if r else low for r in refresh]
 
 
-def test_clipping_acts_on_the_low_rank_sum():
+def clipped_run(accumulation: int) -> tuple[list[list[torch.Tensor]], list[float]]:
+    """Layer-wise GaLore clipping each gradient to 1e-3: the parameters after each step of
+    accumulating `accumulation` micro-batches, or of one backward through the sum of their
+    losses (1: the same summed gradient, one micro-batch), and the norm of each gradient the
+    inner optimizer read (clipped)."""
     ps = model()
     opt = layerwise(ps)
     opt.clip = 1e-3
-    seen = {}
-    for p, inner in opt.inner.items():
-        def step(p=p, inner=inner, real=inner.step):
-            st = inner.state[p]
-            g = st.get("folded", p.grad)
-            seen[p.shape] = ("folded" in st, g.norm().item())
+    norms = []
+    for inner in opt.inner.values():
+        def step(inner=inner, real=inner.step):
+            norms.extend(inner.state[p].get("folded", p.grad).norm().item()
+                         for p in inner.param_groups[0]["params"])
             return real()
 
         inner.step = step  # type: ignore[method-assign]
-    for micro in batches(2)[:2]:  # step 1 refreshes (full G), step 2 sums R = PᵀG
-        for i, x in enumerate(micro):
-            opt.sync = i == 1
-            loss(ps, x).backward()
+    out = []
+    for micro in batches(2):
+        parts = [[x] for x in micro] if accumulation == 2 else [micro]
+        for i, xs in enumerate(parts):
+            opt.sync = i == len(parts) - 1
+            sum(loss(ps, x) for x in xs).backward()
         opt.zero_grad()
-    assert {s: f for s, (f, _) in seen.items()} == {p.shape: p.dim() == 2 for p in ps}
-    assert all(0 < n <= 1e-3 * (1 + 1e-4) for _, n in seen.values())
+        out.append([p.detach().clone() for p in ps])
+    return out, norms
+
+
+def test_clipping_with_accumulation_clips_what_one_micro_batch_clips():
+    """The clip needs the whole gradient's norm, which a low-rank sum does not keep: with a
+    clip nothing is folded, and 2 micro-batches step as their sum in one backward does."""
+    ours, norms = clipped_run(2)
+    one, one_norms = clipped_run(1)
+    assert norms == pytest.approx([1e-3] * len(norms), rel=1e-4)  # every clip bound: the
+    assert one_norms == pytest.approx(norms, rel=1e-5)  # full gradient's, whole-rank ones too
+    for step, (a, b) in enumerate(zip(ours, one, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, step=step: f"step {step + 1}: {m}")
