@@ -32,19 +32,20 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
 
-# Mixed precision as FSDP does it: the float32 shards are the master weights, gathered in the
-# compute dtype; gradients are reduced in float32. Other precisions: the weights' own dtype.
-COMPUTE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+# Mixed precision is autocast's, as on one process and under DDP: the float32 shards are
+# gathered in float32 and autocast casts per op (a policy gathering in bfloat16 would round
+# norms and embeddings autocast keeps in float32; a separate group for those moves the order
+# gradients add up in). Gradients are float32, so reduced in float32.
 
 
-def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+def mixed_precision() -> MixedPrecisionPolicy:
+    """The weights' own dtype gathered, inputs never cast: autocast casts per op."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    dtype = COMPUTE.get(precision)
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    return MixedPrecisionPolicy(cast_forward_inputs=False)
 
 
-def shard(model: nn.Module, layers: Iterable[nn.Module], device: torch.device, precision: str,
+def shard(model: nn.Module, layers: Iterable[nn.Module], device: torch.device,
           reshard_after_forward: bool, offload: bool, shards: int | None = None) -> None:
     """`fully_shard` on each of `layers`, then on the root (embeddings, final norm, head). The
     root stays gathered after forward, since backward starts there; each layer frees its
@@ -56,7 +57,7 @@ def shard(model: nn.Module, layers: Iterable[nn.Module], device: torch.device, p
 
     mesh = device_mesh(device, shards)
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
-    common = {"mesh": mesh, "mp_policy": mixed_precision(precision), "offload_policy": policy}
+    common = {"mesh": mesh, "mp_policy": mixed_precision(), "offload_policy": policy}
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **common)
     fully_shard(model, **common)

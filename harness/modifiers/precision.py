@@ -39,11 +39,11 @@ class Precision:
     schedule advances on skipped steps too, as in torch's AMP recipe: knowing at once that a
     step was skipped would cost a host sync every step."""
 
-    def __init__(self, train: TrainConfig, device: torch.device, cast: bool = True) -> None:
-        """`cast`: autocast the mixed precisions (False under fsdp, which gathers the weights
-        in the compute dtype itself: harness/distributed/fsdp.py)."""
+    def __init__(self, train: TrainConfig, device: torch.device) -> None:
+        """The mixed precisions autocast under every strategy (fsdp gathers the float32
+        weights, harness/distributed/fsdp.py)."""
         self.device = device
-        self.dtype = DTYPES.get(train.precision) if cast else None
+        self.dtype = DTYPES.get(train.precision)
         self.scaler = None
         if train.precision == "16-mixed":
             s = train.loss_scale

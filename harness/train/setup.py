@@ -97,7 +97,7 @@ def parallelize(built: nn.Module, run: RunConfig, steps: Steps, device: torch.de
     if steps.world == 1 or not t.sharded:
         return False
     distributed.broadcast_(built)  # rank 0's weights, as DDP starts from them
-    fsdp.shard(built, decoder_layers(built), device, t.precision, t.reshard_after_forward,
+    fsdp.shard(built, decoder_layers(built), device, t.reshard_after_forward,
                run.memory.optimizer_offload == "host" and device.type == "cuda", steps.shards)
     return True
 
@@ -112,11 +112,11 @@ def compile_model(built: nn.Module, data: Data, t: TrainConfig, out: Path) -> Lo
     return data.loss
 
 
-def optimizer(chosen: Method, built: nn.Module, run: RunConfig, device: torch.device,
-              sharded: bool) -> tuple[torch.optim.Optimizer, Precision]:
+def optimizer(chosen: Method, built: nn.Module, run: RunConfig,
+              device: torch.device) -> tuple[torch.optim.Optimizer, Precision]:
     """The method's optimizer over the (sharded) model, and the precision context and fp16
-    grad scaler its steps run under (fsdp casts itself: no autocast)."""
-    precision = Precision(run.train, device, cast=not sharded)
+    grad scaler its steps run under (autocast under fsdp too: harness/distributed/fsdp.py)."""
+    precision = Precision(run.train, device)
     chunk = update_chunk(run.train, device.type)  # the device's where the run leaves it
     run = run.model_copy(update={"train": run.train.model_copy(update={"update_chunk": chunk})})
     return optimizer_for(chosen, built, run), precision

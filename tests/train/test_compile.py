@@ -98,7 +98,7 @@ def assert_traced(config: dict[str, Any], names: set[str]) -> None:
     try:
         chosen = setup.method(run, steps, model)[0]
         model = setup.modifiers(model, chosen, run, device)[0]
-        setup.optimizer(chosen, model, run, device, False)  # layer-wise: its hooks, in place
+        setup.optimizer(chosen, model, run, device)  # layer-wise: its hooks, in place
         compiled.trace_settings()
         seen = calls(model, data)
         targets = compiled.targets(model, data)

@@ -91,7 +91,7 @@ def test_optimizer_groups_hold_every_trainable_parameter_once(method):
     model = built(run)[0]
     chosen = setup.method(run, steps, model)[0]
     model = setup.modifiers(model, chosen, run, torch.device("cpu"))[0]
-    opt = setup.optimizer(chosen, model, run, torch.device("cpu"), sharded=False)[0]
+    opt = setup.optimizer(chosen, model, run, torch.device("cpu"))[0]
     grouped = [id(p) for group in opt.param_groups for p in group["params"]]
     trainable = [id(p) for p in model.parameters() if p.requires_grad]
     assert len(grouped) == len(set(grouped)) == len(trainable)
@@ -100,13 +100,12 @@ def test_optimizer_groups_hold_every_trainable_parameter_once(method):
         assert len(trainable) < len(list(model.parameters()))
 
 
-def test_optimizer_precision_autocasts_unless_fsdp_casts_itself():
+def test_optimizer_precision_autocasts_bf16_mixed():
+    """Under every strategy: fsdp gathers float32 weights and autocasts as one process does."""
     run = run_of(precision="bf16-mixed")
     model = built(run)[0]
     chosen = setup.method(run, setup.join(run)[0], model)[0]
-    cpu = torch.device("cpu")
-    assert setup.optimizer(chosen, model, run, cpu, sharded=False)[1].dtype == torch.bfloat16
-    assert setup.optimizer(chosen, model, run, cpu, sharded=True)[1].dtype is None
+    assert setup.optimizer(chosen, model, run, torch.device("cpu"))[1].dtype == torch.bfloat16
 
 
 def test_schedule_warms_up_then_decays_by_cosine_to_the_floor():
