@@ -38,6 +38,7 @@ INTEGRATION_FILES = {  # every test in these files
     "methods/test_sharded_work.py",  # fsdp ranks, forked (tests/ranks.py)
     "bench/test_syncs_ranks.py", "data/test_split_ranks.py",  # ranks forked (tests/ranks.py)
     "test_exit.py",  # a harness process's exit, in a child
+    "train/test_peer_faults.py", "train/test_multinode.py",  # torchrun, Slurm-style tasks
 }
 INTEGRATION_FIXTURES = {"finished_run", "finished_run_copy"}  # a sweep through the CLI
 INTEGRATION_TESTS = {  # test names (parameters left out) in other files

@@ -169,6 +169,10 @@ class TrainConfig(Strict):
         "weights", description="what a trial that ends ok keeps: its model in Hugging Face "
         "format (weights), that and its training state (full), or neither (none)"
     )
+    peer_timeout_s: float = Field(
+        120, gt=0, description="a trial of several processes: one that has not answered for "
+        "this long (stopped, frozen, gone) ends the trial interrupted, resumable"
+    )
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainConfig:
@@ -389,7 +393,8 @@ class RunConfig(Common):
     def identity(self) -> str:
         """Stable hash of everything that changes results (not the name, logging or provenance)."""
         data = self.model_dump(exclude={"name", "label", "provenance", "wandb"})
-        for key in ("log_every", "keep_checkpoints", "keep_final"):  # bookkeeping: same results
+        # bookkeeping: the same results
+        for key in ("log_every", "keep_checkpoints", "keep_final", "peer_timeout_s"):
             data["train"].pop(key)
         # Hash what earlier versions wrote, so that their finished trials stay finished.
         legacy = {new: old for old, new in PRECISION_ALIASES.items()}

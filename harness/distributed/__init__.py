@@ -23,7 +23,8 @@ from torch import nn
 from harness.errors import UserError
 
 # A collective that waits this long fails instead of hanging: longer than the slowest thing one
-# rank does alone (rank 0 writing a checkpoint), as torch's default for gloo.
+# rank does alone (rank 0 writing a checkpoint), as torch's default for gloo. A peer that is
+# gone or stopped is found sooner, by the watchdog (train.peer_timeout_s).
 TIMEOUT = timedelta(minutes=30)
 
 
@@ -76,13 +77,16 @@ def init(device: torch.device) -> torch.device:
 
 
 def teardown(failed: bool = False) -> None:
-    """Leave the group. After a failure, abort: a clean destroy could wait on peers forever."""
+    """Leave the group. After a failure or a lost peer, abort: a clean destroy could wait on
+    peers forever. Otherwise the ranks meet first, so that none takes the store it hosts away
+    while a peer's watchdog (harness/distributed/watchdog.py) still reads it."""
     if not active():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if failed and abort is not None:
         abort()
     else:
+        dist.barrier()
         dist.destroy_process_group()
 
 

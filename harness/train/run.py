@@ -19,6 +19,7 @@ from harness import distributed
 from harness.config import RunConfig
 from harness.cost.profile import profiled
 from harness.cost.tensor_peak import tracked
+from harness.distributed.watchdog import Watchdog, peer_lost
 from harness.errors import UserError, first_line
 from harness.train.export import finish, is_finished
 from harness.train.loop import NonFinite, Prune, Pruned, Trainer
@@ -62,7 +63,8 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
     many steps (harness/cost/profile.py); `prune`: asked at each evaluation whether to stop
     (an Optuna sweep's trial: its entry hands over its study's, harness/sweep/search/prune.py);
     `requeue`: the signals its launcher sends to have it checkpoint and stop, to be resumed."""
-    rec = distributed.main_only(Records(out, run))
+    records = Records(out, run)
+    rec = distributed.main_only(records)
     previous = rec.summary()
     if previous and previous.status == Status.OK:
         done = _finished_before(run, rec, previous)
@@ -73,8 +75,14 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
     requeues = previous.get("requeues", 0) if previous else 0
     summary = Summary.start(run, out.name, requeues).to_dict()
     rec.write_summary({**summary, "pid": os.getpid()})
-    with _StopFlag(requeue) as flag:
-        start, trainer = time.time(), None
+    start, trainer, by_peer = time.time(), None, False
+
+    def lost(why: str, main_lost: bool) -> None:  # the watchdog's thread, as this rank leaves
+        # rank 0 records the end; rank 1 does when rank 0 may be the one lost
+        writer = records if main_lost and distributed.rank() == 1 else rec
+        _record_lost(writer, summary, trainer, _wall_s(start, previous), why)
+
+    with _StopFlag(requeue) as flag, Watchdog(run.train.peer_timeout_s, lost) as watch:
         try:
             trainer = Trainer(
                 run, rec, lambda step: flag.set or bool(should_stop and should_stop(step)),
@@ -104,23 +112,45 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
         except Exception as e:
             if isinstance(e, RuntimeError) and CPU_OOM in str(e):
                 summary.update(status=Status.OOM, error=first_line(e))
+            elif peer_lost(e):  # a peer's process is gone: its own failure, or resumable
+                by_peer = True
+                status, error = watch.peer_failure() or (Status.INTERRUPTED,
+                                                         f"peer lost: {first_line(e)}")
+                summary.update(status=status, error=error)
             else:
                 traceback.print_exc(file=sys.stderr)
                 summary.update(status=Status.FAILED, error=f"{type(e).__name__}: {e}")
         finally:
+            failed = summary["status"] in (Status.FAILED, Status.OOM, Status.RUNNING)
+            if failed and not by_peer:  # before leaving the group: the peers see why
+                watch.post_failure(summary["status"], summary.get("error") or "")
+            watch.stop()
             if trainer is not None:
                 summary.update(trainer.results())
                 trainer.close()
-            resumed = previous and previous.status in (Status.INTERRUPTED, Status.RUNNING)
-            summary["wall_s"] = time.time() - start + ((resumed and previous.get("wall_s")) or 0)
+            summary["wall_s"] = _wall_s(start, previous)
             rec.write_summary(summary)
             rec.finish_wandb(summary)
-            distributed.teardown(
-                failed=summary["status"] in (Status.FAILED, Status.OOM, Status.RUNNING))
+            distributed.teardown(failed=failed or by_peer)
     if summary["status"] == Status.OK and distributed.is_main():
         del trainer  # its model and optimizer: the export builds the model again on the host
         summary = _finish(run, rec, summary)
     return summary
+
+
+def _wall_s(start: float, previous: Summary | None) -> float:
+    """Seconds trained: since `start`, and before it when this run resumed an unfinished one."""
+    resumed = previous and previous.status in (Status.INTERRUPTED, Status.RUNNING)
+    return time.time() - start + ((resumed and previous.get("wall_s")) or 0)
+
+
+def _record_lost(rec: Records, summary: dict, trainer: Trainer | None, wall_s: float,
+                 why: str) -> None:
+    """The end of a trial whose peer stopped answering, as its watchdog leaves: interrupted
+    at the step this rank reached (its last checkpoint is what a resume reads)."""
+    reached = {"step": trainer.step, "tokens": trainer.tokens} if trainer is not None else {}
+    rec.write_summary({**summary, **reached, "status": Status.INTERRUPTED,
+                       "error": f"peer lost: {why}", "wall_s": wall_s})
 
 
 def _finish(run: RunConfig, rec: Records, summary: dict, state: dict | None = None) -> dict:

@@ -96,7 +96,8 @@ def test_validation_messages_name_the_path_and_what_is_allowed():
 
 def test_identity_ignores_names_and_logging_but_not_what_changes_results():
     base = validate(RunConfig, micro_run())
-    same = validate(RunConfig, {**micro_run(log_every=5, keep_checkpoints=5), "name": "other",
+    same = validate(RunConfig, {**micro_run(log_every=5, keep_checkpoints=5, peer_timeout_s=9),
+                                "name": "other",
                                 "label": "x", "provenance": {"git": "abc"},
                                 "wandb": {"enabled": True}})
     assert base.identity() == same.identity()
