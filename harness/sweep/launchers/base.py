@@ -107,12 +107,15 @@ class Ranks:
     local_rank: int
     master_addr: str
     master_port: int
+    local_world: int = 0  # the trial's processes on this node; 0: not known
 
     def env(self) -> dict[str, str]:
-        """torch's standard variables, the only ones a trial reads (harness.distributed)."""
+        """torch's standard variables, the only ones a trial reads (harness.distributed), with
+        LOCAL_WORLD_SIZE where the node's share is known, as torchrun sets it."""
+        local = {"LOCAL_WORLD_SIZE": str(self.local_world)} if self.local_world else {}
         return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world),
                 "LOCAL_RANK": str(self.local_rank), "MASTER_ADDR": self.master_addr,
-                "MASTER_PORT": str(self.master_port)}
+                "MASTER_PORT": str(self.master_port), **local}
 
     @staticmethod
     def port(job_id: str) -> int:

@@ -32,7 +32,7 @@ def job_env() -> dict[str, str]:
     env = trial_env(min(threads, int(asked)) if asked.isdigit() and int(asked) else threads)
     if job.num_tasks > 1:
         env.update(Ranks(job.global_rank, job.num_tasks, job.local_rank, job.hostnames[0],
-                         Ranks.port(job.job_id)).env())
+                         Ranks.port(job.job_id), job.num_tasks // job.num_nodes).env())
     return env
 
 
