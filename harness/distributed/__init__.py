@@ -76,18 +76,20 @@ def init(device: torch.device) -> torch.device:
     return device
 
 
-def teardown(failed: bool = False) -> None:
+def teardown(failed: bool = False, meet: bool = False) -> None:
     """Leave the group. After a failure or a lost peer, abort: a clean destroy could wait on
-    peers forever. Otherwise the ranks meet first, so that none takes the store it hosts away
-    while a peer's watchdog (harness/distributed/watchdog.py) still reads it."""
+    peers forever. `meet`: the ranks meet first (all of them end here), so that none takes
+    the store it hosts away while a peer's watchdog (harness/distributed/watchdog.py) still
+    reads it."""
     if not active():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if failed and abort is not None:
         abort()
-    else:
+        return
+    if meet and not failed:
         dist.barrier()
-        dist.destroy_process_group()
+    dist.destroy_process_group()
 
 
 def barrier() -> None:

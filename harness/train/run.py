@@ -131,7 +131,7 @@ def train(run: RunConfig, out: Path, should_stop: Callable[[int], bool] | None =
             summary["wall_s"] = _wall_s(start, previous)
             rec.write_summary(summary)
             rec.finish_wandb(summary)
-            distributed.teardown(failed=failed or by_peer)
+            distributed.teardown(failed=failed or by_peer, meet=True)
     if summary["status"] == Status.OK and distributed.is_main():
         del trainer  # its model and optimizer: the export builds the model again on the host
         summary = _finish(run, rec, summary)
