@@ -55,7 +55,8 @@ class SplitTokenizer:
             raise StreamEnded("the data stream ended: another rank stopped reading")
         mine = encode(self.tok, texts[self.rank :: self.world])
         lengths = self._headers([len(ids) for ids in mine], stop=False).clip(min=0)
-        flat = np.zeros(lengths.sum(1).max(), dtype=np.int32)  # padded to the longest share
+        # padded to the longest share (one token at least: documents may be empty)
+        flat = np.zeros(max(1, lengths.sum(1).max()), dtype=np.int32)
         if mine:
             flat[: lengths[self.rank].sum()] = np.concatenate(mine)
         parts = [torch.empty(len(flat), dtype=torch.int32) for _ in range(self.world)]
