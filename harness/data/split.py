@@ -31,6 +31,14 @@ def encode(tok: Any, texts: list[str]) -> list[np.ndarray]:
             for text in texts]
 
 
+def gather(mine: np.ndarray, world: int, group: Any) -> list[np.ndarray]:
+    """Every rank's array of `mine`'s shape, in rank order. numpy buffers: host memory outside
+    torch's allocator, so the tensor peak a trainer measures is its step's alone."""
+    every = [np.empty_like(mine) for _ in range(world)]
+    dist.all_gather([torch.from_numpy(a) for a in every], torch.from_numpy(mine), group=group)
+    return every
+
+
 class SplitTokenizer:
     """Token ids of a batch of texts that every rank holds alike, each rank tokenizing its
     share. One process (or no group): all of them, one batch a document, as before."""
@@ -59,21 +67,17 @@ class SplitTokenizer:
         flat = np.zeros(max(1, lengths.sum(1).max()), dtype=np.int32)
         if mine:
             flat[: lengths[self.rank].sum()] = np.concatenate(mine)
-        parts = [torch.empty(len(flat), dtype=torch.int32) for _ in range(self.world)]
-        dist.all_gather(parts, torch.from_numpy(flat), group=self.group)
-        docs = [np.split(part.numpy(), np.cumsum(n)) for part, n in zip(parts, lengths,
-                                                                        strict=True)]
+        parts = gather(flat, self.world, self.group)
+        docs = [np.split(part, np.cumsum(n)) for part, n in zip(parts, lengths, strict=True)]
         return [docs[i % self.world][i // self.world] for i in range(len(texts))]
 
     def _headers(self, lengths: list[int], stop: bool) -> np.ndarray:
         """Every rank's document lengths (W × DOCS_PER_RANK, -1 past its share); a rank
         that stops says so here, and then every rank's stream ends."""
-        mine = torch.full((DOCS_PER_RANK + 1,), -1, dtype=torch.int64)
+        mine = np.full(DOCS_PER_RANK + 1, -1, dtype=np.int64)
         mine[0] = int(stop)
-        mine[1 : 1 + len(lengths)] = torch.tensor(lengths, dtype=torch.int64)
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(every, mine, group=self.group)
-        headers = torch.stack(every).numpy()
+        mine[1 : 1 + len(lengths)] = lengths
+        headers = np.stack(gather(mine, self.world, self.group))
         if (headers[:, 0] > 0).any():
             self.ended = True
             raise StreamEnded("the data stream ended: another rank stopped reading")
