@@ -21,9 +21,10 @@ def host_group() -> Any:
 
 class LateFlag:
     """A flag true on every rank when it was true on one, without a host sync in the step: the
-    all-reduce of step n's flags starts at step n and is read at step n+1, when every rank has
-    issued it (each passed step n+1's gradient reduction), so the wait costs nothing. A stop
-    then takes effect one step after it is asked, on every rank alike. One process: at once."""
+    all-reduce of step n's flags starts at step n and is read at step n+1, a step after every
+    rank issued it (on gloo each rank has passed step n+1's gradient reduction by then), so the
+    wait holds no device work. A stop then takes effect one step after it is asked, on every
+    rank alike. One process: at once."""
 
     def __init__(self) -> None:
         self.group = host_group()
