@@ -47,8 +47,8 @@ class GaLoreMemory(Memory):
 
     def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
         """Weights, gradients, the moments of a right side (or an unprojected tensor) and a left
-        basis P by this rank's rows; a left side's r×n moments and a right basis Q whole on
-        every rank (each rank's rows of G take all of Q)."""
+        basis P by this rank's rows, a left side's r×n moments by rows of their r; a right
+        basis Q whole on every rank (each rank's rows of G take all of Q)."""
         c, w = self.config, widths(run)
         sizes = [numel(row_share(s, world)) for s in shapes.values()]
         state, extra = w.compensation * sum(sizes), 0
@@ -59,7 +59,7 @@ class GaLoreMemory(Memory):
                 extra += w.weight * basis_numel(shape, side, c.rank, world)
                 shape = lowrank_shape(shape, side, c.rank)
             least = c.min_8bit_size if numel(shape) < c.min_8bit_size else 0  # by the whole
-            if side in ("right", "none"):
+            if side != "full":  # a left side's by its r rows (reduce-scattered R)
                 shape = row_share(shape, world)
             state += state_bytes(shape, c.optimizer, least,
                                  getattr(c, "adafactor_beta1", None), w.state)  # Fira: none

@@ -52,8 +52,10 @@ QMAPS = ("qmap1", "qmap2")  # 8-bit states' quantization maps: the same on every
 ABSMAX = ("absmax1", "absmax2")  # 8-bit states' per-block scales: under fsdp, a rank's blocks
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col",
                "state1", "state2", "absmax1", "absmax2")
-# fsdp, a left (or full) side: what every rank holds whole; the rest (P) by rows
+# fsdp, a left (or full) side: what is not kept by W's rows (P is); a left side's moments are
+# kept by their own r rows (SPLIT, the 8-bit ones' absmax by blocks)
 LEFT_WHOLE = (*MOMENT_KEYS, "right", *QMAPS)
+SPLIT = ("exp_avg", "exp_avg_sq", "state1", "state2")
 
 
 class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
@@ -80,14 +82,13 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         if inner == "adam8bit" and self.sharded:
             self._check_blocks()
 
-
     def _check_blocks(self) -> None:
-        """fsdp: 8-bit moments kept by rows (an unprojected tensor's, a right side's) must split
+        """fsdp: 8-bit moments kept by rows (an unprojected tensor's, a side's) must split
         into the same whole number of 256-value blocks on every rank, or the blocks are not
         the whole tensor's; one line naming the first that would not."""
         for p, side, rank in self._sides():
             shape = _moment_shape(p, side, rank)
-            if side != "left" and math.prod(shape) >= self.min_8bit_size \
+            if side != "full" and math.prod(shape) >= self.min_8bit_size \
                     and not Rows.aligned(shape, BLOCK):
                 raise UserError(
                     f"optimizer adam8bit with train.parallel fsdp on {Rows.ranks()} "
@@ -124,7 +125,7 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         st = self.state.get(p, {})  # a sum opens only where a basis (so a state) exists
         if "folded" not in st and (last or side == "none" or _due(st, group["update_proj_gap"])):
             return None
-        r = project(Rows(p.grad).local, _cut(p, st), side)
+        r = project(Rows(p.grad).local, st, side)
         if side in ("left", "full"):
             Rows(p).sum(r)
         st["folded"] = st["folded"].add_(r) if "folded" in st else r
@@ -213,12 +214,12 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         live = [i for i, st in enumerate(states) if sides[i] == "none" or _has_basis(st)]
         params = [params[i] for i in live]  # a weight whose first SVD failed waits a step
         states, sides = [states[i] for i in live], [sides[i] for i in live]
-        bases = states  # under fsdp a left basis is this rank's rows of P already
+        split = [self.sharded and side == "left" for side in sides]  # R's rows, `_low_rank`
         held = [Rows(p.grad).local for p in params]  # G (this rank's rows), for Fira's residual
         sizes = [math.prod(_moment_shape(p, side, rank))  # whole: they choose 8-bit states
                  for p, side in zip(params, sides, strict=True)]
-        grads = self._inner_grads([_low_rank(p, st, b, s) for p, st, b, s
-                                   in zip(params, states, bases, sides, strict=True)])
+        grads = self._inner_grads([_low_rank(p, st, s, sp) for p, st, s, sp
+                                   in zip(params, states, sides, split, strict=True)])
         params = [Rows(p).local for p in params]
         lr, scale = group["lr"], group["scale"]
         if self.inner == "adafactor":
@@ -226,7 +227,9 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         else:  # Adam leaves -N in a zeroed scratch tensor: lr 1, no decay there
             updates, alpha = [torch.zeros_like(g) for g in grads], lr * scale
             self.adam(group, updates, grads, states, 1.0, 0.0, sizes)
-        self._apply(group, params, updates, states, sides, alpha, bases, held)
+        # a left side's N whole: each rank's rows of W take all of it (an all-gather of r×n)
+        updates = [Rows.joined(u, rank) if sp else u for u, sp in zip(updates, split, strict=True)]
+        self._apply(group, params, updates, states, sides, alpha, states, held)
         for st in states:
             st["proj_step"] += 1
 
@@ -292,10 +295,18 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         expectation of the rotated squares when coordinates are uncorrelated (as they are in
         the SVD basis the old moments were measured in); nonnegative by construction."""
         sl, sr = square(cl), square(cr)
+        split = self.sharded and cr is None  # a left side's moments, by rows of r under fsdp
+
+        def turned(x: Tensor, c_l: Tensor | None, c_r: Tensor | None) -> Tensor:
+            if not split:
+                return rotate(x, c_l, c_r)
+            whole = rotate(Rows.joined(x, c_l.shape[0]), c_l, c_r)  # type: ignore[union-attr]
+            return whole[Rows.mine_of(whole.shape[0])]
+
         if "exp_avg" in st:
-            st["exp_avg"].copy_(rotate(st["exp_avg"], cl, cr))
+            st["exp_avg"].copy_(turned(st["exp_avg"], cl, cr))
         if "exp_avg_sq" in st:
-            st["exp_avg_sq"].copy_(rotate(st["exp_avg_sq"], sl, sr))
+            st["exp_avg_sq"].copy_(turned(st["exp_avg_sq"], sl, sr))
         if "exp_avg_sq_row" in st:  # Adafactor: rotate its rank-1 estimate, factor it again
             row, col = st["exp_avg_sq_row"], st["exp_avg_sq_col"]
             v = rotate(torch.outer(row, col) / row.mean(), sl, sr)
@@ -308,39 +319,50 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
                 code, absmax = st[f"qmap{i}"], st[f"absmax{i}"]
                 x = bnbf.dequantize_blockwise(st[f"state{i}"], absmax=absmax, code=code,
                                               blocksize=BLOCK)
-                q, qs = bnbf.quantize_blockwise(rotate(x, c_l, c_r).contiguous(), code=code,
+                q, qs = bnbf.quantize_blockwise(turned(x, c_l, c_r).contiguous(), code=code,
                                                 blocksize=BLOCK)
                 st[f"state{i}"].copy_(q)
                 absmax.copy_(qs.absmax)
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Under fsdp, states of this rank's rows (a right-side or unprojected weight's
-        moments, a left basis P) are placed as row shards, which a checkpoint writes shard by
-        shard; a left side's moments and a right basis are whole on every rank."""
+        """Under fsdp, states kept by rows (a right-side or unprojected weight's moments, P by
+        W's rows, a left side's moments by their r rows) are placed as row shards, which a
+        checkpoint writes shard by shard; Q is whole on every rank."""
         sd = super().state_dict()
         for index, (p, side, rank) in enumerate(self._sides()):
-            if side in ("left", "full") and index in sd["state"]:
-                sd["state"][index] = Rows(p).save(sd["state"][index], LEFT_WHOLE)
-            elif index in sd["state"]:
-                rows = Rows(p)
-                state = rows.save(sd["state"][index], (*BASIS_KEYS, *QMAPS, *ABSMAX))
+            if index not in sd["state"]:
+                continue
+            rows, state = Rows(p), sd["state"][index]
+            if side in ("left", "full"):
+                state = rows.save(state, LEFT_WHOLE)
+                if side == "left":
+                    state = rows.save_split(state, SPLIT, rank)
+            else:
+                state = rows.save(state, (*BASIS_KEYS, *QMAPS, *ABSMAX))
+            if side != "full":
                 blocks = -(-math.prod(_moment_shape(p, side, rank)) // BLOCK)
-                sd["state"][index] = rows.save_blocks(state, ABSMAX, blocks)
+                state = rows.save_blocks(state, ABSMAX, blocks)
+            sd["state"][index] = state
         sd["svd_counts"] = self.svd_counts()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch casts every state tensor to its parameter's dtype: 8-bit states and float32
-        moments of bf16 weights come back as saved. Under fsdp, whole row states are cut to
-        this rank's rows (`state_dict`'s whole ones stay whole)."""
+        moments of bf16 weights come back as saved. Under fsdp, `state_dict`'s by rows cut."""
         restore_dtypes(self, super().load_state_dict, state_dict)
-        for p, side, _ in self._sides():
-            if side in ("left", "full") and p in self.state:
-                Rows(p).load(self.state[p], LEFT_WHOLE)
-            elif p in self.state:
-                Rows(p).load(self.state[p], (*BASIS_KEYS, *QMAPS, *ABSMAX))
-                Rows(p).load_blocks(self.state[p], ABSMAX)
+        for p, side, rank in self._sides():
+            if p not in self.state:
+                continue
+            rows, st = Rows(p), self.state[p]
+            if side in ("left", "full"):
+                rows.load(st, LEFT_WHOLE)
+                if side == "left":
+                    rows.load_split(st, SPLIT, rank)
+            else:
+                rows.load(st, (*BASIS_KEYS, *QMAPS, *ABSMAX))
+            if side != "full":
+                rows.load_blocks(st, ABSMAX)
         self.load_svd_counts(state_dict)
 
     def _sides(self) -> list[tuple[Tensor, str, int | None]]:
@@ -364,15 +386,19 @@ def _due(st: dict[str, Any], gap: int) -> bool:
     return st.get("proj_step", 0) % gap == 0 or not _has_basis(st)
 
 
-def _low_rank(p: Tensor, st: dict[str, Any], basis: dict[str, Any], side: str) -> Tensor:
+def _low_rank(p: Tensor, st: dict[str, Any], side: str, split: bool) -> Tensor:
     """What the inner optimizer sees: R = PᵀG, plus the sum `fold` kept of earlier micro-batches.
     Under fsdp a right side's R = GQᵀ is this rank's rows of it; a left side's PᵀG is the sum
-    over ranks of P's rows times G's (an all-reduce of r×n), the same R on every rank.
-    `basis`: the bases as this rank holds them (a left one: its rows of P)."""
+    over ranks of P's rows times G's, reduce-scattered (`split`): this rank's rows of R (of its
+    r), its moments' rows. A full side's all-reduced: the same R on every rank."""
     acc = st.pop("folded", None)
+    if split and acc is not None:  # `fold` keeps the whole sum
+        acc = acc[Rows.mine_of(acc.shape[0])]
     if p.grad is None:
         return acc
-    r = project(Rows(p.grad).local, basis, side)
-    if side in ("left", "full"):
+    r = project(Rows(p.grad).local, st, side)
+    if split:
+        r = Rows.split_sum(r)
+    elif side in ("left", "full"):
         Rows(p).sum(r)
     return r if acc is None else acc.add_(r)

@@ -15,6 +15,7 @@ from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from harness.distributed import fsdp
 
@@ -60,6 +61,38 @@ class Rows:
     def ranks() -> int:
         """The ranks a sharded tensor's rows are split over (hsdp: its shard group's)."""
         return fsdp.shard_ranks()[0]
+
+    @staticmethod
+    def split_sum(t: torch.Tensor) -> torch.Tensor:
+        """`t`, each rank's part of a sum (a left side's PᵀG), summed over the ranks that split
+        the tensors, of which this rank keeps its rows (`mine_of`): a reduce-scatter, the
+        same bytes as an all-reduce's first half."""
+        world, _ = fsdp.shard_ranks()
+        chunk = -(-t.shape[0] // world)
+        padded = t.new_zeros((world * chunk, *t.shape[1:]))
+        padded[:t.shape[0]] = t
+        out = t.new_empty((chunk, *t.shape[1:]))
+        dist.reduce_scatter_tensor(out, padded, group=fsdp.shard_group())
+        return out[:_count(Rows.mine_of(t.shape[0]))]
+
+    @staticmethod
+    def joined(t: torch.Tensor, rows: int) -> torch.Tensor:
+        """`t`, this rank's rows (`mine_of`) of a tensor of `rows` rows, whole on every rank:
+        an all-gather."""
+        world, _ = fsdp.shard_ranks()
+        chunk = -(-rows // world)
+        padded = t.new_zeros((chunk, *t.shape[1:]))
+        padded[:t.shape[0]] = t
+        out = t.new_empty((world * chunk, *t.shape[1:]))
+        dist.all_gather_into_tensor(out, padded, group=fsdp.shard_group())
+        return out[:rows]
+
+    @staticmethod
+    def mine_of(rows: int) -> slice:
+        """The rows of a `rows`-row tensor this rank keeps when it is split as the weights are
+        (fsdp.span), whatever the weights' own rows."""
+        world, rank = fsdp.shard_ranks()
+        return fsdp.span(rows, rank, world)
 
     @staticmethod
     def aligned(shape: Iterable[int], block: int) -> bool:
@@ -110,6 +143,27 @@ class Rows:
                 if k in keys and isinstance(v, torch.Tensor) and not fsdp.is_sharded(v) else v
                 for k, v in state.items()}
 
+    def save_split(self, state: dict[str, Any], keys: Collection[str],
+                   rows: int) -> dict[str, Any]:
+        """States `keys` kept by `mine_of` rows of a `rows`-row tensor, placed as row shards of
+        it (as `save` does for the parameter's own rows)."""
+        if not self.sharded:
+            return state
+        return {k: fsdp.row_shard(v, self.tensor, (rows, *v.shape[1:]))
+                if k in keys and isinstance(v, torch.Tensor) and not fsdp.is_sharded(v) else v
+                for k, v in state.items()}
+
+    def load_split(self, state: dict[str, Any], keys: Collection[str], rows: int) -> None:
+        """The inverse of `save_split` on load: this rank's rows of each, in place."""
+        if not self.sharded:
+            return
+        for key in keys:
+            value = state.get(key)
+            if fsdp.is_sharded(value):
+                state[key] = value.to_local()
+            elif isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
+                state[key] = value[Rows.mine_of(rows)].clone()
+
     def load_blocks(self, state: dict[str, Any], keys: Collection[str]) -> None:
         """The inverse of `save_blocks` on load: this rank's blocks of each whole tensor."""
         if not self.sharded:
@@ -125,3 +179,7 @@ class Rows:
 def _holds_rows(value: Any, span: slice) -> bool:
     return (isinstance(value, torch.Tensor) and not fsdp.is_sharded(value) and value.dim() > 0
             and value.shape[0] == span.stop - span.start)
+
+
+def _count(span: slice) -> int:
+    return span.stop - span.start

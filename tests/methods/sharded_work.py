@@ -3,7 +3,8 @@
 each run config, as one JSON line a config in the results folder's `rank-<r>.jsonl`: the
 Newton–Schulz flops (torch's FlopCounterMode around each iteration), the SVDs' m·n·min(m, n),
 the bytes it sends to and receives from other ranks in each all-to-all, the objects it
-broadcasts pickled, and the bytes of the bases it keeps (GaLore's `measure`)."""
+broadcasts pickled, the bytes of the bases and states it keeps (the method's `measure`), and of
+the down projections' moments (GaLore's left sides: 64×176, r×176 moments)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import yaml
 from torch.utils.flop_counter import FlopCounterMode
 
 from harness import distributed
+from harness.distributed.rows import Rows
 from harness.methods import muon
 from harness.methods.base import memory_of
 from harness.methods.resolve import load_run
@@ -70,6 +72,14 @@ class Counts:
          dist.broadcast_object_list) = self.saved
 
 
+def left_moments(trainer: Trainer) -> int:
+    """Bytes of this rank's Adam moments of the down projections."""
+    state = trainer.optimizer.state
+    return sum(Rows(t).local.numel() * t.element_size()
+               for name, p in trainer.model.named_parameters() if name.endswith("down_proj.weight")
+               for key, t in state.get(p, {}).items() if key in ("exp_avg", "exp_avg_sq"))
+
+
 def main(argv: list[str]) -> int:
     """`argv`: the results folder, then the run configs."""
     results, configs = Path(argv[0]), argv[1:]
@@ -84,7 +94,8 @@ def main(argv: list[str]) -> int:
             line = {"config": Path(path).stem, "rank": distributed.rank(),
                     "ns_flops": counts.ns_flops, "svd_flops": counts.svd_flops,
                     "trips": counts.trips, "pickled": counts.pickled,
-                    "extra_bytes": kept.extra_bytes}
+                    "extra_bytes": kept.extra_bytes, "state_bytes": kept.optimizer_state_bytes,
+                    "left_moments": left_moments(trainer)}
             with open(results / f"rank-{distributed.rank()}.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
             distributed.barrier()

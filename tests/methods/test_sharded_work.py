@@ -8,7 +8,9 @@ shrinks as 1/W. Counted in one training step of llama_micro at 1, 2 and 4 ranks
   17,039,360 for 176×64, F = 2·(4·7,864,320 + 3·17,039,360) = 165,150,720 a step.
 - GaLore (rank 8) projects all 14: an SVD costs m·n·min(m, n), S = 2·(4·64³ + 3·176·64²) =
   6,422,528; its bases: q, k, v, o, gate, up a right Q (8×64, whole on every rank), down a
-  left P (64×8, a rank keeps its 64/W rows): 4·(12·512 + 2·512/W) bytes in float32.
+  left P (64×8, a rank keeps its 64/W rows): 4·(12·512 + 2·512/W) bytes in float32; down's
+  two 8×176 moments a rank keeps by rows of the 8: 2·2·(8/W)·176·4 = 22,528/W bytes. The
+  estimator (`harness.cost.estimate.estimate_run`) gives rank 0's bases and states as counted.
 
 Bounds: every matrix is computed exactly once (the ranks' sum is the 1-rank count), the
 busiest rank at most C = 1.25 times an even share; measured 1.0 (2 ranks) and 1.016 (4) for
@@ -28,7 +30,9 @@ from pathlib import Path
 from conftest import free_port, micro_run, write_yaml
 from ranks import Ranks
 
+from harness.cost.estimate import estimate_run
 from harness.distributed import owners
+from harness.methods.resolve import load_run
 
 C = 1.25
 F = 2 * (4 * 5 * (4 * 64**2 * 64 + 2 * 64**3) + 3 * 5 * (4 * 64**2 * 176 + 2 * 64**3))
@@ -41,13 +45,16 @@ CONFIGS = {"muon": ({"name": "muon"}, {}), "muon-layerwise": ({"name": "muon"}, 
            "galore": (GALORE, {}), "galore-layerwise": (GALORE, LAYERWISE)}
 
 
+def config(world: int, name: str) -> dict:
+    method, memory = CONFIGS[name]
+    return {**micro_run(total_batch_size=2 * world, parallel="fsdp"), "method": method,
+            "memory": memory}
+
+
 def counted(tmp_path: Path, world: int) -> dict[str, list[dict]]:
     """Each config's lines, one a rank, from one launch of `world` ranks."""
     folder = tmp_path / str(world)
-    paths = [write_yaml(folder / f"{name}.yaml",
-                        {**micro_run(total_batch_size=2 * world, parallel="fsdp"),
-                         "method": method, "memory": memory})
-             for name, (method, memory) in CONFIGS.items()]
+    paths = [write_yaml(folder / f"{name}.yaml", config(world, name)) for name in CONFIGS]
     done = Ranks([str(folder), *map(str, paths)], world, free_port(), "sharded_work")
     log, _ = done.communicate(timeout=600)
     assert done.returncode == 0, log
@@ -91,7 +98,12 @@ def test_a_ranks_newton_schulz_and_svd_work_shrinks_as_one_over_the_ranks(tmp_pa
                     assert sum(r["trips"]) <= C * (trip(4 * HIDDEN, world) + 2 * (Q_TOT + FLAGS)
                                                    + 2 * P_TOT / world), (name, r)
         for name in ("galore", "galore-layerwise"):  # rank 0 holds the most rows of P
-            assert runs[name][0]["extra_bytes"] == Q_TOT + P_TOT // world, name
+            first = runs[name][0]
+            assert first["extra_bytes"] == Q_TOT + P_TOT // world, name
+            assert all(r["left_moments"] == 22_528 // world for r in runs[name]), name
+            estimate = estimate_run(load_run(config(world, name)), world)
+            assert (estimate["extra_bytes"], estimate["optimizer_state_bytes"]) == \
+                (first["extra_bytes"], first["state_bytes"]), name
     print("\n".join(figures))
 
 
