@@ -45,6 +45,9 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_two_processes_train_as_one", "test_two_processes_layerwise_train_as_one",  # torchrun
     "test_two_processes_with_loss_chunk_train_as_one",  # ranks forked (tests/ranks.py)
     "test_hsdp_2x2_trains_as_one_process",  # 4 ranks forked (tests/train/hsdp_cases.py)
+    # ranks forked (tests/train/meta_init_ranks.py): meta-device construction, its memory
+    "test_sharded_setup_builds_on_meta_and_equals_the_whole_build_bitwise",
+    "test_a_ranks_peak_memory_at_start_is_a_quarter_of_one_process_plus_a_constant",
     "test_bench_launch_times_each_launcher", "test_bench_loop_json_pipes_into_a_json_reader",
     "test_user_error_from_the_real_command", "test_llama_7b_in_24gb",
     "test_harness_export_copies_a_finished_trials_model",  # `harness export` in a child

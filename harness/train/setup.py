@@ -6,7 +6,10 @@ meters and hooks."""
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +20,17 @@ from torch import nn
 from harness import distributed
 from harness.config import RunConfig, TrainConfig
 from harness.config.steps import Steps
-from harness.distributed import fsdp, pick_device
+from harness.distributed import fsdp, materialize, pick_device
 from harness.methods import Method, build_method, optimizer_for, schedule_of
 from harness.methods.rank import rank_warning
-from harness.models import describe
+from harness.models import PRESETS, describe, hf_model
 from harness.modifiers import recompute
 from harness.modifiers.multi_tensor import update_chunk
 from harness.modifiers.offload import ActivationOffloader
 from harness.modifiers.precision import Precision, pure_bf16
 from harness.modifiers.recompute import decoder_layers
 from harness.train import compiled, finetune, pretrain
+from harness.trials import rng_state, set_rng_state
 
 Data = pretrain.LMData | finetune.GlueData
 Loss = Callable[[nn.Module, Any], torch.Tensor]
@@ -40,17 +44,58 @@ def join(run: RunConfig) -> tuple[Steps, torch.device]:
     return steps, distributed.init(pick_device(run.device))
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A model built on the meta device (`model`), until `parallelize` fills its shards: the
+    twins of its tensors, and the ordinary build to fall back on."""
+
+    twins: materialize.Twins
+    build: Callable[[], tuple[nn.Module, Any]]
+
+
+# The meta-built models between the steps (`model` → `modifiers` → `parallelize`).
+_deferred: weakref.WeakKeyDictionary[nn.Module, Deferred] = weakref.WeakKeyDictionary()
+
+
+def _seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
 def model(run: RunConfig, steps: Steps, device: torch.device) -> tuple[nn.Module, Any, Data]:
     """Model, tokenizer and data, built after seeding: every rank and every resume starts from
-    the same weights and draws."""
-    torch.manual_seed(run.seed)
-    random.seed(run.seed)
-    np.random.seed(run.seed)
+    the same weights and draws. Sharded from a random init: built on the meta device, each
+    rank's rows of the same draws kept (harness/distributed/materialize.py)."""
+    _seed(run.seed)
     glue = run.task.kind == "glue"
-    built, tok = (finetune if glue else pretrain).build(run)
+    build = partial((finetune if glue else pretrain).build, run)
+    meta = steps.shards > 1 and not glue and _drawn(run.model)
+    built, tok = _on_meta(build, run.seed, steps) if meta else build()
     distributed.say(f"model {run.model}: {describe(built)}")
     data = (finetune.GlueData if glue else pretrain.LMData)(run, tok, device, steps)
     return built, tok, data
+
+
+def _drawn(name: str) -> bool:
+    """Whether pretraining draws the model's weights (a preset, an HF config without weights)
+    rather than loading them."""
+    return name in PRESETS or hf_model(name).weights is None
+
+
+def _on_meta(build: Callable[[], tuple[nn.Module, Any]], seed: int,
+             steps: Steps) -> tuple[nn.Module, Any]:
+    """`build` on the meta device, twinned with this rank's rows in its shard group; an op the
+    twins cannot follow: the ordinary build, from the seed."""
+    twins = materialize.Twins(distributed.rank() % steps.shards, steps.shards)
+    try:
+        built, tok = twins.run(build)
+    except materialize.Unsupported as e:
+        distributed.say(f"model: built whole on every rank ({e})")
+        _seed(seed)
+        return build()
+    _deferred[built] = Deferred(twins, build)
+    return built, tok
 
 
 def budget(run: RunConfig, data: Data) -> RunConfig:
@@ -79,6 +124,10 @@ def modifiers(built: nn.Module, chosen: Method, run: RunConfig,
     """The model on its device, cast (bf16-true), prepared by the method, and its decoder
     layers recomputed or offloaded as `memory` asks; returns it and the offloader, if any."""
     t = run.train
+    deferred = _deferred.pop(built, None)
+    if deferred is not None:
+        built = _prepare_meta(built, deferred, chosen, run, device)
+        return built, recompute.apply(built, run.memory, device)
     # bf16-true: before and after `prepare`. Cast on the host, before the move: on CUDA the
     # device then never holds the float32 model (cast there one tensor at a time, the freed
     # blocks left in the allocator's cache), and half the bytes cross PCIe. The same rounding
@@ -88,17 +137,47 @@ def modifiers(built: nn.Module, chosen: Method, run: RunConfig,
     return built, recompute.apply(built, run.memory, device)
 
 
+def _prepare_meta(built: nn.Module, deferred: Deferred, chosen: Method, run: RunConfig,
+                  device: torch.device) -> nn.Module:
+    """`modifiers`' cast and `prepare` on a meta-built model, its twins following; an op they
+    cannot follow: the model built the ordinary way from the seed, the generators then put back
+    as they were before `prepare` (the meta build drew what the ordinary one draws)."""
+    t, before = run.train, rng_state()
+
+    def cast_and_prepare(model: nn.Module, to: torch.device | None = None) -> nn.Module:
+        return pure_bf16(chosen.prepare(pure_bf16(model, t).to(to), run), t)
+
+    try:  # on the meta device until `parallelize` fills the shards on `device`
+        prepared = deferred.twins.run(cast_and_prepare, built)
+    except materialize.Unsupported as e:
+        distributed.say(f"model: built whole on every rank ({chosen.name}: {e})")
+        _seed(run.seed)
+        whole = deferred.build()[0]
+        set_rng_state(before)
+        return cast_and_prepare(whole, device)
+    _deferred[prepared] = deferred
+    return prepared
+
+
 def parallelize(built: nn.Module, run: RunConfig, steps: Steps, device: torch.device) -> bool:
-    """fsdp or hsdp over several processes: rank 0's weights, sharded per decoder layer (hsdp:
-    within each shard group), before the optimizer, whose parameters are then the shards;
-    returns whether it sharded. DDP wraps later (Trainer._wrap): how depends on the optimizer
+    """fsdp or hsdp over several processes: sharded per decoder layer (hsdp: within each shard
+    group), before the optimizer, whose parameters are then the shards; a meta-built model's
+    shards then filled with this rank's rows, any other's weights rank 0's; returns whether it
+    sharded. DDP wraps later (Trainer._wrap): how depends on the optimizer
     (layer-wise ones reduce in hooks)."""
     t = run.train
     if steps.world == 1 or not t.sharded:
         return False
-    distributed.broadcast_(built)  # rank 0's weights, as DDP starts from them
-    fsdp.shard(built, decoder_layers(built), device, t.reshard_after_forward,
-               run.memory.optimizer_offload == "host" and device.type == "cuda", steps.shards)
+    deferred = _deferred.pop(built, None)
+    if deferred is None:
+        distributed.broadcast_(built)  # rank 0's weights, as DDP starts from them
+    else:  # built on the meta device: every rank computed its rows of the same draws
+        values = deferred.twins.values(built)
+    offload = run.memory.optimizer_offload == "host" and device.type == "cuda"
+    fsdp.shard(built, decoder_layers(built), device, t.reshard_after_forward, offload,
+               steps.shards)
+    if deferred is not None:
+        materialize.fill(built, values, torch.device("cpu") if offload else device)
     return True
 
 
