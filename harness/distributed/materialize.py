@@ -27,6 +27,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from harness.distributed import fsdp
 
 aten = torch.ops.aten
+# The twins' device, said outright: a build may run inside a `torch.device` context.
+CPU = torch.device("cpu")
 # Fills that draw from the generator: on a parameter, drawn whole on a scratch, rows kept.
 RANDOM = {aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float,
           aten.random_.default, getattr(aten.random_, "from"), aten.random_.to,
@@ -115,8 +117,8 @@ class Twins(TorchDispatchMode):
         if twin.whole is None:
             twin.whole = torch.UntypedStorage(t.untyped_storage().nbytes())
         with no_dispatch():
-            return torch.empty(0, dtype=t.dtype).set_(twin.whole, t.storage_offset(), t.shape,
-                                                      t.stride())
+            return torch.empty(0, dtype=t.dtype, device=CPU).set_(twin.whole, t.storage_offset(),
+                                                                  t.shape, t.stride())
 
     def cut(self, param: torch.Tensor) -> None:
         """A parameter's twin cut to this rank's rows, as fsdp will shard it."""
@@ -132,7 +134,7 @@ class Twins(TorchDispatchMode):
         lo, hi = mine.start, mine.stop
         with no_dispatch():
             if twin.whole is None:  # made empty: nothing to keep
-                rows = torch.empty((hi - lo, *param.shape[1:]), dtype=param.dtype)
+                rows = torch.empty((hi - lo, *param.shape[1:]), dtype=param.dtype, device=CPU)
             else:
                 rows = self.whole(param).reshape(-1, *param.shape[1:])[lo:hi].clone()
         self.twins[_key(param)] = Twin(None, rows, tuple(param.shape), lo, hi)
@@ -218,7 +220,8 @@ class Twins(TorchDispatchMode):
         with no_dispatch():
             if self.scratch.nbytes() < nbytes:
                 self.scratch = torch.UntypedStorage(nbytes)
-            scratch = torch.empty(0, dtype=target.dtype).set_(self.scratch, 0, target.shape)
+            scratch = torch.empty(0, dtype=target.dtype, device=CPU).set_(self.scratch, 0,
+                                                                         target.shape)
             func(scratch, *args[1:], **kwargs)
             twin.rows[theirs].copy_(scratch.reshape(b - a, *twin.shape[1:])[mine])
 
@@ -302,7 +305,7 @@ def _laid_as(cpu: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     if cpu.stride() == meta.stride() and cpu.storage_offset() == meta.storage_offset():
         return cpu
     with no_dispatch():
-        out = torch.empty_strided(meta.shape, meta.stride(), dtype=cpu.dtype)
+        out = torch.empty_strided(meta.shape, meta.stride(), dtype=cpu.dtype, device=CPU)
         out.copy_(cpu)
     if meta.storage_offset():
         raise Unsupported("a new tensor at an offset of its storage")
