@@ -50,7 +50,7 @@ class APOLLOMemory(GaLoreMemory):
     def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
         """Under fsdp (`world` > 1; never with int8_weights) weights, gradients and the moments
         of a right side or an unprojected tensor by this rank's rows, a left side's r×n moments
-        whole on every rank, as GaLore's."""
+        whole on every rank."""
         c, w = self.config, widths(run)
         rank = c.projection()[0]
         sizes = [numel(row_share(s, world)) for s in shapes.values()]

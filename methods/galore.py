@@ -58,9 +58,10 @@ class GaLore(Method):
     Config = GaLoreConfig
 
     def check(self, run: RunConfig) -> Terms:
-        """GaLore shards (methods/galore_optim.py): a refresh gathers each gradient once and
-        broadcasts one SVD; between refreshes a right side projects this rank's rows, a left
-        side all-reduces its r×n product; 8-bit moments by rows where their shards are whole
+        """GaLore shards (methods/galore_optim.py): a refresh sends each gradient whole to the
+        one rank computing its SVD and the bases back as tensors (P by rows, Q whole); between
+        refreshes a right side projects this rank's rows, a left side reduce-scatters its r×n
+        product (its moments by rows of r); 8-bit moments by rows where their shards are whole
         blocks (checked as the optimizer is built). Factored inner states do not split."""
         fsdp = None
         if self.config.optimizer == "adafactor":
