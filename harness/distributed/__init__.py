@@ -104,15 +104,6 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def broadcast_object(obj: Any, src: int) -> Any:
-    """Rank `src`'s `obj` (picklable: a dict of tensors) on every rank."""
-    if not active():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 def every_rank(obj: Any) -> list[Any]:
     """Each rank's `obj`, in rank order, on every rank (`[obj]` in one process)."""
     if not active():
