@@ -30,6 +30,7 @@ INTEGRATION_FILES = {  # every test in these files
     "sweep/test_run.py", "sweep/test_slurm.py", "sweep/test_study.py", "sweep/test_sweep.py",
     "sweep/test_starter.py", "sweep/test_ray.py",
     "train/test_ddp.py", "train/test_fsdp.py", "test_distributed.py", "analysis/test_html.py",
+    "train/test_equality.py",  # ranks forked (tests/ranks.py), many cases a launch
     "trials/test_wandb.py",
     "bench/test_bench.py",  # `harness bench`: many trainings (every method, every config)
     "gpu/test_gpu.py",  # the CUDA checks (`pytest -m gpu`): a grid of trainings and a sweep

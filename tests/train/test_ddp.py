@@ -58,13 +58,11 @@ def assert_same_losses(one: Path, two: Path) -> float:
     return max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize(("method", "layerwise"),
-                         [({"name": "full"}, False), (GALORE, True),
-                          ({"name": "lora", "rank": 4}, False),
-                          ({"name": "qgalore", "rank": 8, "update_proj_gap": 3}, False)],
-                         ids=["full", "galore_layerwise", "lora", "qgalore"])
-def test_two_processes_train_as_one(tmp_path, method, layerwise):
-    data = ddp_run(method=method, layerwise=layerwise)
+def test_two_processes_train_as_one(tmp_path):
+    """Through `harness train` and torchrun's environment; every method, both precisions, with
+    and without accumulation: tests/train/test_equality.py."""
+    method = {"name": "full"}
+    data = ddp_run(method=method)
     proc = ranks(write_yaml(tmp_path / "run.yaml", data), tmp_path / "two")
     one = train(load_run(data), tmp_path / "one")  # runs while the children start up
     output = finish(proc)

@@ -1,0 +1,134 @@
+"""The same arithmetic on every strategy: every method that trains data-parallel, under ddp and
+fsdp, on 2 and 4 processes, in 32-true and bf16-mixed, with and without accumulation, ends as
+one process does: each step's loss and the eval loss, the final weights and the optimizer's
+states. One launch a world size trains every case in turn (tests/train/equality_ranks.py); the
+one-process references run here, on the test's one thread.
+
+What remains is the order of sums: a reduce-scatter over W ranks instead of one process's
+sums, and fsdp's clipping norm summed from shards (a float32 ulp in the clip coefficient).
+bf16-mixed rounds each weight to bfloat16 in every matmul, so a weight 1e-7 away rounds to the
+neighbouring bfloat16 value now and then and the loss moves further. The bounds are the
+measured spread with room (docs/scale-out.md, "Equality with one process")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import free_port, micro_run, write_yaml
+from equality_ranks import measure
+from method_matrix import METHODS
+from ranks import Ranks
+
+from harness.errors import UserError
+from harness.methods.resolve import load_run
+
+PRECISIONS = ("32-true", "bf16-mixed")
+# Relative, on each step's loss and the eval loss: 32-true is DDP's own bound (measured
+# 2.2e-7, Muon 3.8e-6), bf16-mixed twice the largest measured (4.8e-5, over 6 steps)
+LOSS_RTOL = {"32-true": 1e-5, "bf16-mixed": 1e-4}
+# Absolute, on the final weights; see tests/train/test_fsdp.py's WEIGHT_ATOL for why each
+# (measured over 6 steps: GaLore 4.9e-5, APOLLO 3.7e-5, Fira 8.9e-5, Q-GaLore 3.2e-4, ReLoRA
+# 6.0e-4, 8-bit Adam 4.8e-4 (2.6e-3 after 12 steps), Muon 3.4e-3; others 1.3e-5)
+WEIGHT_ATOL = {"galore": 3e-4, "apollo": 2e-4, "fira": 3e-4, "qgalore": 1e-3, "relora": 3e-3,
+               "adam8bit": 4e-3, "muon": 2e-2}
+# bf16-mixed: a weight rounded to the neighbouring bfloat16 value turns into Adam steps of up
+# to about lr apart (measured 1.1e-2 over 6 steps; 4 steps of 2·lr: 2.4e-2)
+BF16_WEIGHT_ATOL = 3e-2
+# Relative, on the last step's gradient norm: float32 sums of 1.1M squares in another order;
+# bf16-mixed: the gradients of weights a rounding moved
+NORM_RTOL = {"32-true": 2e-4, "bf16-mixed": 2e-3}
+
+
+def config(method: str, parallel: str, precision: str, accumulate: bool,
+           world: int) -> dict[str, Any] | None:
+    """4 steps of 2 or (accumulating) 4 micro-batches of 2 sequences on every rank; None when
+    the strategy refuses the method."""
+    layerwise = method == "galore_layerwise"  # unclipped: low-rank sums between micro-batches
+    data = micro_run(steps=4, total_batch_size=2 * world * (2 if accumulate else 1),
+                     parallel=parallel, precision=precision,
+                     **({"grad_clip": None} if layerwise else {}))
+    data.update(eval={"every": 0, "tokens": 256}, method=METHODS[method.split("_layerwise")[0]],
+                memory={"layerwise": layerwise})
+    try:
+        load_run(data)
+    except UserError:
+        return None
+    return data
+
+
+def diagonal(world: int) -> list[tuple[str, str, str, bool]]:
+    """Each method twice: under fsdp (ddp where fsdp refuses it) in one precision, with or
+    without accumulation, and under ddp in the other precision and the other accumulation,
+    the precisions and accumulations in turn over the methods (4 processes: a few methods)."""
+    methods = [*METHODS, "galore_layerwise"] if world == 2 else \
+        ["full", "galore_layerwise", "adam8bit", "muon", "fira", "adam_mini"]
+    cases = []
+    for i, method in enumerate(methods):
+        precision, other = PRECISIONS[i % 2], PRECISIONS[1 - i % 2]
+        accumulate = i // 2 % 2 == 0
+        first = "fsdp" if config(method, "fsdp", precision, accumulate, world) else "ddp"
+        cases += [(method, first, precision, accumulate), (method, "ddp", other, not accumulate)]
+    return cases
+
+
+def close(a: Any, b: Any, atol: float) -> None:
+    torch.testing.assert_close(a, b, rtol=0, atol=atol)
+
+
+def spread(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], keys: list[str]) -> float:
+    """The largest absolute difference over `keys` (0 where a shape differs: asserted apart)."""
+    return max([float((a[k].float() - b[k].float()).abs().max()) for k in keys
+                if k in a and a[k].shape == b[k].shape and a[k].numel()], default=0.0)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_method_trains_as_one_process_on_every_strategy(tmp_path, world):
+    cases = diagonal(world)
+    paths = [write_yaml(tmp_path / f"{m}-{p}-{x}-{'acc' if a else 'one'}.yaml",
+                        config(m, p, x, a, world)) for m, p, x, a in cases]
+    launch = Ranks([str(p) for p in paths], world, free_port(), "equality_ranks")
+    references = [measure(load_run(config(*case, world))) for case in cases]
+    log, _ = launch.communicate(timeout=900)
+    assert launch.returncode == 0, log
+    rows, checks = [], []
+    for (method, parallel, precision, _), path, one in zip(cases, paths, references,
+                                                          strict=True):
+        many = torch.load(path.with_suffix(".pt"))
+        got, want = [*many["losses"], many["eval"]], [*one["losses"], one["eval"]]
+        kernel = method.removesuffix("_layerwise")
+        moments = [k for k in one["states"] if k.endswith("exp_avg")
+                   and kernel not in ("adam8bit", "muon")]  # 8-bit codes; Muon: its momentum
+        losses = max(abs(a - b) / b for a, b in zip(got, want, strict=True))
+        norm = (many["grad_norm"] or 0) / (one["grad_norm"] or 1) - 1
+        rows.append(f"{path.stem}: losses {losses:.1e}, weights "
+                    f"{spread(many['weights'], one['weights'], list(one['weights'])):.1e}, "
+                    f"moments {spread(many['states'], one['states'], moments):.1e}, "
+                    f"grad norm {abs(norm):.1e}")
+        checks.append((many, one, got, want, method, parallel, precision, moments))
+    print("\n".join(rows))
+    for (many, one, got, want, method, parallel, precision, moments), row in zip(checks, rows,
+                                                                                strict=True):
+        kernel = method.removesuffix("_layerwise")
+        assert got == pytest.approx(want, rel=LOSS_RTOL[precision], abs=0), row
+        atol = max(WEIGHT_ATOL.get(kernel, 5e-5),
+                   BF16_WEIGHT_ATOL if precision == "bf16-mixed" else 0)
+        assert many["weights"].keys() == one["weights"].keys()
+        for key, value in one["weights"].items():
+            close(many["weights"][key], value, atol)
+        assert many["states"].keys() == one["states"].keys()
+        for key, value in one["states"].items():
+            assert many["states"][key].shape == value.shape, (row, key)
+        for key in moments:  # AdamW's first moments: the gradients' spread
+            close(many["states"][key], one["states"][key],
+                  2e-6 if precision == "32-true" else 1e-3)
+        if one["grad_norm"] is None:  # layer-wise: each gradient used and freed in backward
+            assert many["grad_norm"] is None and (kernel != method or kernel == "qgalore")
+        else:  # over every rank's shards, as one process's over its gradients
+            assert many["grad_norm"] == pytest.approx(one["grad_norm"], rel=NORM_RTOL[precision])
+            assert many["grad_norm"] > 0
+        if parallel == "fsdp":  # rank 0 holds its rows of each weight: ceil(m / W) of m
+            held = sum(-(-s[0] // world) * (s.numel() // s[0])
+                       for s in (w.shape for w in one["weights"].values()))
+            assert many["param_bytes"] == 4 * held
