@@ -278,11 +278,11 @@ def llama_config(name: str, vocab_size: int, seq_len: int, pad_id: int | None,
 
 
 def build_model(name: str, vocab_size: int, seq_len: int, pad_id: int | None,
-                options: ModelOptions | None = None) -> PreTrainedModel:
+                options: ModelOptions | None = None, weights: bool = True) -> PreTrainedModel:
     """The model to pretrain, random-init from the caller's seed or, from a folder (or hub
-    model) with weights, those weights in float32. `vocab_size` is the tokenizer's length:
-    a preset's embedding is sized to it, an HF config's must hold it. `options`: the run's
-    model_options (a preset's MLP width)."""
+    model) with weights, those weights in float32 (`weights` False: its skeleton, to fill).
+    `vocab_size`: the tokenizer's length, a preset's embedding sized to it, an HF config's
+    holding it. `options`: the run's model_options (a preset's MLP width)."""
     if name in PRESETS:
         from transformers import LlamaForCausalLM
 
@@ -290,7 +290,8 @@ def build_model(name: str, vocab_size: int, seq_len: int, pad_id: int | None,
                               options=options)
         return LlamaForCausalLM(config)
     _no_width(name, options)
-    return _build_hf(hf_model(name), name, vocab_size, seq_len, pad_id)
+    hf = hf_model(name) if weights else replace(hf_model(name), weights=None)
+    return _build_hf(hf, name, vocab_size, seq_len, pad_id)
 
 
 def _build_hf(hf: HFModel, name: str, vocab_size: int, seq_len: int,

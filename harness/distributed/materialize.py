@@ -16,6 +16,7 @@ import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,13 +76,16 @@ class Twins(TorchDispatchMode):
         super().__init__()
         self.rank, self.world = rank, world
         self.twins: dict[int, Twin] = {}
+        self.draw = True
         # one scratch for every whole draw, grown to the largest: no allocation per tensor, so
         # no freed blocks the allocator keeps resident between the rows kept
         self.scratch = torch.UntypedStorage(0)
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` with its new tensors on the meta device, twinned."""
+    def run(self, fn: Callable[..., Any], *args: Any, draw: bool = True) -> Any:
+        """`fn(*args)` with its new tensors on the meta device, twinned. `draw` False: random
+        ops draw nothing, as on the meta device (a skeleton whose weights are read after)."""
         register = nn.Module.register_parameter
+        self.draw = draw
 
         def registered(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
             register(module, name, param)
@@ -147,6 +151,8 @@ class Twins(TorchDispatchMode):
         flat, _ = tree_flatten((args, kwargs))
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         metas = [t for t in tensors if t.is_meta]
+        if not self.draw and torch.Tag.nondeterministic_seeded in func.tags:
+            return self._undrawn(func, args, kwargs, tensors)
         if func in EMPTY and not tensors:  # its twin allocated when first read whole
             out = func(*args, **(kwargs | {"device": "meta"}))
             self._add(out, Twin(None))
@@ -161,6 +167,17 @@ class Twins(TorchDispatchMode):
         if any(self.twin(t).rows is not None for t in metas):
             return self._on_rows(func, args, kwargs)
         return self._on_whole(func, args, kwargs)
+
+    def _undrawn(self, func: Any, args: Any, kwargs: Any, tensors: list[torch.Tensor]) -> Any:
+        """A random op on the meta device alone: the generator untouched, a new tensor's twin
+        unwritten, a fill's target left as it was."""
+        if tensors:
+            if not all(t.is_meta for t in tensors):
+                raise Unsupported(f"{func} on the CPU while nothing may be drawn")
+            return func(*args, **kwargs)
+        out = func(*args, **(kwargs | {"device": "meta"}))
+        self._add(out, Twin(None))
+        return out
 
     def _made(self, out: Any) -> Any:
         """A factory's result: made on the CPU, it becomes a meta tensor with that twin."""
@@ -258,6 +275,27 @@ class Twins(TorchDispatchMode):
         with no_dispatch():
             rows = func(twin.rows, *rest, **cpu_kwargs)
         self._add(meta, Twin(None, rows, tuple(meta.shape), twin.lo, twin.hi))
+
+    def read_rows(self, model: nn.Module, files: list[Path]) -> None:
+        """Each parameter's rows read from safetensors `files` (only those rows: a lazy slice),
+        cast to the parameter's dtype as from_pretrained casts; a parameter the files lack
+        (other names, a new head) is `Unsupported`."""
+        from safetensors import safe_open
+
+        where = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                where.update(dict.fromkeys(f.keys(), file))
+        for name, p in model.named_parameters():
+            twin = self.twin(p)
+            if name not in where or twin.rows is None:
+                raise Unsupported(f"no weight {name} in {files[0].parent}")
+            with safe_open(where[name], framework="pt") as f:
+                part = f.get_slice(name)
+                if tuple(part.get_shape()) != tuple(p.shape):
+                    raise Unsupported(f"{name} is shaped otherwise in {files[0].parent}")
+                if twin.hi > twin.lo:
+                    twin.rows.copy_(part[twin.lo:twin.hi])
 
     # -- the sharded model's values
 

@@ -5,6 +5,7 @@ tokens."""
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -26,11 +27,15 @@ from harness.train import lm_loss
 Batch = tuple[torch.Tensor, torch.Tensor]  # token ids, labels (IGNORE where padded)
 
 
-def build(run: RunConfig) -> tuple[nn.Module, Any]:
-    """The model as model_options build it (MLP width, kernels), and the tokenizer."""
+def build(run: RunConfig, skeleton: bool = False) -> tuple[nn.Module, Any]:
+    """The model as model_options build it (MLP width, kernels), and the tokenizer. `skeleton`:
+    a model with weights built from its config on the meta device, drawing nothing (as
+    from_pretrained draws nothing), in eval mode (as from_pretrained leaves it), to be filled."""
     tok = load_tokenizer(run.task.tokenizer)
-    built = build_model(run.model, len(tok), run.task.seq_len, tok.pad_token_id, run.model_options)
-    return use_kernels(built, run), tok
+    with torch.device("meta") if skeleton else nullcontext():
+        built = build_model(run.model, len(tok), run.task.seq_len, tok.pad_token_id,
+                            run.model_options, weights=not skeleton)
+    return use_kernels(built.eval() if skeleton else built, run), tok
 
 
 def loss_sum(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor,

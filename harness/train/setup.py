@@ -70,29 +70,39 @@ def model(run: RunConfig, steps: Steps, device: torch.device) -> tuple[nn.Module
     _seed(run.seed)
     glue = run.task.kind == "glue"
     build = partial((finetune if glue else pretrain).build, run)
-    meta = steps.shards > 1 and not glue and _drawn(run.model)
-    built, tok = _on_meta(build, run.seed, steps) if meta else build()
+    weights = None if glue or steps.shards == 1 else _weights(run.model)
+    built, tok = build() if weights is None else _on_meta(build, run, steps, weights)
     distributed.say(f"model {run.model}: {describe(built)}")
     data = (finetune.GlueData if glue else pretrain.LMData)(run, tok, device, steps)
     return built, tok, data
 
 
-def _drawn(name: str) -> bool:
-    """Whether pretraining draws the model's weights (a preset, an HF config without weights)
-    rather than loading them."""
-    return name in PRESETS or hf_model(name).weights is None
+def _weights(name: str) -> list[Path] | None:
+    """How a pretraining model can be built on the meta device: from the seed ([]: a preset,
+    an HF config without weights), or its rows read from a local folder's safetensors files;
+    None: not (a hub model's weights, .bin files): loaded whole."""
+    if name in PRESETS or hf_model(name).weights is None:
+        return []
+    folder = Path(hf_model(name).weights or "")
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    return files or None
 
 
-def _on_meta(build: Callable[[], tuple[nn.Module, Any]], seed: int,
-             steps: Steps) -> tuple[nn.Module, Any]:
-    """`build` on the meta device, twinned with this rank's rows in its shard group; an op the
-    twins cannot follow: the ordinary build, from the seed."""
+def _on_meta(build: Callable[[], tuple[nn.Module, Any]], run: RunConfig, steps: Steps,
+             weights: list[Path]) -> tuple[nn.Module, Any]:
+    """`build` on the meta device, twinned with this rank's rows in its shard group (with
+    `weights`, its skeleton, the rows read from them); an op the twins cannot follow, or
+    weights they cannot read: the ordinary build, from the seed."""
     twins = materialize.Twins(distributed.rank() % steps.shards, steps.shards)
     try:
-        built, tok = twins.run(build)
+        if weights:  # from_pretrained draws nothing: neither does the skeleton
+            built, tok = twins.run(partial(pretrain.build, run, skeleton=True), draw=False)
+            twins.read_rows(built, weights)
+        else:
+            built, tok = twins.run(build)
     except materialize.Unsupported as e:
         distributed.say(f"model: built whole on every rank ({e})")
-        _seed(seed)
+        _seed(run.seed)
         return build()
     _deferred[built] = Deferred(twins, build)
     return built, tok

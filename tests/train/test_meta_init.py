@@ -104,6 +104,50 @@ def test_an_hf_configs_twins_are_its_rows_too(tmp_path, family):
             assert torch.equal(rows[name], p.detach()[rank * c:rank * c + c]), (rank, name)
 
 
+def with_weights(folder: Path, family: str) -> str:
+    """`qwen2`'s config with weights drawn by another seed, as save_pretrained writes them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(qwen2(folder, family))
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder / f"{family}_weights")
+    return str(folder / f"{family}_weights")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_a_models_weights_are_read_as_each_ranks_rows_bitwise(tmp_path, family):
+    """Continued pretraining: the skeleton built on the meta device draws nothing (nor does
+    from_pretrained), each rank reads only its rows of the safetensors file, and LoRA's
+    adapters are then drawn from where the ordinary build leaves the generator."""
+    run = load_run({**micro_run(), "model": with_weights(tmp_path, family),
+                    "method": METHODS["lora"]})
+    cpu, generator = whole(run)
+    files = sorted(Path(run.model).glob("*.safetensors"))
+    for rank in range(2):
+        seeded(run.seed)
+        twins = Twins(rank, 2)
+        model = twins.run(partial(pretrain.build, run, skeleton=True), draw=False)[0]
+        twins.read_rows(model, files)
+        chosen = build_method(run, Steps.of(run.train, run.task.seq_len))
+        rows = twins.values(twins.run(chosen.prepare, model, run))
+        assert torch.equal(torch.get_rng_state(), generator)
+        for name, p in cpu.named_parameters():
+            c = -(-p.shape[0] // 2)
+            assert torch.equal(rows[name], p.detach()[rank * c:rank * c + c]), (rank, name)
+        for name, b in cpu.named_buffers():
+            assert torch.equal(rows[name], b), (rank, name)
+
+
+def test_weights_the_files_lack_are_unsupported(tmp_path):
+    """A parameter no file holds (here: the files of another model) cannot be read by rows."""
+    run = load_run({**micro_run(), "model": with_weights(tmp_path, "mistral")})
+    other = Path(with_weights(tmp_path / "other", "qwen2"))
+    twins = Twins(0, 2)
+    model = twins.run(partial(pretrain.build, run, skeleton=True), draw=False)[0]
+    with pytest.raises(Unsupported, match=r"no weight lm_head\.weight"):
+        twins.read_rows(model, sorted(other.glob("*.safetensors")))
+
+
 def test_bf16_true_casts_the_twins_as_the_cpu_build_casts_its_weights():
     run = load_run({**micro_run(precision="bf16-true"), "method": METHODS["full"]})
     seeded(run.seed)
@@ -173,6 +217,9 @@ def test_sharded_setup_builds_on_meta_and_equals_the_whole_build_bitwise(tmp_pat
         **micro_run(parallel="fsdp", precision="bf16-true"), "method": METHODS["galore"]}))
     configs.append(write_yaml(tmp_path / "qwen2.yaml", {
         **micro_run(parallel="fsdp"), "model": qwen2(tmp_path), "method": METHODS["lora"]}))
+    configs.append(write_yaml(tmp_path / "weights.yaml", {
+        **micro_run(parallel="fsdp"), "model": with_weights(tmp_path, "qwen2"),
+        "method": METHODS["lora"]}))
     for rank, results in enumerate(launch("equal", tmp_path, 2, configs)):
         for case, got in results.items():
             assert got["meta"], (rank, case)  # on the meta device until sharded
