@@ -65,8 +65,8 @@ def _seed(seed: int) -> None:
 
 def model(run: RunConfig, steps: Steps, device: torch.device) -> tuple[nn.Module, Any, Data]:
     """Model, tokenizer and data, built after seeding: every rank and every resume starts from
-    the same weights and draws. Sharded from a random init: built on the meta device, each
-    rank's rows of the same draws kept (harness/distributed/materialize.py)."""
+    the same weights and draws. Sharded, from a random init or a folder's safetensors: built
+    on the meta device, each rank keeping its rows of the same weights (`_on_meta`)."""
     _seed(run.seed)
     glue = run.task.kind == "glue"
     build = partial((finetune if glue else pretrain).build, run)
