@@ -65,6 +65,7 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_a_finished_trial_with_torn_checkpoints_trains_again_or_ends_failed",
     "test_a_save_the_disk_cannot_hold_leaves_the_previous_whole",
     "test_a_kill_mid_save_leaves_the_previous_whole",
+    "test_a_sharded_checkpoint_is_verified_by_the_ranges_each_rank_reads",  # ranks forked
     "test_wandb_logs_offline_into_the_run_folder",  # wandb's service process
     "test_compile_trains_the_same_model",  # torch.compile runs the C++ compiler
     # tests/train/test_compile.py's trainings: inductor's C++ build

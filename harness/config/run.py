@@ -165,6 +165,10 @@ class TrainConfig(Strict):
         2, ge=1, description="checkpoints kept, newest first: one that does not load on "
         "resume is skipped for the one before"
     )
+    checkpoint_async: bool = Field(
+        False, description="fsdp: write checkpoints in the background (torch's DCP async_save, "
+        "staged in pinned host memory on CUDA), each published once written"
+    )
     keep_final: Literal["weights", "full", "none"] = Field(
         "weights", description="what a trial that ends ok keeps: its model in Hugging Face "
         "format (weights), that and its training state (full), or neither (none)"
@@ -394,7 +398,8 @@ class RunConfig(Common):
         """Stable hash of everything that changes results (not the name, logging or provenance)."""
         data = self.model_dump(exclude={"name", "label", "provenance", "wandb"})
         # bookkeeping: the same results
-        for key in ("log_every", "keep_checkpoints", "keep_final", "peer_timeout_s"):
+        for key in ("log_every", "keep_checkpoints", "checkpoint_async", "keep_final",
+                    "peer_timeout_s"):
             data["train"].pop(key)
         # Hash what earlier versions wrote, so that their finished trials stay finished.
         legacy = {new: old for old, new in PRECISION_ALIASES.items()}

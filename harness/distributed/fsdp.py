@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -157,72 +156,27 @@ def row_shard(local: torch.Tensor, ref: DTensor, shape: Iterable[int]) -> DTenso
                               shape=shape, stride=torch.empty(shape, device="meta").stride())
 
 
-@dataclass(frozen=True)
-class Slot:
-    """Where a tensor stood in a state saved shard by shard (`split`): its key among the
-    saved tensors, and whether it was row-sharded (a DTensor) when saved."""
+def state_dicts(model: nn.Module, optimizers: list[torch.optim.Optimizer]
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and the optimizers' state dicts as torch.distributed.checkpoint saves and
+    loads them (`get_state_dict`): keys by parameter name, the optimizers' flattened
+    (`state.<name>.<key>`), a sharded tensor as this rank's part of a DTensor. An optimizer
+    without states yet takes one step of zero gradients at zero LR to make them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    key: str
-    rows: bool
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def split(obj: Any, key: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
-    """`obj` (nested dicts, lists, tuples) with each tensor replaced by its `Slot`, and the
-    tensors by key: torch.distributed.checkpoint writes each rank's rows of the sharded ones
-    and one copy of the rest, and the skeleton is what rank 0 writes beside them."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(o: Any, at: str) -> Any:
-        if isinstance(o, torch.Tensor):
-            tensors[at] = o
-            return Slot(at, is_sharded(o), tuple(o.shape), o.dtype)
-        if isinstance(o, dict):
-            return {k: walk(v, f"{at}/{k}") for k, v in o.items()}
-        if isinstance(o, list | tuple):
-            return type(o)(walk(v, f"{at}/{i}") for i, v in enumerate(o))
-        return o
-
-    return walk(obj, key), tensors
+    return get_state_dict(model, optimizers,
+                          options=StateDictOptions(flatten_optimizer_state_dict=True))
 
 
-def templates(skeleton: Any, model: nn.Module) -> dict[str, torch.Tensor]:
-    """Empty tensors to read a split state into at this world size: a row-sharded one as this
-    rank's rows of a DTensor placed as the model's weights are (whole when the model is not
-    sharded), any other whole, on the host."""
-    ref = next((p for p in model.parameters() if is_sharded(p)), None)
-    out: dict[str, torch.Tensor] = {}
-    for slot in _slots(skeleton):
-        if slot.rows and ref is not None:
-            span = rows(torch.empty(slot.shape, device="meta"), sharded=True)
-            local = torch.empty((span.stop - span.start, *slot.shape[1:]), dtype=slot.dtype,
-                                device=ref.to_local().device)
-            out[slot.key] = row_shard(local, ref, slot.shape)
-        else:
-            out[slot.key] = torch.empty(slot.shape, dtype=slot.dtype)
-    return out
+def set_state_dicts(model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                    model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
+    """The inverse of `state_dicts` (`set_state_dict`): each optimizer's `load_state_dict`
+    gets its states by parameter, as its own `state_dict` gave them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-
-def _slots(o: Any) -> list[Slot]:
-    if isinstance(o, Slot):
-        return [o]
-    if isinstance(o, dict):
-        o = list(o.values())
-    if isinstance(o, list | tuple):
-        return [s for v in o for s in _slots(v)]
-    return []
-
-
-def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """The inverse of `split`: each slot filled with its tensor."""
-    if isinstance(skeleton, Slot):
-        return tensors[skeleton.key]
-    if isinstance(skeleton, dict):
-        return {k: join(v, tensors) for k, v in skeleton.items()}
-    if isinstance(skeleton, list | tuple):
-        return type(skeleton)(join(v, tensors) for v in skeleton)
-    return skeleton
+    set_state_dict(model, optimizers, model_state_dict=model_state,
+                   optim_state_dict=optimizer_state,
+                   options=StateDictOptions(flatten_optimizer_state_dict=True))
 
 
 def shard_states(states: dict[Any, dict[str, Any]]) -> None:

@@ -151,8 +151,12 @@ def restore_dtypes(optimizer: torch.optim.Optimizer, load: Callable[[dict[str, A
     """torch's `load_state_dict` casts every state tensor to its parameter's dtype: put the
     saved tensors back as they were (float32 moments of a bfloat16 weight), so that a resume is
     exact."""
-    saved = {i: {k: v for k, v in s.items() if isinstance(v, Tensor)}
-             for i, s in state_dict["state"].items()}
+    # keyed by position in the groups' params: by index, or by parameter name (torch's
+    # set_state_dict passes a checkpoint's states so)
+    ids = [k for g in state_dict["param_groups"] for k in g["params"]]
+    at = {key: i for i, key in enumerate(ids)}
+    saved = {at.get(key, key): {k: v for k, v in s.items() if isinstance(v, Tensor)}
+             for key, s in state_dict["state"].items()}
     load(state_dict)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for i, p in enumerate(params):

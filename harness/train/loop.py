@@ -68,6 +68,7 @@ class Trainer:
         self.best: dict[str, float] = {}  # fine-tuning: the evaluation with the best score
         self.costs: dict[str, Any] = {}
         self.grad_norms = [0.0, 0]  # the logged steps' pre-clip gradient norms: sum, count
+        self.background = checkpointing.background(self.run, self.sharded)  # async saves
         checkpointing.resume(self)
 
     def _wrap(self) -> None:
@@ -120,7 +121,7 @@ class Trainer:
     def save(self) -> None:
         """The trainer's checkpoint (harness/train/checkpointing.py), fp16's skips logged first."""
         self._settle()
-        checkpointing.save(self)
+        checkpointing.save(self, self.background)
 
     def train_step(self) -> torch.Tensor:
         """One optimizer step, then "update"; returns this rank's share of the step's mean loss."""
@@ -350,4 +351,5 @@ class Trainer:
         return {"offloaded_bytes_per_step": self.offloaded / ran}
 
     def close(self) -> None:
+        checkpointing.close(self.background)  # a save in flight published first
         self.data.close()

@@ -1,5 +1,5 @@
 """A trial's model as a plain Hugging Face model: built as the trial built it (by its task's
-`build`), its checkpoint loaded (a sharded one consolidated in this one process), then the
+`build`), its checkpoint loaded (a sharded one's weights alone, whole in this one process), then the
 method's `export` (adapters merged, INT8 and NF4 weights dequantized, W = B·A multiplied out);
 and such a model written in Hugging Face format, verified."""
 
@@ -13,11 +13,10 @@ from typing import Any
 from torch import nn
 
 from harness.config import RunConfig
-from harness.distributed import fsdp
 from harness.errors import UserError
 from harness.methods import build_method
 from harness.modifiers.precision import pure_bf16
-from harness.trials import CheckpointError, TrialDir, checkpoints, final_model
+from harness.trials import CheckpointError, TrialDir, checkpoints, final_model, sharded
 
 Build = Callable[[RunConfig], tuple[nn.Module, Any]]  # a task's (model, tokenizer) builder
 
@@ -28,11 +27,15 @@ def plain_model(run: RunConfig, state: dict[str, Any], build: Build) -> tuple[nn
     model, tok = build(run)
     method = build_method(run)
     model = pure_bf16(method.prepare(pure_bf16(model, run.train), run), run.train)
-    if "sharded" in state:  # written shard by shard: every tensor read whole here
-        tensors = fsdp.templates(state["tensors"], model)
-        state = {**state, **fsdp.join(state["tensors"],
-                                      checkpoints.load_sharded(state["sharded"], tensors))}
-    model.load_state_dict(state["model"])
+    if "sharded" in state:  # written shard by shard: the weights alone, each read whole here
+        weights = model.state_dict()
+        try:
+            sharded.load(state["sharded"], "model", weights, state["record"])
+        except sharded.Corrupt as e:
+            raise UserError(f"checkpoint {state['sharded']}: {e}") from None
+        model.load_state_dict(weights)
+    else:
+        model.load_state_dict(state["model"])
     return method.export(model).eval(), tok
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from harness.errors import brief
-from harness.trials.checkpoints import CheckpointError, digest
+from harness.trials.checksums import CheckpointError, digest
 from harness.trials.files import fsync_dir, read_json, write_json
 
 Save = Callable[[Path], None]  # writes the model and tokenizer into a folder

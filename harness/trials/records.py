@@ -17,7 +17,7 @@ import torch
 
 from harness.config import RunConfig
 from harness.errors import UserError
-from harness.trials import checkpoints
+from harness.trials import checkpoints, sharded
 from harness.trials.files import append_jsonl, atomic_write, read_jsonl
 from harness.trials.folder import TrialDir
 from harness.trials.status import Status
@@ -125,24 +125,30 @@ class Records:
         checkpoints.save(self.ckpt_dir, {**state, "identity": self.run.identity()},
                          self.run.train.keep_checkpoints)
 
-    def save_sharded_checkpoint(self, tensors: dict[str, Any], rest: dict[str, Any]) -> None:
+    def save_sharded_checkpoint(self, parts: dict[str, dict[str, Any]], rest: dict[str, Any],
+                                background: sharded.Background | None = None) -> None:
         """A sharded trial's checkpoint, which every rank writes its part of (a collective, so
         `main_only` lets it through on every rank): see `checkpoints.save_sharded`."""
-        checkpoints.save_sharded(self.ckpt_dir, tensors, {**rest, "identity": self.run.identity()},
-                                 self.run.train.keep_checkpoints)
+        checkpoints.save_sharded(self.ckpt_dir, parts, {**rest, "identity": self.run.identity()},
+                                 self.run.train.keep_checkpoints, background)
 
-    def load_checkpoint(self) -> dict[str, Any] | None:
-        """The newest checkpoint that loads (None: none written yet); CheckpointError when
-        none does, UserError when it is another config's."""
-        found = checkpoints.load_newest(self.ckpt_dir)
+    def load_checkpoint(self, read: checkpoints.Read | None = None) -> dict[str, Any] | None:
+        """The newest checkpoint that loads (None: none written yet), `read` taking a sharded
+        one's tensors once its config is known to be this one's; CheckpointError when none
+        does, UserError when it is another config's."""
+
+        def checked(path: Path, state: dict[str, Any]) -> None:
+            if state.get("identity") != self.run.identity():
+                raise UserError(
+                    f"{path}: written by a different config ({state.get('identity')}, this "
+                    f"run is {self.run.identity()}); use another --out or delete that folder")
+            if read is not None and "sharded" in state:
+                read(path, state)
+
+        found = checkpoints.load_newest(self.ckpt_dir, checked)
         if found is None:
             return None
         self.loaded, self.skipped = found.path, found.skipped
-        if found.state.get("identity") != self.run.identity():
-            raise UserError(
-                f"{found.path}: written by a different config ({found.state.get('identity')}, "
-                f"this run is {self.run.identity()}); use another --out or delete that folder"
-            )
         return found.state
 
     def set_aside_skipped(self) -> None:

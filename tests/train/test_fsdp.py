@@ -10,6 +10,7 @@ one process's sums), which moves losses by ~1e-7 relative: the tolerance is DDP'
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -17,13 +18,14 @@ from typing import Any
 import pytest
 import torch
 from conftest import hf_eval_loss, micro_run, ranks, write_yaml
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from harness.distributed import fsdp
 from harness.distributed.rows import Rows
 from harness.errors import UserError
 from harness.methods.resolve import load_run
 from harness.train import train
+from harness.train.export import export_trial
 from harness.trials import read_json, read_jsonl
 
 
@@ -55,15 +57,37 @@ def run_procs(data: dict[str, Any], out: Path, procs: int) -> str:
 
 def state(out: Path) -> dict[str, Any]:
     """The newest checkpoint, whole. A sharded one (a folder) is read by torch's own converter
-    of a torch.distributed.checkpoint folder into one torch.save file, and put back in its
-    nesting from the skeleton rank 0 wrote beside it."""
+    of a torch.distributed.checkpoint folder into one torch.save file, a part at a time: the
+    model by parameter name, the optimizer flattened (`state.<name>.<key>`)."""
     path = out / "checkpoint" / "state.pt"
     if not path.is_dir():
         return torch.load(path, weights_only=False)
-    whole = out / "whole.pt"
-    dcp_to_torch_save(path, whole)
     rest = torch.load(path / "rest.pt", weights_only=False)
-    return {**rest, **fsdp.join(rest.pop("tensors"), torch.load(whole, weights_only=False))}
+    for part in ("model", "optimizer"):
+        dcp_to_torch_save(path / part, out / f"{part}.pt")
+        rest[part] = torch.load(out / f"{part}.pt", weights_only=False)
+    return rest
+
+
+def named_states(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A flattened optimizer state dict's states by parameter name: {name: {key: value}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith("state."):
+            name, _, state_key = key[len("state."):].rpartition(".")
+            out.setdefault(name, {})[state_key] = value
+    return out
+
+
+def index_states(opt: dict[str, Any]) -> list[dict[str, Any]]:
+    """A one-process optimizer state dict's per-parameter states (layer-wise: every inner one's)."""
+    return [st for inner in opt.get("inner", [opt]) for st in inner["state"].values()]
+
+
+def state_shapes(states: Any) -> list[str]:
+    """Each parameter's states as {key: shape}, sorted: comparable whatever keys them."""
+    return sorted(repr(sorted((k, getattr(v, "shape", v)) for k, v in st.items() if k != "step"))
+                  for st in states)
 
 
 FULL = {"name": "full"}
@@ -129,8 +153,11 @@ def test_fsdp_trains_as_one_process(tmp_path, procs, method, memory):
     # each rank wrote its shards; read whole, they are the 1-process checkpoint's keys and
     # shapes, values within what the reduction order moves (above; the first moments within
     # 2e-6: measured 5e-7)
-    written = {p.name for p in (tmp_path / "many" / "checkpoint" / "state.pt").iterdir()}
-    assert {f"__{r}_0.distcp" for r in range(procs)} | {".metadata", "rest.pt"} == written
+    folder = tmp_path / "many" / "checkpoint" / "state.pt"
+    assert {p.name for p in folder.iterdir()} == {"model", "optimizer", "rest.pt"}
+    for part in ("model", "optimizer"):
+        assert {p.name for p in (folder / part).iterdir()} == \
+            {f"__{r}_0.distcp" for r in range(procs)} | {".metadata"}
     a, b = state(tmp_path / "one"), state(tmp_path / "many")
     kernel = "adam8bit" if method.get("optimizer") == "adam8bit" else method["name"]
     assert a["model"].keys() == b["model"].keys()
@@ -138,18 +165,22 @@ def test_fsdp_trains_as_one_process(tmp_path, procs, method, memory):
         assert b["model"][key].shape == value.shape
         torch.testing.assert_close(b["model"][key], value, rtol=0,
                                    atol=WEIGHT_ATOL.get(kernel, 5e-5))
-    inner = a["optimizer"].get("inner", [a["optimizer"]])  # layer-wise: one optimizer a tensor
-    for i, opt in enumerate(inner):
-        for index, st in opt["state"].items():
-            theirs = b["optimizer"].get("inner", [b["optimizer"]])[i]["state"][index]
-            assert {k: getattr(v, "shape", v) for k, v in theirs.items() if k != "step"} == \
-                {k: getattr(v, "shape", v) for k, v in st.items() if k != "step"}
-            if "exp_avg" in st:  # 8-bit codes: through the losses and weights above (a moment
-                # near a level boundary rounds to either side; a block's scale then drifts up to
-                # 0.9%, measured on 4 processes); Muon's bf16 spread above moves the embedding's
-                # gradients and so its AdamW moments (measured 1.26e-5)
-                atol = 3e-5 if method["name"] == "muon" else 2e-6
-                torch.testing.assert_close(theirs["exp_avg"], st["exp_avg"], rtol=0, atol=atol)
+    # the optimizer's states by parameter name: the same keys and shapes as one process's (which
+    # are by index), each first moment within the bound of the one process's of that shape
+    theirs = named_states(b["optimizer"])
+    ours = index_states(a["optimizer"])
+    assert state_shapes(theirs.values()) == state_shapes(ours)
+    # 8-bit codes: through the losses and weights above (a moment near a level boundary rounds
+    # to either side; a block's scale then drifts up to 0.9%, measured on 4 processes); Muon's
+    # bf16 spread above moves the embedding's gradients and so its AdamW moments (1.26e-5)
+    atol = 3e-5 if method["name"] == "muon" else 2e-6
+    left = [st["exp_avg"] for st in theirs.values() if "exp_avg" in st]
+    for st in ours:
+        if "exp_avg" in st:
+            match = [i for i, t in enumerate(left) if t.shape == st["exp_avg"].shape
+                     and torch.allclose(t, st["exp_avg"], rtol=0, atol=atol)]
+            assert match, f"no state by name within {atol} of one shaped {st['exp_avg'].shape}"
+            left.pop(match[0])
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
@@ -170,38 +201,61 @@ def test_fsdp_trains_in_bfloat16(tmp_path, precision):
 @pytest.mark.parametrize("method", [{"name": "full"}, {"name": "lora", "rank": 4}],
                          ids=["full", "lora"])
 def test_a_sharded_trials_final_model_is_whole_and_gives_its_eval_loss(tmp_path, method):
-    """Under fsdp rank 0 consolidates the shards after the group is gone: the model
+    """Under fsdp rank 0 consolidates the weights after the group is gone: the model
     transformers loads holds every weight whole and gives the trial's eval loss (1e-5, the
-    export's bound: tests/train/test_export.py measured 9e-8 at most)."""
-    data = {**fsdp_run(steps=3, keep_final="weights"), "method": method}
+    export's bound: tests/train/test_export.py measured 9e-8 at most). Full (`keep_final:
+    full`): `harness export` of its checkpoint reads the weights alone, with the optimizer's
+    files gone, and writes the same tensors."""
+    keep = "full" if method["name"] == "full" else "weights"
+    data = {**fsdp_run(steps=3, keep_final=keep), "method": method}
     run_procs(data, tmp_path / "two", 2)
     summary = read_json(tmp_path / "two" / "summary.json")
-    assert summary["status"] == "ok" and not (tmp_path / "two" / "checkpoint").exists()
+    assert summary["status"] == "ok"
+    assert (tmp_path / "two" / "checkpoint").exists() == (keep == "full")
     assert hf_eval_loss(tmp_path / "two" / "model", data["task"], data["eval"]["tokens"]) == \
         pytest.approx(summary["eval_loss"], rel=1e-5)
+    if keep == "full":
+        shutil.rmtree(tmp_path / "two" / "checkpoint" / "state.pt" / "optimizer")
+        (tmp_path / "two" / "model.json").unlink()  # no final model: from the checkpoint
+        export_trial(tmp_path / "two", tmp_path / "exported")
+        final = load_file(tmp_path / "two" / "model" / "model.safetensors")
+        exported = load_file(tmp_path / "exported" / "model.safetensors")
+        assert final.keys() == exported.keys()
+        assert all(torch.equal(final[k], exported[k]) for k in final)
 
 
 def stop_after(data: dict[str, Any], out: Path, procs: int, step: int) -> int:
-    """Start `procs` ranks, SIGINT rank 1 once rank 0 logs `step`; the step they stopped at."""
+    """Start `procs` ranks, SIGINT the last once rank 0 logs `step`; the step they stopped at."""
     proc = ranks(write_yaml(out.with_suffix(".yaml"), data), out, procs)
     for line in proc.stdout:  # type: ignore[union-attr]
         if line.startswith(f"step {step}/"):
             break
-    proc.ranks[1].send_signal(signal.SIGINT)
+    proc.ranks[-1].send_signal(signal.SIGINT)
     proc.communicate(timeout=300)
     stopped = read_json(out / "summary.json")
     assert stopped["status"] == "interrupted", stopped
     return stopped["step"]
 
 
-@pytest.mark.parametrize(("first", "then", "method"), [
-    (4, 2, FULL), (2, 1, FULL), (4, 2, GALORE), (4, 2, {"name": "adam_mini"}), (2, 2, GALORE),
-    (4, 2, APOLLO), (4, 2, ADAM8BIT)])
-def test_a_trial_stopped_at_one_world_size_resumes_at_another(tmp_path, first, then, method):
-    """Each rank wrote its shards; a resume at any world size reads the rows it now holds
-    (GaLore: its row-sharded moments by rows, its bases whole), one process reads them whole;
-    the losses after it are the uninterrupted 1-process run's."""
-    data = {**fsdp_run(steps=10), "method": method}
+ASYNC = {"checkpoint_async": True}
+
+
+@pytest.mark.parametrize(("first", "then", "method", "keys"), [
+    (4, 2, FULL, ASYNC), (2, 1, FULL, {}), (4, 2, GALORE, {}), (4, 2, {"name": "adam_mini"}, {}),
+    (2, 2, GALORE, ASYNC), (4, 2, APOLLO, {}), (4, 2, ADAM8BIT, {}), (1, 2, ADAM8BIT, {}),
+    (2, 2, MUON, {"layerwise": True})],
+    ids=["4-2-full-async", "2-1-full", "4-2-galore", "4-2-adam_mini", "2-2-galore-async",
+         "4-2-apollo", "4-2-adam8bit", "1-2-adam8bit", "2-2-muon-layerwise"])
+def test_a_trial_stopped_at_one_world_size_resumes_at_another(tmp_path, first, then, method,
+                                                              keys):
+    """Each rank wrote its shards (by parameter name: torch's get_state_dict); a resume at any
+    world size reads the rows it now holds (GaLore: its row-sharded moments by rows, its bases
+    whole; 8-bit Adam: its absmax values as shards of the blocks; Muon's momentum and the
+    layer-wise optimizers' states), one process reads them whole, and a one-process checkpoint
+    resumes sharded; the losses after it are the uninterrupted 1-process run's. Async: each
+    checkpoint written in the background and published once written."""
+    data = {**fsdp_run(steps=10, **{k: v for k, v in keys.items() if k != "layerwise"}),
+            "method": method, "memory": {"layerwise": True} if keys.get("layerwise") else {}}
     stopped = stop_after(data, tmp_path / "trial", first, step=2)
     assert 2 <= stopped < 10
     if then == 1:
@@ -217,18 +271,19 @@ def test_a_trial_stopped_at_one_world_size_resumes_at_another(tmp_path, first, t
 
 def test_a_sharded_checkpoint_that_does_not_verify_is_skipped_for_the_one_before(tmp_path):
     """Checkpoints at steps 2 and 4, and the stop's (step 4 itself or later): one flipped byte in
-    a rank's file of the newest sets that checkpoint aside (named, with the file and why), the
-    resume reads the one before, and the losses are still the uninterrupted run's."""
+    a rank's optimizer file of the newest, found by the rank that reads that byte range (its
+    model already read), sets that checkpoint aside (named, with the file and why) on every rank,
+    the resume reads the one before, and the losses are still the uninterrupted run's."""
     data = {**fsdp_run(steps=10, checkpoint_every=2), "method": FULL}
     stopped = stop_after(data, tmp_path / "trial", 2, step=4)
     folder = tmp_path / "trial" / "checkpoint"
-    shard = folder / "state.pt" / "__1_0.distcp"
+    shard = folder / "state.pt" / "optimizer" / "__1_0.distcp"
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     shard.write_bytes(bytes(raw))
     output = run_procs(data, tmp_path / "trial", 2)
-    assert (f"warning: checkpoint {folder / 'state.pt'} does not load (__1_0.distcp: its sha256 "
-            f"is not the one written)") in output
+    assert (f"warning: checkpoint {folder / 'state.pt'} does not load (optimizer/__1_0.distcp: "
+            "its sha256 is not the one written)") in output
     # the one before the newest: step 2 or 4, as the stop landed at step 4 or later
     before = re.search(rf"resumed from {folder}/state-\d+\.pt at step (\d+)\n", output)
     assert before and int(before[1]) in (2, 4) and int(before[1]) < stopped, output

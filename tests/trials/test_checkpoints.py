@@ -4,6 +4,7 @@ unreadable one skipped for the one before; a full disk leaves the previous one w
 from __future__ import annotations
 
 import hashlib
+import json
 import resource
 import signal
 import subprocess
@@ -12,7 +13,10 @@ import time
 
 import pytest
 import torch
+from conftest import free_port
+from ranks import Ranks
 
+from harness.errors import UserError
 from harness.trials import CheckpointError, read_json
 from harness.trials.checkpoints import files, load_newest, record_of, save, set_aside
 
@@ -159,3 +163,51 @@ def test_a_kill_mid_save_leaves_the_previous_whole(tmp_path):
     assert not found.skipped and found.state["step"] >= 2
     saved(tmp_path, found.state["step"] + 1)
     assert not list(tmp_path.glob(".state.pt.tmp*"))
+
+
+def test_a_sharded_checkpoint_is_verified_by_the_ranges_each_rank_reads(tmp_path):
+    """Two ranks (tests/trials/dcp_ranks.py) save a sharded model and AdamW with
+    torch.distributed.checkpoint, blocking and then in the background, and read it back at the
+    same world size: each rank verifies and opens only its own shard files (a row-sharded
+    weight's rows and moments are its own) and rank 0's optimizer file (the steps every rank
+    holds alike, written once by the lowest rank), the
+    background save is not the newest until published, and a model of another layout is
+    refused in one line naming the key and both shapes."""
+    done = Ranks([str(tmp_path)], 2, free_port(), "dcp_ranks")
+    log, _ = done.communicate(timeout=300)
+    assert done.returncode == 0, log
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, s in enumerate(seen):
+        assert s["in_flight_newest"] == 1 and s["published_newest"] == 2
+        assert s["same_weights"] and s["first_save_differs"]
+        assert s["exp_avg_rows"] == [16, 16]  # 32 rows over 2 ranks: this rank's half
+        own = {f"{part}/__{rank}_0.distcp" for part in ("model", "optimizer")}
+        # and the lowest rank's optimizer file, which holds the steps every rank holds alike
+        assert set(s["opened"]) <= own | {"model/.metadata", "optimizer/.metadata",
+                                          "optimizer/__0_0.distcp"}
+        assert own <= set(s["opened"]) and set(s["verified"]) == set(s["opened"])
+        assert s["layout"] == (
+            f"{tmp_path / 'checkpoint' / 'state.pt'}: model key 0.weight is shaped (32, 16) in "
+            "this checkpoint; this run's model and method hold (40, 16): it is another model's "
+            "or method's; use another --out or delete that folder")
+
+
+def test_a_sharded_checkpoint_of_the_format_before_parts_is_refused_saying_how_to_convert(
+        tmp_path):
+    """One folder of shards with the skeleton in rest.pt (written before DCP state dicts): one
+    line naming it and how to convert it; the folder stays as it was."""
+    folder = tmp_path / "state.pt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"metadata")
+    (folder / "__0_0.distcp").write_bytes(b"shards")
+    torch.save({"tensors": {"model": {}}, "step": 3}, folder / "rest.pt")
+    before = names(folder)
+    with pytest.raises(UserError) as refused:
+        load_newest(tmp_path)
+    assert str(refused.value) == (
+        f"{folder}: a sharded checkpoint in the format of harness before DCP state dicts (one "
+        "folder of shards and a skeleton); convert it by resuming it at one process with the "
+        "harness version that wrote it (`harness train` then writes a one-process checkpoint, "
+        "which this version resumes at any world size), or delete that folder to start the "
+        "trial over")
+    assert names(folder) == before and files(tmp_path) == [folder]
