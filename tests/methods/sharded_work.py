@@ -1,10 +1,11 @@
 """Each rank of tests/methods/test_sharded_work.py, forked with torchrun's environment
-(tests/ranks.py): what it spends on the optimizer's whole-matrix work in one training step of
-each run config, as one JSON line a config in the results folder's `rank-<r>.jsonl`: the
+(tests/ranks.py): what it spends on the optimizer's whole-matrix work in the first training step
+of each run config, as one JSON line a config in the results folder's `rank-<r>.jsonl`: the
 Newton–Schulz flops (torch's FlopCounterMode around each iteration), the SVDs' m·n·min(m, n),
 the bytes it sends to and receives from other ranks in each all-to-all, the objects it
 broadcasts pickled, the bytes of the bases and states it keeps (the method's `measure`), and of
-the down projections' moments (GaLore's left sides: 64×176, r×176 moments)."""
+the down projections' moments (GaLore's left sides: 64×176, r×176 moments); and the losses of
+STEPS steps, summed over the ranks."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from harness.methods.base import memory_of
 from harness.methods.resolve import load_run
 from harness.train.loop import Trainer
 from harness.trials import Records
+
+STEPS = 3  # GaLore refreshing every step: the moments rotated into a new basis twice
 
 
 class Counts:
@@ -89,13 +92,15 @@ def main(argv: list[str]) -> int:
             trainer = Trainer(run, distributed.main_only(Records(Path(out), run)),
                               lambda step: False, None)
             with Counts() as counts:  # the first step: Muon's iteration, GaLore's refresh
-                trainer.train_step()
+                losses = [trainer.train_step()]
+            losses += [trainer.train_step() for _ in range(STEPS - 1)]
             kept = memory_of(trainer.method).measure(trainer.model, trainer.optimizer)
             line = {"config": Path(path).stem, "rank": distributed.rank(),
                     "ns_flops": counts.ns_flops, "svd_flops": counts.svd_flops,
                     "trips": counts.trips, "pickled": counts.pickled,
                     "extra_bytes": kept.extra_bytes, "state_bytes": kept.optimizer_state_bytes,
-                    "left_moments": left_moments(trainer)}
+                    "left_moments": left_moments(trainer),
+                    "losses": distributed.all_sum(torch.stack(losses).detach()).tolist()}
             with open(results / f"rank-{distributed.rank()}.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
             distributed.barrier()
