@@ -30,7 +30,6 @@ from torch import Tensor, nn
 # Private to torch, but they are the arithmetic of its public torch.optim.Muon (module docstring).
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from harness.distributed import owners
 from harness.distributed.rows import Rows
 from harness.methods.base import Groups, Method, Terms, register, unpaged
 from harness.methods.full import AdamConfig, adamw
@@ -88,7 +87,7 @@ class MuonOptimizer(ParamwiseOptimizer):
         with torch.no_grad():
             for group in self.param_groups:
                 params = [p for p in group["params"] if p.grad is not None]
-                if params and Rows(params[0]).sharded and owners.ranks()[0] > 1:
+                if params and Rows(params[0]).sharded and Rows.workers()[0] > 1:
                     self._spread(group, params)
                     continue
                 for p in params:  # one matrix's temporaries at a time
@@ -102,15 +101,15 @@ class MuonOptimizer(ParamwiseOptimizer):
         this rank's rows of every update, and the wholes it owns, are held at once."""
         updates = [self._momentum(group, p) for p in params]
         steps = group["ns_steps"]
-        world, _ = owners.ranks()
-        who = owners.share("newton_schulz", [ns_flops(p.shape, steps) for p in params], world)
-        parts = [owners.Part(tuple(p.shape), o) for p, o in zip(params, who, strict=True)]
+        world, _ = Rows.workers()
+        who = Rows.share("newton_schulz", [ns_flops(p.shape, steps) for p in params], world)
+        parts = [Rows.Part(tuple(p.shape), o) for p, o in zip(params, who, strict=True)]
         device = updates[0].device
-        wholes = owners.to_owners([u.to(NS_DTYPE) for u in updates], parts)
+        wholes = Rows.to_owners([u.to(NS_DTYPE) for u in updates], parts)
         del updates
         results = [None if x is None else newton_schulz(x, steps) for x in wholes]
         del wholes
-        for p, o in zip(params, owners.from_owners(results, parts, NS_DTYPE, device),
+        for p, o in zip(params, Rows.from_owners(results, parts, NS_DTYPE, device),
                         strict=True):
             self._apply(group, p, o)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from harness.distributed.owners import assign
+from harness.distributed.rows import Rows
 from harness.methods.base import register_memory
 from harness.methods.full_memory import adam_bytes
 from harness.methods.memory import Memory, MemoryEstimate, Shapes, grad_bytes, numel
@@ -39,6 +39,6 @@ class MuonMemory(Memory):
         one rank, balanced as the optimizer balances them (harness/distributed/owners.py)."""
         costs = [ns_flops(s, self.config.ns_steps) for n, s in shapes.items() if is_hidden(n, s)]
         loads = [0] * world
-        for cost, owner in zip(costs, assign(costs, world), strict=True):
+        for cost, owner in zip(costs, Rows.assign(costs, world), strict=True):
             loads[owner] += cost
         return max(loads)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from harness.distributed import owners
+from harness.distributed.rows import Rows
 
 OVERSAMPLE, POWER_ITERS = 8, 2  # randomized SVD (Halko et al., 2011)
 
@@ -92,23 +92,23 @@ def spread_bases(grads: list[Tensor], shapes: list[tuple[int, ...]], sides: list
     their owners in one all-to-all, and the bases come back as tensors in another, a left
     basis P by rows (this rank's rows of P: all it projects with), a right one Q whole (every
     rank's rows of G take all of it), each with two flags: found, retried."""
-    world, _ = owners.ranks()
-    who = owners.share("svd", [m * n * min(m, n) for m, n in shapes], world)
-    wholes = owners.to_owners(grads, [owners.Part(s, o) for s, o in zip(shapes, who, strict=True)])
+    world, _ = Rows.workers()
+    who = Rows.share("svd", [m * n * min(m, n) for m, n in shapes], world)
+    wholes = Rows.to_owners(grads, [Rows.Part(s, o) for s, o in zip(shapes, who, strict=True)])
     dtype, device = grads[0].dtype, grads[0].device
     parts, sent = [], []
     for shape, side, owner, whole, seed in zip(shapes, sides, who, wholes, seeds, strict=True):
         basis, retried = (None, False) if whole is None else \
             safe_basis(whole, side, rank, randomized, seed)
-        parts.append(owners.Part((2,), owner, rows=False))
+        parts.append(Rows.Part((2,), owner, rows=False))
         sent.append(None if whole is None else
                     torch.tensor([basis is not None, retried], dtype=dtype, device=device))
         for key, part_shape, by_rows in _basis_parts(shape, side, rank):
-            parts.append(owners.Part(part_shape, owner, by_rows))
+            parts.append(Rows.Part(part_shape, owner, by_rows))
             sent.append(None if whole is None else basis[key] if basis is not None
                         else whole.new_zeros(part_shape))
     del wholes
-    got = iter(owners.from_owners(sent, parts, dtype, device))
+    got = iter(Rows.from_owners(sent, parts, dtype, device))
     found = []
     for shape, side in zip(shapes, sides, strict=True):
         ok, retried = next(got).tolist()

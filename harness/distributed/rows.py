@@ -17,11 +17,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.distributed import fsdp
+from harness.distributed import fsdp, owners
 
 
 class Rows:
     """A parameter, its gradient or a state shaped as it, as this rank holds it."""
+
+    # Work on whole matrices, one rank a matrix (harness/distributed/owners.py): who computes
+    # which, and the all-to-alls there and back.
+    Part = owners.Part
+    assign = staticmethod(owners.assign)
+    share = staticmethod(owners.share)
+    to_owners = staticmethod(owners.to_owners)
+    from_owners = staticmethod(owners.from_owners)
+    workers = staticmethod(owners.ranks)
 
     def __init__(self, t: torch.Tensor | None) -> None:
         self.tensor = t
