@@ -46,10 +46,6 @@ def bench_fsdp(model: str, steps: int, batch_size: int, seq_len: int, procs: lis
     if steps < MIN_STEPS:
         raise UserError(f"--steps {steps}: bench fsdp times steps 5 on (after its peak's step "
                         f"3 and the next) but the last; use --steps {MIN_STEPS} or more")
-    unknown = sorted(set(parallel or PARALLEL) - set(PARALLEL))
-    if unknown:
-        raise UserError(f"--parallel: '{unknown[0]}' is not a strategy (allowed: "
-                        f"{', '.join(PARALLEL)}, comma-separated)")
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
@@ -88,21 +84,25 @@ def _config(model: str, steps: int, batch_size: int, seq_len: int, procs: int,
     }  # fmt: skip
 
 
-def _run(config: Path, out: Path, procs: int) -> dict[str, Any]:
-    """One trial under torchrun, each process on its share of the CPUs; rank 0's figures."""
+def _run(config: Path, out: Path, procs: int, tries: int = 2) -> dict[str, Any]:
+    """One trial under torchrun, each process on its share of the CPUs; rank 0's figures. A
+    trial that fails is run once more (torchrun's standalone rendezvous picks a free port that
+    another program may take first); its output's tail goes to stderr."""
     threads = max(1, len(os.sched_getaffinity(0)) // procs)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            str(procs), "-m", "harness.bench.fsdp_rank", str(config), str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     figures = out / "bench.json"
-    if done.returncode or not figures.exists():
-        lines = (done.stderr or done.stdout).strip().splitlines()
-        # the rank's own error, above torchrun's summary of the failure
-        said = [line for line in lines if re.match(r"\w+(Error|Exception)\b", line)]
-        raise UserError(f"bench fsdp: the {out.name} trial did not finish "
-                        f"({(said or lines or ['no output'])[-1]})")
-    return json.loads(figures.read_text())
+    if not done.returncode and figures.exists():
+        return json.loads(figures.read_text())
+    lines = (done.stderr or done.stdout).strip().splitlines()
+    print("\n".join(lines[-40:]), file=sys.stderr, flush=True)
+    if tries > 1:  # into a folder of its own: the failed one may hold a checkpoint
+        return _run(config, out.with_name(f"{out.name}-again"), procs, tries - 1)
+    said = [line for line in lines if re.search(r"\w+(Error|Exception): ", line)]
+    raise UserError(f"bench fsdp: the {out.name} trial did not finish "
+                    f"({(said or lines or ['no output'])[-1]})")
 
 
 def _span(values: list[float | None]) -> str:
