@@ -3,6 +3,11 @@ Hugging Face format, from its final model or its newest checkpoint (harness/trai
 
 A finished trial writes its final model and then drops its training state; a trial is
 finished once that is done, and is never trained again for want of the state.
+
+A pretraining trial whose method exports its model as trained (no adapters to merge, no weights
+to dequantize) is written streamed (harness/trials/stream_export.py): its skeleton on the meta
+device, each tensor read from the checkpoint (a sharded one's `model/`, one at a time) as its
+turn in the safetensors file comes; the files are those the whole model's save writes.
 """
 
 from __future__ import annotations
@@ -11,13 +16,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from harness.config import RunConfig, read_yaml
 from harness.errors import UserError
+from harness.methods import Method, build_method
 from harness.methods.resolve import load_run
 from harness.models import generation_ids, generation_ready
+from harness.modifiers.precision import pure_bf16
 from harness.train import finetune, pretrain
 from harness.train.plain import Build, newest_state, plain_model, save_plain
-from harness.trials import Summary, TrialDir, final_model
+from harness.trials import Summary, TrialDir, final_model, sharded, stream_export
 
 
 def builder(run: RunConfig) -> Build:
@@ -43,8 +52,8 @@ def finish(run: RunConfig, trial: TrialDir, summary: dict[str, Any],
     if keep != "none":
         size = final_model.verified(trial.final_model)  # written before a kill: kept
         if size is None:
-            model, tok = generating(run, state or newest_state(trial))
-            size = save_plain(model, tok, trial.final_model, summary["step"])
+            size = write_model(run, state or newest_state(trial), trial.final_model,
+                               summary["step"])
         kept["final_model_bytes"] = size
     if keep != "full":
         final_model.remove_state(trial.checkpoints)
@@ -81,8 +90,69 @@ def export_trial(folder: Path, out: Path) -> int:
         return have
     state = newest_state(trial)
     run = load_run(read_yaml(trial.config))
-    model, tok = generating(run, state)
-    return save_plain(model, tok, out, state["step"], record=False)
+    return write_model(run, state, out, state["step"], record=False)
+
+
+def write_model(run: RunConfig, state: dict[str, Any], folder: Path, step: int,
+                record: bool = True) -> int:
+    """The trial's model from `state` (a checkpoint's) in Hugging Face format into `folder`,
+    verified (trials/final_model.py): streamed where the method exports the model as trained,
+    else built whole and exported by the method. Its bytes."""
+    if run.task.kind == "glue" or type(build_method(run)).export is not Method.export:
+        model, tok = generating(run, state)
+        return save_plain(model, tok, folder, step, record)
+    skeleton, tok = skeleton_of(run)
+    read = _reader(state, skeleton.state_dict())
+    if read is None:  # a checkpoint of another layout: the whole load names what differs
+        model, tok = generating(run, state)
+        return save_plain(model, tok, folder, step, record)
+    params = dict(skeleton.named_parameters(remove_duplicate=False))
+
+    def save(tmp: Path) -> None:
+        with stream_export.streaming(read):
+            skeleton.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+
+    same = stream_export.Lazy(skeleton.state_dict(), read,
+                              lambda n: id(params[n]) if n in params else n)
+    return final_model.write(folder, save, same, step, record)
+
+
+def skeleton_of(run: RunConfig) -> tuple[Any, Any]:
+    """The plain model as `generating` gives it, its weights on the meta device (nothing
+    drawn, nothing held), and the tokenizer."""
+    model, tok = pretrain.build(run, skeleton=True)
+    model = pure_bf16(build_method(run).prepare(pure_bf16(model, run.train), run), run.train)
+    generation_ready(model, tok)
+    return model.eval(), tok
+
+
+def _reader(state: dict[str, Any],
+            templates: dict[str, torch.Tensor]) -> stream_export.Read | None:
+    """Each weight as `load_state_dict` would put it in the model (the model's dtype), read
+    alone: from a sharded checkpoint's `model/`, verified as read; from a one-process one's
+    state in memory. None where the checkpoint lacks a weight or holds it in another shape."""
+    if "sharded" not in state:
+        weights = state["model"]
+        if any(k not in weights or weights[k].shape != t.shape for k, t in templates.items()):
+            return None
+        return lambda name, like: weights[name].to(like.dtype)
+    path, found = state["sharded"], state["record"]
+    sharded.same_layout(path, "model", templates, _saved(path))
+
+    def read(name: str, like: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(like.shape, dtype=like.dtype)
+        try:
+            sharded.load(path, "model", {name: out}, found)
+        except sharded.Corrupt as e:
+            raise UserError(f"checkpoint {path}: {e}") from None
+        return out
+
+    return read
+
+
+def _saved(path: Path) -> dict[str, Any]:
+    return sharded.dcp().FileSystemReader(path / "model").read_metadata().state_dict_metadata
 
 
 def _generation_ids_into(folder: Path) -> None:

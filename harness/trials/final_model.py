@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +30,12 @@ def record_of(folder: Path) -> Path:
     return folder.with_name(folder.name + ".json")
 
 
-def write(folder: Path, save: Save, tensors: dict[str, torch.Tensor], step: int,
+def write(folder: Path, save: Save, tensors: Mapping[str, torch.Tensor], step: int,
           record: bool = True) -> int:
     """`save` into a temporary folder beside `folder`, fsynced and verified against `tensors`
-    (the state dict saved), then renamed into place with its record (unless not `record`: an
-    export elsewhere); returns its bytes.
+    (the state dict saved, or a stream_export.Lazy reading each from the checkpoint), then
+    renamed into place with its record (unless not `record`: an export elsewhere); returns
+    its bytes.
     CheckpointError (one line) when it cannot be written: nothing in place is touched then."""
     tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
     try:
@@ -76,7 +77,7 @@ def _fsynced(path: Path) -> dict[str, Any]:
     return digest(path)
 
 
-def _verify_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+def _verify_tensors(folder: Path, tensors: Mapping[str, torch.Tensor]) -> None:
     """Every tensor in the folder's safetensors files equals the one saved, read one at a time
     (a 7B model is not held twice), and every saved one is there (tied weights are saved
     once: either name counts)."""
@@ -90,8 +91,9 @@ def _verify_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
                                                           tensors[name].cpu()):
                     raise ValueError(f"{name} does not read back as written")
                 found.add(name)
-    saved = {tensors[n].data_ptr() for n in found}
-    missing = {n for n, t in tensors.items() if n not in found and t.data_ptr() not in saved}
+    same = getattr(tensors, "same", lambda n: tensors[n].data_ptr())  # tied: one storage
+    saved = {same(n) for n in found}
+    missing = {n for n in tensors if n not in found and same(n) not in saved}
     if missing:
         raise ValueError(f"{len(missing)} tensors not saved, e.g. {sorted(missing)[0]}")
 

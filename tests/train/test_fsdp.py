@@ -25,8 +25,9 @@ from harness.distributed.rows import Rows
 from harness.errors import UserError
 from harness.methods.resolve import load_run
 from harness.train import train
-from harness.train.export import export_trial
-from harness.trials import read_json, read_jsonl
+from harness.train.export import export_trial, generating
+from harness.train.plain import newest_state, save_plain
+from harness.trials import TrialDir, read_json, read_jsonl
 
 
 def fsdp_run(steps: int = 6, **train_keys: Any) -> dict[str, Any]:
@@ -222,6 +223,11 @@ def test_a_sharded_trials_final_model_is_whole_and_gives_its_eval_loss(tmp_path,
         exported = load_file(tmp_path / "exported" / "model.safetensors")
         assert final.keys() == exported.keys()
         assert all(torch.equal(final[k], exported[k]) for k in final)
+        # streamed from 2 ranks' shards: every file the whole model's save writes, byte for byte
+        save_plain(*generating(load_run(data), newest_state(TrialDir(tmp_path / "two"))),
+                   tmp_path / "whole", 3, record=False)
+        for path in sorted((tmp_path / "whole").iterdir()):
+            assert (tmp_path / "exported" / path.name).read_bytes() == path.read_bytes(), path
 
 
 def stop_after(data: dict[str, Any], out: Path, procs: int, step: int) -> int:

@@ -53,3 +53,39 @@ def test_a_file_whose_size_changed_is_not_a_verified_model(tmp_path):
     with open(tmp_path / "model" / "config.json", "a") as f:
         f.write(" ")
     assert final_model.verified(tmp_path / "model") is None
+
+
+@pytest.mark.parametrize("shard", [None, "4KB"], ids=["one-file", "hf-sharded"])
+def test_a_streamed_tied_model_writes_the_whole_saves_files_and_verifies(tmp_path, shard):
+    """A tied LLaMA (the head is the embedding) streamed from its skeleton: the files
+    save_pretrained writes of the model with its weights, byte for byte (the tied weight once;
+    past max_shard_size, the same shards and index), and the read-back check passes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from harness.trials import stream_export
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    whole = LlamaForCausalLM(config)
+    kw = {"max_shard_size": shard} if shard else {}
+    whole.save_pretrained(tmp_path / "whole", **kw)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    weights = whole.state_dict()
+    params = dict(skeleton.named_parameters(remove_duplicate=False))
+
+    def read(name, like):
+        return weights[name].clone()
+
+    def save(folder):
+        with stream_export.streaming(read):
+            skeleton.save_pretrained(folder, **kw)
+
+    lazy = stream_export.Lazy(skeleton.state_dict(), read, lambda n: id(params.get(n, n)))
+    final_model.write(tmp_path / "streamed", save, lazy, step=1)
+    want = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
+    got = {p.name: p.read_bytes() for p in (tmp_path / "streamed").iterdir()}
+    assert got.keys() == want.keys() and (len(want) > 3) == bool(shard)
+    assert [n for n in want if got[n] != want[n]] == []
+    assert "lm_head.weight" in lazy and not any(b"lm_head" in b for b in want.values())
