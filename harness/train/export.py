@@ -137,22 +137,26 @@ def _reader(state: dict[str, Any],
         if any(k not in weights or weights[k].shape != t.shape for k, t in templates.items()):
             return None
         return lambda name, like: weights[name].to(like.dtype)
-    path, found = state["sharded"], state["record"]
-    sharded.same_layout(path, "model", templates, _saved(path))
+    path = state["sharded"]
+    _load(state, {})  # its metadata verified (nothing else read), then the layout checked
+    saved = sharded.dcp().FileSystemReader(path / "model").read_metadata().state_dict_metadata
+    sharded.same_layout(path, "model", templates, saved)
 
     def read(name: str, like: torch.Tensor) -> torch.Tensor:
         out = torch.empty(like.shape, dtype=like.dtype)
-        try:
-            sharded.load(path, "model", {name: out}, found)
-        except sharded.Corrupt as e:
-            raise UserError(f"checkpoint {path}: {e}") from None
+        _load(state, {name: out})
         return out
 
     return read
 
 
-def _saved(path: Path) -> dict[str, Any]:
-    return sharded.dcp().FileSystemReader(path / "model").read_metadata().state_dict_metadata
+def _load(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """`tensors` read from a sharded checkpoint's `model/`; UserError (one line) where a byte
+    range is not the one written."""
+    try:
+        sharded.load(state["sharded"], "model", tensors, state["record"])
+    except sharded.Corrupt as e:
+        raise UserError(f"checkpoint {state['sharded']}: {e}") from None
 
 
 def _generation_ids_into(folder: Path) -> None:

@@ -13,9 +13,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import micro_run
 
+from harness.errors import UserError
 from harness.methods.resolve import load_run
 from harness.train import export, pretrain
 from harness.train.plain import save_plain
+from harness.trials.checksums import digest
 
 
 def checkpoint_states(run, tmp_path: Path) -> dict[str, dict]:
@@ -63,6 +65,19 @@ def test_a_streamed_export_writes_the_files_the_whole_models_save_writes(tmp_pat
     assert dtypes == ({"BF16"} if precision == "bf16-true" else {"F32"})
 
 
+def test_a_sharded_checkpoint_whose_metadata_changed_is_refused_in_one_line(tmp_path):
+    """Its `.metadata` is verified against the record before the layout is read from it:
+    UserError naming the checkpoint, nothing written."""
+    run = load_run(micro_run())
+    state = checkpoint_states(run, tmp_path)["sharded"]
+    meta = tmp_path / "state.pt" / "model" / ".metadata"
+    state["record"] = {"files": {"model/.metadata": digest(meta)}}
+    meta.write_bytes(meta.read_bytes()[:-1] + b"x")
+    with pytest.raises(UserError, match=r"^checkpoint .*state\.pt: [^\n]*metadata[^\n]*$"):
+        export.write_model(run, state, tmp_path / "out", 3, record=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_method_that_merges_adapters_is_exported_whole(tmp_path, monkeypatch):
     """LoRA's export merges B·A into W: its model is built whole as before, not streamed."""
     data = micro_run()
@@ -79,6 +94,7 @@ PEAK = """
 import sys, threading, time
 from pathlib import Path
 import torch
+from harness.errors import UserError
 from harness.methods.resolve import load_run
 from harness.train import export
 sys.path.insert(0, "tests")
