@@ -6,20 +6,18 @@ from harness.config.model_options import ModelOptions
 from harness.config.run import (
     GLUE_TASKS,
     MODULE_KINDS,
-    PRECISION_ALIASES,
     Common,
     EvalConfig,
-    LossScaleConfig,
     MemoryConfig,
     ModelFrom,
     RunConfig,
     Strict,
     TaskConfig,
-    TrainConfig,
     WandbConfig,
     memory_label,
 )
 from harness.config.sweep import SearchConfig, SweepConfig
+from harness.config.train import PRECISION_ALIASES, LossScaleConfig, TrainConfig
 
 __all__ = [
     "GLUE_TASKS", "MODULE_KINDS", "PRECISION_ALIASES", "Common", "EvalConfig", "LauncherConfig",
