@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from harness.methods.base import register_memory
 from harness.methods.full_memory import adam_bytes
 from harness.methods.lora import LoraParams
-from harness.methods.memory import Memory, MemoryEstimate, Shapes, numel, update_bytes
+from harness.methods.memory import (
+    Memory,
+    MemoryEstimate,
+    Shapes,
+    numel,
+    row_share,
+    update_bytes,
+)
 from harness.methods.surgery import is_target
 
 if TYPE_CHECKING:
@@ -18,16 +25,20 @@ if TYPE_CHECKING:
 
 class LoraShapes:
     """The base model's shapes split into target weights and the rest, plus the adapters' sizes
-    and the tensors AdamW trains."""
+    and the tensors AdamW trains: rank 0's share under fsdp over `world` ranks (ceil(m / world)
+    rows of every tensor, each adapter factor's own rows included; 1: whole)."""
 
-    def __init__(self, shapes: Shapes, config: LoraParams) -> None:
+    def __init__(self, shapes: Shapes, config: LoraParams, world: int = 1) -> None:
         targets = {n: s for n, s in shapes.items()
                    if is_target(n.rpartition(".")[0], config.target_modules)}
-        self.target_weights = [s for n, s in targets.items() if n.endswith(".weight")]
-        self.frozen = [numel(s) for s in targets.values()]
-        self.others = [numel(s) for n, s in shapes.items() if n not in targets]
+        self.target_weights = [tuple(row_share(s, world)) for n, s in targets.items()
+                               if n.endswith(".weight")]
+        self.frozen = [numel(row_share(s, world)) for s in targets.values()]
+        self.others = [numel(row_share(s, world)) for n, s in shapes.items() if n not in targets]
         r = config.rank
-        self.adapters = [n for out, inp in self.target_weights for n in (r * inp, out * r)]
+        self.adapters = [numel(row_share(factor, world))  # A (r × in) and B (out × r)
+                         for n, (out, inp) in targets.items() if n.endswith(".weight")
+                         for factor in ((r, inp), (out, r))]
         self.trainable = self.adapters + (self.others if config.train_non_targets else [])
         self.float_numel = sum(self.frozen + self.others + self.adapters)
 
@@ -38,7 +49,10 @@ class LoraMemory(Memory):
     bench: ClassVar[dict[str, Any]] = {"rank": 8}
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        s = LoraShapes(shapes, self.config)
+        return self.estimate_sharded(shapes, run, 1)
+
+    def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
+        s = LoraShapes(shapes, self.config, world)
         return adam_bytes(s.float_numel, s.trainable, run, self.steps)
 
     def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:

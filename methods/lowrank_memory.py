@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from harness.methods.base import register_memory
 from harness.methods.full_memory import FullMemory, adam_bytes
 from harness.methods.lowrank import check_found
-from harness.methods.memory import MemoryEstimate, Shapes, numel, update_bytes
+from harness.methods.memory import MemoryEstimate, Shapes, numel, row_share, update_bytes
 from harness.methods.surgery import is_target
 
 if TYPE_CHECKING:
@@ -21,14 +21,18 @@ class LowRankMemory(FullMemory):
     bench: ClassVar[dict[str, Any]] = {"rank": 16}
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        sizes = self._trained(shapes)
+        return self.estimate_sharded(shapes, run, 1)
+
+    def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
+        sizes = self._trained(shapes, world)
         return adam_bytes(sum(sizes), sizes, run, self.steps)  # as in full
 
     def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
         return update_bytes(self._trained(shapes), run)
 
-    def _trained(self, shapes: Shapes) -> list[int]:
-        """One entry per trained tensor after `prepare`: two factors for each targeted linear."""
+    def _trained(self, shapes: Shapes, world: int = 1) -> list[int]:
+        """One entry per trained tensor after `prepare`, two factors for each targeted linear:
+        rank 0's ceil(m / world) rows of each under fsdp over `world` (1: whole)."""
         r, targets = self.config.rank, self.config.target_modules
         sizes: list[int] = []
         found = set()
@@ -37,8 +41,8 @@ class LowRankMemory(FullMemory):
             if leaf == "weight" and len(shape) == 2 and is_target(module, targets):
                 found.add(module.rsplit(".", 1)[-1])
                 out_features, in_features = shape
-                sizes += [r * in_features, out_features * r]
+                sizes += [numel(row_share(f, world)) for f in ((r, in_features), (out_features, r))]
             else:
-                sizes.append(numel(shape))
+                sizes.append(numel(row_share(shape, world)))
         check_found(self.config, found)
         return sizes

@@ -16,10 +16,11 @@ if TYPE_CHECKING:
 
 @register_memory("relora")
 class ReLoraMemory(LoraMemory):
-    def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
-        """Bytes at step 1: with a warm start, the full-rank phase where the targets train
-        (joint: with the adapters; two runs: without them)."""
-        s = LoraShapes(shapes, self.config)
+    def estimate_sharded(self, shapes: Shapes, run: RunConfig, world: int) -> MemoryEstimate:
+        """Bytes at step 1 (rank 0's rows under fsdp over `world`): with a warm start, the
+        full-rank phase where the targets train (joint: with the adapters; two runs: without
+        them)."""
+        s = LoraShapes(shapes, self.config, world)
         trainable = s.trainable
         if self.config.warm_start_steps:
             kept = (s.others if self.config.train_non_targets else []) if (
