@@ -46,6 +46,7 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_two_processes_train_as_one", "test_two_processes_layerwise_train_as_one",  # torchrun
     "test_two_processes_with_loss_chunk_train_as_one",  # ranks forked (tests/ranks.py)
     "test_hsdp_2x2_trains_as_one_process",  # 4 ranks forked (tests/train/hsdp_cases.py)
+    "test_a_trial_stopped_as_2x2_resumes_on_2_processes",  # 4 ranks, then 2
     # a child process exports llama_130m, its memory measured (tests/train/test_stream_export.py)
     "test_a_streamed_exports_host_memory_is_about_its_largest_tensor",
     # ranks forked (tests/train/meta_init_ranks.py): meta-device construction, its memory

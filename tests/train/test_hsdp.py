@@ -15,11 +15,12 @@ import torch
 import yaml
 from conftest import free_port, micro_run, write_yaml
 from ranks import Ranks
-from test_fsdp import losses, state
+from test_fsdp import assert_same_losses, losses, run_procs, state, stop_after
 
 from harness.errors import UserError
 from harness.methods.resolve import load_run
 from harness.train import setup, train
+from harness.trials import read_json
 
 # The methods whose ranks share work or states beyond their rows: GaLore's SVDs shared out and
 # left-side sums, APOLLO's norms summed over a weight's rows, Muon's Newton–Schulz shared out,
@@ -84,6 +85,31 @@ def test_hsdp_2x2_trains_as_one_process(hsdp_trained, tmp_path, case):
     apart = max(float((theirs[k] - v).abs().max()) for k, v in whole.items())
     print(f"{case}: losses {max(abs(y[2] / x[2] - 1) for x, y in zip(a, b, strict=True)):.1e} "
           f"relative, weights {apart:.1e}")  # pytest -s: the figures of docs/scale-out.md
+
+
+def test_a_trial_stopped_as_2x2_resumes_on_2_processes(tmp_path):
+    """Stopped at step >= 2 on 4 processes as 2 groups of 2 (a 2-D mesh, each group's ranks
+    writing their rows once) and resumed by the same config on 2 (one group: a 1-D mesh), each
+    rank reading the rows it now holds: the losses are the unbroken one-process run's within
+    fsdp's 1e-5. The same folder resumed under train.parallel fsdp is another config's,
+    refused in one line before anything is read or written."""
+    data = hsdp_run(METHODS["full"])
+    data["train"]["steps"] = 10
+    out = tmp_path / "trial"
+    stopped = stop_after(data, out, 4, step=2)
+    assert 2 <= stopped < 10
+    fsdp = {**data, "train": {k: v for k, v in data["train"].items() if k != "shard_group"}}
+    fsdp["train"]["parallel"] = "fsdp"
+    with pytest.raises(UserError, match=r"state\.pt: written by a different config"):
+        train(load_run(fsdp), out)
+    output = run_procs(data, out, 2)
+    assert f"resumed from {out / 'checkpoint' / 'state.pt'} at step {stopped}" in output
+    assert read_json(out / "summary.json")["step"] == 10
+    train(load_run(data), tmp_path / "one")
+    assert_same_losses(tmp_path / "one", out)
+    apart = max(abs(y[2] / x[2] - 1) for x, y in zip(losses(tmp_path / "one"), losses(out),
+                                                     strict=True))
+    print(f"hsdp 2 x 2 stopped at step {stopped}, resumed on 2: losses {apart:.1e} relative")
 
 
 @pytest.mark.parametrize(("shard_group", "local", "said"), [
