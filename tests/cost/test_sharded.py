@@ -2,9 +2,9 @@
 tensors in 2- and 4-process CPU runs (tests/cost/fsdp_peaks.py: torch's FSDPMemTracker, or the
 profiler's memory timeline with accumulation), every method fsdp accepts.
 
-Measured (llama_micro, fp32): the estimate is within 0.72% of every rank's peak
-(lowrank on 4: +0.72%; LoRA and ReLoRA +0.36%; the accumulating runs, profiled: -0.01% to
--0.93% reducing every micro-batch, -0.02% the last only, which held 0.95 MB more; full,
+Measured (llama_micro, fp32): the estimate is within 0.93% of every rank's peak
+(8-bit Adam on 4: +0.22%; the accumulating runs, profiled: -0.01% to -0.93% reducing every
+micro-batch, -0.02% the last only, which held 0.95 MB more; full, LoRA, low-rank, ReLoRA,
 GaLore, Fira, Adam-mini, APOLLO and APOLLO-Mini within 700 bytes); ranks agree to the byte under
 FSDPMemTracker. TOLERANCE 2% holds that with room for buffers another torch version keeps a
 moment longer (the issue's bound is 5%). The profiler's timeline, outside these tests, saw
