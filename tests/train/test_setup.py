@@ -13,7 +13,7 @@ from conftest import micro_run
 
 from harness.methods.resolve import load_run
 from harness.modifiers.recompute import decoder_layers
-from harness.train import Trainer, loop, setup, train
+from harness.train import Trainer, checkpointing, setup, train
 from harness.trials import Records, rng_state
 
 
@@ -130,7 +130,7 @@ def test_resume_restores_step_schedule_and_rng_from_a_short_run(tmp_path, monkey
     # the loop draws no random numbers, so the checkpoint is given a torch state that seeding
     # and building never reach: only a restore brings it back
     marked = torch.Generator().manual_seed(7).get_state()
-    monkeypatch.setattr(loop, "rng_state", lambda: {**rng_state(), "torch": marked})
+    monkeypatch.setattr(checkpointing, "rng_state", lambda: {**rng_state(), "torch": marked})
     run = run_of(steps=6, warmup_steps=1)
     first = train(run, tmp_path, should_stop=lambda step: step == 3)
     assert (first["status"], first["step"]) == ("interrupted", 3)
