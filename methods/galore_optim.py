@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from harness import distributed
 from harness.distributed.rows import Rows
 from harness.errors import UserError
 from harness.methods.adafactor import adafactor
@@ -91,7 +90,7 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
             shape = _moment_shape(p, side, rank)
             if side != "full" and math.prod(shape) >= self.min_8bit_size \
                     and not Rows.aligned(shape, BLOCK):
-                layout, ranks = _layout()
+                layout, ranks = Rows.layout()
                 raise UserError(
                     f"optimizer adam8bit with {layout}: the {shape} moments of a "
                     f"{tuple(p.shape)} weight do not split into equal whole numbers of "
@@ -371,15 +370,6 @@ class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):
         order."""
         return [(p, side_of(p.shape, g["proj_type"], g["rank"]) if g["rank"] else "none",
                  g["rank"]) for g in self.param_groups for p in g["params"]]
-
-
-def _layout() -> tuple[str, str]:
-    """The sharding in use as the config names it, and what sets the ranks a tensor splits over."""
-    group, world = Rows.ranks(), distributed.world_size()
-    if group == world:
-        return f"train.parallel fsdp on {world} processes", "a world size"
-    return (f"train.parallel hsdp on {world} processes (train.shard_group {group})",
-            "a train.shard_group")
 
 
 def _moment_shape(p: Tensor, side: str, rank: int | None) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness import distributed
 from harness.distributed import fsdp, owners
 
 
@@ -70,6 +71,16 @@ class Rows:
     def ranks() -> int:
         """The ranks a sharded tensor's rows are split over (hsdp: its shard group's)."""
         return fsdp.shard_ranks()[0]
+
+    @staticmethod
+    def layout() -> tuple[str, str]:
+        """How the rows are split, as the config names it (fsdp over every process, or hsdp's
+        shard group of them), and the setting that decides how many ranks split a tensor."""
+        group, world = fsdp.shard_ranks()[0], distributed.world_size()
+        if group == world:
+            return f"train.parallel fsdp on {world} processes", "a world size"
+        return (f"train.parallel hsdp on {world} processes (train.shard_group {group})",
+                "a train.shard_group")
 
     @staticmethod
     def split_sum(t: torch.Tensor) -> torch.Tensor:
