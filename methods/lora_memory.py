@@ -36,9 +36,9 @@ class LoraShapes:
         self.frozen = [numel(row_share(s, world)) for s in targets.values()]
         self.others = [numel(row_share(s, world)) for n, s in shapes.items() if n not in targets]
         r = config.rank
+        weights = [tuple(s) for n, s in targets.items() if n.endswith(".weight")]  # no biases
         self.adapters = [numel(row_share(factor, world))  # A (r × in) and B (out × r)
-                         for n, (out, inp) in targets.items() if n.endswith(".weight")
-                         for factor in ((r, inp), (out, r))]
+                         for out, inp in weights for factor in ((r, inp), (out, r))]
         self.trainable = self.adapters + (self.others if config.train_non_targets else [])
         self.float_numel = sum(self.frozen + self.others + self.adapters)
 
