@@ -142,8 +142,9 @@ def test_a_preempted_fsdp_trial_of_two_tasks_resumes_from_its_shards(tmp_path):
     wait_for_step(trial_dir, 4)
     preempt(job_of(trial_dir))
     assert_requeued_ok(proc, trial_dir, 1, steps)
-    assert {p.name for p in (trial_dir / "checkpoint" / "state.pt").glob("*.distcp")} == {
-        "__0_0.distcp", "__1_0.distcp"}
+    for part in ("model", "optimizer"):  # each task wrote its own shards of each
+        assert {p.name for p in (trial_dir / "checkpoint" / "state.pt" / part).glob(
+            "*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
     train(load_run(micro_run(steps=steps, lr=1e-3, log_every=1, parallel="fsdp") | {
         "eval": {"every": 0, "tokens": 128}}), tmp_path / "one")
     one, two = train_losses(tmp_path / "one"), train_losses(trial_dir)

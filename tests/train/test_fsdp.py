@@ -121,13 +121,15 @@ MUON = {"name": "muon"}
 WEIGHT_ATOL = {"galore": 3e-4, "fira": 3e-4, "relora": 2e-3, "adam8bit": 4e-3, "muon": 2e-2}
 
 
+# Full at 2, GaLore at 2 and APOLLO(-Mini) at 4 train in test_equality.py's matrix (losses,
+# weights, states by name, grad norm, rank 0's bytes); here what it leaves out: the CLI, the
+# sharded checkpoint's files and states by name, and the modifiers.
 @pytest.mark.parametrize(("procs", "method", "memory"), [
-    (2, FULL, {}), (4, FULL, {}), (2, FULL, {"layerwise": True}), (2, FULL, {"recompute": "full"}),
-    (2, GALORE, {}), (4, GALORE, {}), (4, {**RELORA, "prune": "random"}, {}),
-    (4, APOLLO, {}), (4, {"name": "apollo_mini", "update_proj_gap": 3}, {}),
+    (4, FULL, {}), (2, FULL, {"layerwise": True}), (2, FULL, {"recompute": "full"}),
+    (4, GALORE, {}), (4, {**RELORA, "prune": "random"}, {}),
     (2, GALORE_8BIT, {"layerwise": True}), (4, MUON, {"layerwise": True}),
-], ids=["2", "4", "2-layerwise", "2-recompute", "2-galore", "4-galore", "4-relora-random",
-        "4-apollo", "4-apollo_mini", "2-galore-8bit-layerwise", "4-muon-layerwise"])
+], ids=["4", "2-layerwise", "2-recompute", "4-galore", "4-relora-random",
+        "2-galore-8bit-layerwise", "4-muon-layerwise"])
 def test_fsdp_trains_as_one_process(tmp_path, procs, method, memory):
     """Through `harness train` and its sharded checkpoint; every method and strategy, both
     precisions, with and without accumulation: tests/train/test_equality.py. Layer-wise: FSDP
@@ -184,7 +186,7 @@ def test_fsdp_trains_as_one_process(tmp_path, procs, method, memory):
             left.pop(match[0])
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("precision", ["bf16-true"])  # bf16-mixed: test_equality.py, 1e-4
 def test_fsdp_trains_in_bfloat16(tmp_path, precision):
     """bf16-mixed: float32 shards gathered, autocast (the 1-process numbers: test_equality.py);
     bf16-true: bfloat16 shards. The same training as float32: 4 steps take the eval loss from
@@ -248,9 +250,9 @@ ASYNC = {"checkpoint_async": True}
 
 @pytest.mark.parametrize(("first", "then", "method", "keys"), [
     (4, 2, FULL, ASYNC), (2, 1, FULL, {}), (4, 2, GALORE, {}), (4, 2, {"name": "adam_mini"}, {}),
-    (2, 2, GALORE, ASYNC), (4, 2, APOLLO, {}), (4, 2, ADAM8BIT, {}), (1, 2, ADAM8BIT, {}),
-    (2, 2, MUON, {"layerwise": True})],
-    ids=["4-2-full-async", "2-1-full", "4-2-galore", "4-2-adam_mini", "2-2-galore-async",
+    (4, 2, APOLLO, {}), (4, 2, ADAM8BIT, {}), (1, 2, ADAM8BIT, {}),
+    (2, 2, MUON, {"layerwise": True})],  # async: full's; GaLore's states: 4 → 2
+    ids=["4-2-full-async", "2-1-full", "4-2-galore", "4-2-adam_mini",
          "4-2-apollo", "4-2-adam8bit", "1-2-adam8bit", "2-2-muon-layerwise"])
 def test_a_trial_stopped_at_one_world_size_resumes_at_another(tmp_path, first, then, method,
                                                               keys):
