@@ -11,7 +11,7 @@ one process's (harness/distributed/fsdp.py has the layout: rank r holds rows
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
@@ -143,14 +143,9 @@ class Rows:
         parameter's, keys outside `whole`) cut to this rank's rows, in place."""
         if not self.sharded:
             return
-        param = self.tensor
-        for key, value in state.items():
-            if key in whole or not isinstance(value, torch.Tensor):
-                continue
-            if fsdp.is_sharded(value):  # read from a sharded checkpoint: already its rows
-                state[key] = value.to_local()
-            elif value.dim() and value.shape[0] == param.shape[0]:
-                state[key] = value[self.span].clone()
+        m, span = self.tensor.shape[0], self.span
+        _take(state, [k for k in state if k not in whole],
+              lambda v: span if v.dim() and v.shape[0] == m else None)
 
     def save_blocks(self, state: dict[str, Any], keys: Collection[str],
                     blocks: int) -> dict[str, Any]:
@@ -177,23 +172,14 @@ class Rows:
         """The inverse of `save_split` on load: this rank's rows of each, in place."""
         if not self.sharded:
             return
-        for key in keys:
-            value = state.get(key)
-            if fsdp.is_sharded(value):
-                state[key] = value.to_local()
-            elif isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
-                state[key] = value[Rows.mine_of(rows)].clone()
+        _take(state, keys, lambda v: Rows.mine_of(rows) if v.dim() and v.shape[0] == rows
+              else None)
 
     def load_blocks(self, state: dict[str, Any], keys: Collection[str]) -> None:
         """The inverse of `save_blocks` on load: this rank's blocks of each whole tensor."""
         if not self.sharded:
             return
-        for key in keys:
-            value = state.get(key)
-            if fsdp.is_sharded(value):
-                state[key] = value.to_local()
-            elif isinstance(value, torch.Tensor):
-                state[key] = value[fsdp.rows(value, sharded=True)].clone()
+        _take(state, keys, lambda v: fsdp.rows(v, sharded=True))
 
 
 def _holds_rows(value: Any, span: slice) -> bool:
@@ -203,3 +189,16 @@ def _holds_rows(value: Any, span: slice) -> bool:
 
 def _count(span: slice) -> int:
     return span.stop - span.start
+
+
+def _take(state: dict[str, Any], keys: Iterable[str],
+          part: Callable[[torch.Tensor], slice | None]) -> None:
+    """Each of `keys` as this rank holds it, in place: a shard read from a sharded checkpoint
+    is already its rows; a whole tensor (a one-process checkpoint's) is cut to `part` of it,
+    where `part` names rows (None: kept whole)."""
+    for key in keys:
+        value = state.get(key)
+        if fsdp.is_sharded(value):
+            state[key] = value.to_local()
+        elif isinstance(value, torch.Tensor) and (span := part(value)) is not None:
+            state[key] = value[span].clone()
