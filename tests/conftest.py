@@ -195,16 +195,25 @@ def finished_run_copy(finished_run: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(finished_run, tmp_path / "runs"))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """OpenMP threads spin-wait when 2 cores are oversubscribed (a CI box running other work),
-    which turns a 1 s SVD into a minute; one thread keeps test times steady."""
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch on one thread for the block (as each forked rank runs), as it was after."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """OpenMP threads spin-wait when 2 cores are oversubscribed (a CI box running other work),
+    which turns a 1 s SVD into a minute; one thread keeps test times steady."""
+    with one_torch_thread():
+        yield
 
 
 def assert_estimate_matches(estimate: Any, summary: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SAMPLE_VOCAB, assert_estimate_matches, micro_model, micro_run
+from conftest import SAMPLE_VOCAB, assert_estimate_matches, micro_model, micro_run, one_torch_thread
 
 from harness.methods import MemoryEstimate, build_memory, build_method, memory_of, optimizer_for
 from harness.methods.lora import adapter_params, lora_layers
@@ -23,10 +23,8 @@ VOCAB = SAMPLE_VOCAB  # the sample tokenizer's
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """On a busy 2-core machine OpenMP's spinning threads can slow a step 20x: use one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 def fast_run(method: dict[str, Any], steps: int = 24, lr: float = 0.01) -> dict[str, Any]:

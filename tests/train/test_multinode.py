@@ -16,8 +16,7 @@ from typing import Any
 
 import psutil
 import pytest
-import torch
-from conftest import free_port, micro_run, train_losses, write_yaml
+from conftest import free_port, micro_run, one_torch_thread, train_losses, write_yaml
 from slurm_tasks import SlurmTasks, trial_args
 
 from harness.methods.resolve import load_run
@@ -36,13 +35,9 @@ def node_run(parallel: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def one(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One process on one node (which ignores `parallel`), on one thread as each rank."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        out = tmp_path_factory.mktemp("one") / "one"
+    out = tmp_path_factory.mktemp("one") / "one"
+    with one_torch_thread():
         summary = train(load_run(node_run("fsdp")), out)
-    finally:
-        torch.set_num_threads(threads)
     return {"losses": train_losses(out), "eval_loss": summary["eval_loss"]}
 
 

@@ -16,7 +16,15 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from conftest import free_port, micro_run, ranks, torchrun, train_losses, write_yaml
+from conftest import (
+    free_port,
+    micro_run,
+    one_torch_thread,
+    ranks,
+    torchrun,
+    train_losses,
+    write_yaml,
+)
 from ranks import Ranks
 from slurm_tasks import SlurmTasks, trial_args
 
@@ -40,13 +48,9 @@ def fault_run() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def unbroken(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """The same run in one process, never stopped (1 thread, as the ranks)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        out = tmp_path_factory.mktemp("unbroken") / "one"
+    out = tmp_path_factory.mktemp("unbroken") / "one"
+    with one_torch_thread():
         assert train(load_run(fault_run()), out)["status"] == "ok"
-    finally:
-        torch.set_num_threads(threads)
     return train_losses(out)
 
 
