@@ -128,14 +128,17 @@ class MuonOptimizer(ParamwiseOptimizer):
 
     def _apply(self, group: dict[str, Any], p: Tensor, ortho: Tensor) -> None:
         """W ← (1 − lr·wd)·W − adjusted lr · the orthogonalized update (this rank's rows)."""
+        self._add(group, p, ortho, _adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
+
+    def _add(self, group: dict[str, Any], p: Tensor, update: Tensor, step_lr: float) -> None:
+        """W ← (1 − lr·wd)·W − step_lr · update (this rank's rows), compensated under bf16-true."""
         w = Rows(p).local
         lr, wd = group["lr"], group["weight_decay"]
-        adjusted = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
         if w.dtype != torch.bfloat16 or self.compensation == "none":
             w.mul_(1 - lr * wd)  # torch's order: decay, then the orthogonal update
-            w.add_(ortho, alpha=-adjusted)
+            w.add_(update, alpha=-step_lr)
             return
-        add_update(w, ortho.float().mul_(-adjusted), self.compensation, self.state[p], lr * wd)
+        add_update(w, update.float().mul_(-step_lr), self.compensation, self.state[p], lr * wd)
 
 
 def ns_flops(shape: Iterable[int], steps: int) -> int:
@@ -224,15 +227,16 @@ class Muon(Method):
     def optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
         """Muon on the `muon` groups, the harness's AdamW (full's: fused, or bf16-true's) on
         the others; one of them alone when the groups are one parameter's (layer-wise)."""
-        c = self.config
         hidden = [g for g in groups if g["muon"]]
         rest = [g for g in groups if not g["muon"]]
-        optimizers = []
-        if hidden:
-            optimizers.append(MuonOptimizer(
-                hidden, lr=run.train.lr, momentum=c.momentum, nesterov=c.nesterov,
-                ns_steps=c.ns_steps, adjust_lr_fn=c.adjust_lr_fn,
-                **own_optimizer_kwargs(run.train)))
+        optimizers = [self.orthogonal(hidden, run)] if hidden else []
         if rest:
-            optimizers.append(adamw(rest, run, c))
+            optimizers.append(adamw(rest, run, self.config))
         return optimizers[0] if len(optimizers) == 1 else Chain(optimizers)
+
+    def orthogonal(self, hidden: Groups, run: RunConfig) -> MuonOptimizer:
+        """The optimizer of the hidden matrices (a variant's own: NorMuon)."""
+        c = self.config
+        return MuonOptimizer(hidden, lr=run.train.lr, momentum=c.momentum, nesterov=c.nesterov,
+                             ns_steps=c.ns_steps, adjust_lr_fn=c.adjust_lr_fn,
+                             **own_optimizer_kwargs(run.train))
