@@ -169,9 +169,16 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
         if self.pin:
             torch.cuda.current_stream().synchronize()  # the host reads the gradients next
         self.inner.step()
+        self.take_settings()  # what the step counts in its groups (Schedule-Free's k) kept
         for p in self.params:
             if p.grad is not None:
                 p.copy_(self.host[p], non_blocking=self.pin)
+
+    def take_settings(self) -> None:
+        """The host optimizer's group settings (counters a step or a mode switch changed) into
+        the groups the scheduler sees, which `_pass_settings` hands back at the next step."""
+        for group, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
+            group.update({k: v for k, v in inner.items() if k != "params"})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -187,8 +194,7 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict(state_dict)
         for p in self.params:
             self.host[p].copy_(p)
-        for group, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
-            group.update({k: v for k, v in inner.items() if k != "params"})
+        self.take_settings()
 
 
 def repaged_on_load(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -21,6 +21,7 @@ from harness.distributed import fsdp
 from harness.errors import brief
 from harness.methods.muon import Chain
 from harness.modifiers.layerwise import LayerwiseOptimizer
+from harness.train.averaged import averaged, training
 from harness.trials import CheckpointError, Records, rng_state, set_rng_state, sharded
 
 
@@ -45,7 +46,15 @@ class Trained(Protocol):
 def save(t: Trained, background: sharded.Background | None = None) -> None:
     """Rank 0 writes the bare model's state; under fsdp every rank writes its own shards
     (torch.distributed.checkpoint, keyed by parameter name) and rank 0 the rest, which a resume
-    reads at any number of processes; in the background with `background`."""
+    reads at any number of processes; in the background with `background` (its tensors
+    staged before `save_sharded_checkpoint` returns). The weights saved are the optimizer's
+    averaged ones where it keeps them apart (Schedule-Free's x: harness/train/averaged.py), so
+    that the exported model is too."""
+    with averaged(t.optimizer):
+        _save(t, background)
+
+
+def _save(t: Trained, background: sharded.Background | None) -> None:
     if not t.sharded:  # fsdp ranks hold different rows by design
         distributed.check_same(t.model, t.step)
         t.rec.save_checkpoint({"model": t.model.state_dict(),
@@ -122,6 +131,7 @@ def resume(t: Trained) -> bool:
         return False
     if "sharded" not in state:
         load_tensors(t, state)
+    training(t.optimizer)  # a checkpoint holds the averaged weights: back to the training ones
     t.scheduler.load_state_dict(state["scheduler"])
     t.data.restore(state["data"])
     set_rng_state(state["rng"])

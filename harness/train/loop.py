@@ -20,6 +20,7 @@ from harness.distributed import fsdp
 from harness.distributed.host import LateFlag
 from harness.methods import memory_of
 from harness.train import checkpointing, setup
+from harness.train.averaged import averaged
 from harness.train.hooks import Hooks, Interrupted, NonFinite, Pruned, Step
 from harness.trials import Records, Status
 from harness.trials.events import event_text, say_event
@@ -146,7 +147,7 @@ class Trainer:
         measure = not self.layerwise and self._logged(self.step + 1)
         grads = clip or measure or self.precision.scaler is not None  # fp16 checks their norm
         params = [p for p in self.model.parameters() if p.grad is not None] if grads else []
-        self.lr = self.optimizer.param_groups[0]["lr"]
+        self.lr = float(self.optimizer.param_groups[0]["lr"])  # a tensor in torchao's groups
         norm = self.precision.step(self.optimizer, params, clip, self.step + 1, measure)
         self.grad_norm = norm if measure else None  # read at the log line: no sync before it
         self.scheduler.step()
@@ -188,9 +189,12 @@ class Trainer:
         self.window.append(step.loss)  # read at the next log line: no host sync before it
 
     def evaluate(self) -> dict[str, float]:
+        """The eval metrics, at the optimizer's averaged weights where it keeps them apart
+        (Schedule-Free's x: harness/train/averaged.py)."""
         self.model.eval()
         try:
-            return self.data.evaluate(self.model, self.precision, self.sharded)
+            with averaged(self.optimizer):
+                return self.data.evaluate(self.model, self.precision, self.sharded)
         finally:
             self.model.train()
 
