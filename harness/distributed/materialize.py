@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,6 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from harness.distributed import fsdp
+
+if TYPE_CHECKING:
+    from harness.distributed.weights import Weights
 
 aten = torch.ops.aten
 # The twins' device, said outright: a build may run inside a `torch.device` context.
@@ -276,26 +278,34 @@ class Twins(TorchDispatchMode):
             rows = func(twin.rows, *rest, **cpu_kwargs)
         self._add(meta, Twin(None, rows, tuple(meta.shape), twin.lo, twin.hi))
 
-    def read_rows(self, model: nn.Module, files: list[Path]) -> None:
-        """Each parameter's rows read from safetensors `files` (only those rows: a lazy slice),
-        cast to the parameter's dtype as from_pretrained casts; a parameter the files lack
-        (other names, a new head) is `Unsupported`."""
-        from safetensors import safe_open
-
-        where = {}
-        for file in files:
-            with safe_open(file, framework="pt") as f:
-                where.update(dict.fromkeys(f.keys(), file))
-        for name, p in model.named_parameters():
-            twin = self.twin(p)
-            if name not in where or twin.rows is None:
-                raise Unsupported(f"no weight {name} in {files[0].parent}")
-            with safe_open(where[name], framework="pt") as f:
-                part = f.get_slice(name)
-                if tuple(part.get_shape()) != tuple(p.shape):
-                    raise Unsupported(f"{name} is shaped otherwise in {files[0].parent}")
-                if twin.hi > twin.lo:
-                    twin.rows.copy_(part[twin.lo:twin.hi])
+    def read_rows(self, model: nn.Module, weights: Weights, fresh: Collection[str] = ()
+                  ) -> set[str]:
+        """Each parameter's rows read from `weights` (those rows alone), and each persistent
+        buffer they hold whole, under its own name or with the base model's prefix added or
+        dropped, as from_pretrained finds it, cast to the tensor's dtype as it casts; returns
+        the names read. A parameter the files lack (other names, a head) is `Unsupported`
+        unless `fresh` names it (drawn after, as from_pretrained draws a missing one)."""
+        prefix = getattr(model, "base_model_prefix", "")
+        where = weights.files[0].parent
+        read, seen = set(), set()
+        for name, t in model.state_dict(keep_vars=True).items():
+            if id(t) in seen:  # tied: one tensor under two names, read once
+                continue
+            seen.add(id(t))
+            key = _stored(name, weights, prefix)
+            if key is None and (name in fresh or not isinstance(t, nn.Parameter)):
+                continue
+            if key is None:
+                raise Unsupported(f"no weight {name} in {where}")
+            if weights.parts[key].shape != tuple(t.shape) or not t.dim():
+                raise Unsupported(f"{name} is shaped otherwise in {where}")
+            twin = self.twin(t)
+            lo, hi = (twin.lo, twin.hi) if twin.rows is not None else (0, t.shape[0])
+            target = twin.rows if twin.rows is not None else self.whole(t)
+            if hi > lo:
+                target.copy_(weights.rows(key, lo, hi))
+            read.add(name)
+        return read
 
     # -- the sharded model's values
 
@@ -328,6 +338,13 @@ def fill(model: nn.Module, values: dict[str, torch.Tensor], device: torch.device
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"meta tensors left after filling the sharded model: {left}")
+
+
+def _stored(name: str, weights: Weights, prefix: str) -> str | None:
+    """`name`'s key in `weights`: its own, or with the base model's prefix dropped or added."""
+    dotted = f"{prefix}." if prefix else ""
+    other = name.removeprefix(dotted) if dotted and name.startswith(dotted) else dotted + name
+    return next((k for k in (name, other) if k in weights), None)
 
 
 def _has_tensor(out: Any) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from harness import distributed
 from harness.config import ModelFrom, RunConfig, read_yaml
 from harness.config.hub import cache_only
 from harness.data.c4 import load_tokenizer
+from harness.distributed.materialize import Unsupported
 from harness.errors import UserError, brief
 from harness.methods.resolve import load_run
 from harness.models import PRESETS, llama_config
@@ -21,20 +23,24 @@ from harness.train import pretrain
 from harness.train.plain import newest_state, plain_model
 from harness.trials import RunsDir, Status, TrialDir, final_model
 
+Load = Callable[[str, Any], nn.Module]  # (name, config) -> the model from_pretrained would load
 
-def build_classifier(run: RunConfig, num_labels: int) -> tuple[nn.Module, Any]:
+
+def build_classifier(run: RunConfig, num_labels: int, load: Load | None = None
+                     ) -> tuple[nn.Module, Any]:
     """(model, tokenizer) for a GLUE run; the head is new, the body pretrained (or random for
-    a preset, which tests use)."""
+    a preset, which tests use). `load`: what builds a pretrained model from its name and
+    config instead of from_pretrained (on the meta device, harness/train/meta_build.py)."""
     dropout = run.task.classifier_dropout
     if (isinstance(run.model, ModelFrom) or run.model in PRESETS) and dropout is not None:
         raise UserError("task.classifier_dropout: a LLaMA classification head has no "
                         "dropout (leave it null), only encoders do")
     if isinstance(run.model, ModelFrom):
-        return from_trial(resolve_trial(run.model.from_), num_labels)
+        return from_trial(resolve_trial(run.model.from_), num_labels, load)
     if run.model in PRESETS:
         tok = load_tokenizer(run.task.tokenizer)
         return llama_classifier(run.model, tok, num_labels, run.task.seq_len), tok
-    return pretrained(run.model, num_labels, dropout)
+    return pretrained(run.model, num_labels, dropout, load)
 
 
 def llama_classifier(preset: str, tok: Any, num_labels: int, seq_len: int) -> nn.Module:
@@ -44,18 +50,23 @@ def llama_classifier(preset: str, tok: Any, num_labels: int, seq_len: int) -> nn
     return LlamaForSequenceClassification(config)
 
 
-def pretrained(name: str, num_labels: int, dropout: float | None) -> tuple[nn.Module, Any]:
+def pretrained(name: str, num_labels: int, dropout: float | None, load: Load | None = None
+               ) -> tuple[nn.Module, Any]:
     # before transformers is imported: offline, a hub name not cached fails at once
     cached_only = not Path(name).expanduser().is_dir() and cache_only(
         "model", name, ("config.json",), "give a local model folder, a preset, or "
         "{from: runs/<sweep>}")
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     extra = {} if dropout is None else {"classifier_dropout": dropout}
     try:
         tok = AutoTokenizer.from_pretrained(name, local_files_only=cached_only)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            name, num_labels=num_labels, local_files_only=cached_only, **extra)
+        if load is None:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                name, num_labels=num_labels, local_files_only=cached_only, **extra)
+        else:  # the config as from_pretrained makes it of the same arguments
+            model = load(name, AutoConfig.from_pretrained(
+                name, num_labels=num_labels, local_files_only=cached_only, **extra))
     except (OSError, ValueError) as e:
         reason = brief(e)
         raise UserError(f"model: cannot load '{name}' ({reason}); give a preset, a local "
@@ -86,13 +97,18 @@ def resolve_trial(path: str) -> Path:
     return runs.trial(str(best.trial)).path
 
 
-def from_trial(trial: Path, num_labels: int) -> tuple[nn.Module, Any]:
+def from_trial(trial: Path, num_labels: int, load: Load | None = None
+               ) -> tuple[nn.Module, Any]:
     """The trial's final model under a new head; without one (an unfinished trial, or one
     that keeps none), its newest checkpoint as its method exports it (LoRA merged, INT8
-    dequantized, ...), written to a temporary folder and loaded the same way."""
+    dequantized, ...), written to a temporary folder and loaded the same way (whole: not by
+    `load`, which is `Unsupported` then)."""
     folder = TrialDir(trial).final_model
     if final_model.verified(folder) is not None:
-        return pretrained(str(folder), num_labels, None)
+        return pretrained(str(folder), num_labels, None, load)
+    if load is not None:
+        raise Unsupported(f"model.from: {trial} has no final model; its checkpoint is "
+                          "exported whole")
     source = load_run(read_yaml(TrialDir(trial).config))
     try:
         state = newest_state(TrialDir(trial))

@@ -23,13 +23,13 @@ from harness.config.steps import Steps
 from harness.distributed import fsdp, materialize, pick_device
 from harness.methods import Method, build_method, optimizer_for, schedule_of
 from harness.methods.rank import rank_warning
-from harness.models import PRESETS, describe, hf_model
+from harness.models import describe
 from harness.modifiers import recompute
 from harness.modifiers.multi_tensor import update_chunk
 from harness.modifiers.offload import ActivationOffloader
 from harness.modifiers.precision import Precision, pure_bf16
 from harness.modifiers.recompute import decoder_layers
-from harness.train import compiled, finetune, pretrain
+from harness.train import compiled, finetune, meta_build, pretrain
 from harness.trials import rng_state, set_rng_state
 
 Data = pretrain.LMData | finetune.GlueData
@@ -65,41 +65,25 @@ def _seed(seed: int) -> None:
 
 def model(run: RunConfig, steps: Steps, device: torch.device) -> tuple[nn.Module, Any, Data]:
     """Model, tokenizer and data, built after seeding: every rank and every resume starts from
-    the same weights and draws. Sharded, from a random init or a folder's safetensors: built
-    on the meta device, each rank keeping its rows of the same weights (`_on_meta`)."""
+    the same weights and draws. Sharded: built on the meta device, each rank keeping its rows
+    of the same weights (`_on_meta`)."""
     _seed(run.seed)
     glue = run.task.kind == "glue"
     build = partial((finetune if glue else pretrain).build, run)
-    weights = None if glue or steps.shards == 1 else _weights(run.model)
-    built, tok = build() if weights is None else _on_meta(build, run, steps, weights)
+    built, tok = build() if steps.shards == 1 else _on_meta(build, run, steps)
     distributed.say(f"model {run.model}: {describe(built)}")
     data = (finetune.GlueData if glue else pretrain.LMData)(run, tok, device, steps)
     return built, tok, data
 
 
-def _weights(name: str) -> list[Path] | None:
-    """How a pretraining model can be built on the meta device: from the seed ([]: a preset,
-    an HF config without weights), or its rows read from a local folder's safetensors files;
-    None: not (a hub model's weights, .bin files): loaded whole."""
-    if name in PRESETS or hf_model(name).weights is None:
-        return []
-    folder = Path(hf_model(name).weights or "")
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
-    return files or None
-
-
-def _on_meta(build: Callable[[], tuple[nn.Module, Any]], run: RunConfig, steps: Steps,
-             weights: list[Path]) -> tuple[nn.Module, Any]:
-    """`build` on the meta device, twinned with this rank's rows in its shard group (with
-    `weights`, its skeleton, the rows read from them); an op the twins cannot follow, or
-    weights they cannot read: the ordinary build, from the seed."""
+def _on_meta(build: Callable[[], tuple[nn.Module, Any]], run: RunConfig,
+             steps: Steps) -> tuple[nn.Module, Any]:
+    """`build` on the meta device, twinned with this rank's rows in its shard group
+    (harness/train/meta_build.py: from the seed, or read from weight files); an op the twins
+    cannot follow, or weights they cannot read: the ordinary build, from the seed."""
     twins = materialize.Twins(distributed.rank() % steps.shards, steps.shards)
     try:
-        if weights:  # from_pretrained draws nothing: neither does the skeleton
-            built, tok = twins.run(partial(pretrain.build, run, skeleton=True), draw=False)
-            twins.read_rows(built, weights)
-        else:
-            built, tok = twins.run(build)
+        built, tok = meta_build.build(run, twins, build)
     except materialize.Unsupported as e:
         distributed.say(f"model: built whole on every rank ({e})")
         _seed(run.seed)
