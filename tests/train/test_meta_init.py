@@ -418,7 +418,8 @@ def launch(mode: str, tmp_path: Path, procs: int, configs: list[Path]) -> list[d
 
 def test_sharded_setup_builds_on_meta_and_equals_the_whole_build_bitwise(tmp_path):
     """Two ranks, the trainer's setup steps (model, method, modifiers, parallelize) under fsdp,
-    each method's weights gathered against the same rank's ordinary whole build."""
+    each method's weights gathered against the same rank's ordinary whole build; last, a GLUE
+    classifier whose body is a pytorch_model.bin."""
     cases = ["full", "lora", "lowrank", "galore", "relora", "muon"]
     configs = [write_yaml(tmp_path / f"{m}.yaml",
                           {**micro_run(parallel="fsdp"), "method": METHODS[m]}) for m in cases]
@@ -429,6 +430,8 @@ def test_sharded_setup_builds_on_meta_and_equals_the_whole_build_bitwise(tmp_pat
     configs.append(write_yaml(tmp_path / "weights.yaml", {
         **micro_run(parallel="fsdp"), "model": with_weights(tmp_path, "qwen2"),
         "method": METHODS["lora"]}))
+    body = as_bin(Path(encoder_folder(tmp_path, "llama")), 1)
+    configs.append(write_yaml(tmp_path / "glue.yaml", glue(str(body), parallel="fsdp")))
     for rank, results in enumerate(launch("equal", tmp_path, 2, configs)):
         for case, got in results.items():
             assert got["meta"], (rank, case)  # on the meta device until sharded
