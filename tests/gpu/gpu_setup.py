@@ -47,11 +47,14 @@ PRECISIONS: dict[str, dict[str, Any]] = {  # -> train keys
 # What each method refuses (its `refusal` says why): states that are not bitsandbytes' cannot
 # be paged; ReLoRA's resets and Q-GaLore's INT8 updates inside backward need the whole optimizer
 # on the device, and Q-GaLore's cannot be undone by fp16's skipped steps.
-OWN_STATES = ("adam_mini", "galore", "apollo", "apollo_mini", "fira", "muon", "lion")
+OWN_STATES = ("adam_mini", "galore", "apollo", "apollo_mini", "fira", "muon", "lion",
+              "ademamix")
 METHOD_REFUSES: dict[str, set[str]] = {
     "relora": {"layerwise", "offload_host", "offload_paged"},
     "qgalore": {"offload_host", "offload_paged", "16-mixed"},
     **{name: {"offload_paged"} for name in OWN_STATES},
+    # its train/eval switch moves bfloat16 weights in place (methods/schedule_free.py)
+    "schedule_free": {"offload_paged", "bf16-true", "bf16-true-kahan", "bf16-true-sr-bf16"},
 }
 
 
