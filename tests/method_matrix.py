@@ -48,7 +48,8 @@ PRECISIONS = ("16-mixed", "bf16_true_kahan", "bf16_true_bf16_states")  # close, 
 # Refused at load time, each with the method's reason (bf16_true_bf16_states is layer-wise).
 REFUSED = {("relora", "layerwise"), ("relora", "optimizer_offload"),
            ("relora", "bf16_true_bf16_states"), ("qgalore", "optimizer_offload"),
-           ("qgalore", "16-mixed")}
+           ("qgalore", "16-mixed"),
+           ("schedule_free", "bf16_true_kahan"), ("schedule_free", "bf16_true_bf16_states")}
 CASES = [(method, modifier) for method in METHODS for modifier in MODIFIERS]
 
 
