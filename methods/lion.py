@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 class LionConfig(Strict):
     betas: tuple[float, float] = Field(
         (0.9, 0.99), description="β1: the update's interpolation, β2: the momentum's decay "
-        "(arXiv 2302.06675 Program 1 and §3.1's defaults; pytorch_optimizer.Lion's)")
+        "(arXiv 2302.06675 §5's defaults, pytorch_optimizer.Lion's; §5 takes (0.95, 0.98) for "
+        "language models)")
 
 
 class LionOptimizer(ParamwiseOptimizer):
