@@ -45,6 +45,11 @@ class TaskConfig(Strict):
         True, description="pack documents with EOS between them; false = truncate and pad"
     )
     shuffle_buffer: int = Field(1000, ge=1, description="documents held for the seeded shuffle")
+    read_shards: int | None = Field(
+        None, ge=1, description="pretrain, data parallel: the stream interleaves this many "
+        "file shards, each rank reading only its own (a multiple of the ranks; default: every "
+        "rank reads the whole stream)"
+    )
     padding: Literal["longest", "max_length"] = Field(
         "longest", description="glue: pad each batch to its longest example, or to seq_len"
     )
@@ -57,6 +62,9 @@ class TaskConfig(Strict):
         if self.kind == "glue" and self.glue_task not in GLUE_TASKS:
             allowed = ", ".join(GLUE_TASKS)
             raise ValueError(f"glue_task: '{self.glue_task}' is not a task (allowed: {allowed})")
+        if self.kind == "glue" and self.read_shards is not None:
+            raise ValueError("read_shards: splits pretraining text only (GLUE reads its splits "
+                             "whole; allowed: unset)")
         if self.kind == "glue" and self.glue_task != "sample" and self.dataset == "sample":
             raise ValueError(
                 f"dataset: 'sample' holds only the embedded task; GLUE {self.glue_task} reads "
@@ -74,6 +82,7 @@ LATER_METHOD_KEYS = {
     "apollo": {"int8_weights": False, "weight_group": 256, "decay_vectors": False},
     "apollo_mini": {"int8_weights": False, "weight_group": 256, "decay_vectors": False},
 }
+LATER_TASK_KEYS = {"read_shards": None}  # task settings added later, as LATER_METHOD_KEYS
 WARM_START_KEYS = ("warm_start", "warm_start_warmup_steps")  # ReLoRA's: idle without warm start
 
 
@@ -245,6 +254,9 @@ class RunConfig(Common):
         for key, default in LATER_TRAIN_KEYS.items():
             if data["train"][key] == default:
                 del data["train"][key]
+        for key, default in LATER_TASK_KEYS.items():
+            if data["task"][key] == default:
+                del data["task"][key]
         if self.model_options == ModelOptions():  # added later: earlier trials built this
             del data["model_options"]
         data["method"] = _without_later_defaults(data["method"])

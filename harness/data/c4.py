@@ -4,7 +4,8 @@ All three go through the same `datasets` streaming reader, then a seeded shuffle
 packing into `seq_len` blocks (EOS between documents) or the papers' truncate-and-pad. The
 whole position (reader, shuffle buffer, RNG, leftover tokens, documents tokenized ahead) is a
 picklable state, so a resumed run sees exactly the blocks an uninterrupted one would. Data
-parallel, each rank tokenizes a share of the documents (harness/data/split.py).
+parallel, each rank tokenizes a share of the documents (harness/data/split.py); with
+`task.read_shards` it also reads only its share of the files (harness/data/shards.py).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 
 from harness.config import TaskConfig
 from harness.config.hub import cache_only, offline
+from harness.data.shards import ShardedDocs, check, merge
 from harness.data.split import SplitTokenizer
 from harness.errors import UserError, brief
 
@@ -30,6 +33,8 @@ LOCAL_TOKENIZER = "set task.tokenizer to a folder holding tokenizer.json, or 'sa
 LOCAL_C4 = ("for local C4 set task.dataset to the folder of c4-train.*.json.gz shards, or use "
             "'sample' (the embedded corpus)")
 READ_CHUNK = 64  # documents read from the source per call
+C4_HUB = "hf://datasets/allenai/c4/en"  # allenai/c4's `en` files, read by name (read_shards)
+C4_TRAIN_FILES = 1024
 
 
 def load_tokenizer(name: str) -> Any:
@@ -86,20 +91,38 @@ def _local_files(task: TaskConfig, split: str) -> list[str]:
 
 def open_documents(task: TaskConfig, split: str) -> Any:
     """A `datasets.IterableDataset` of {'text': ...} in the source's own order."""
+    if task.dataset != "c4":
+        return open_files(task, _files(task, split), split)
+    _hub_reachable()
+    return _open(task, split, {"path": "allenai/c4", "name": "en", "split": split})
+
+
+def _hub_reachable() -> None:
+    reason = offline()
+    if reason:  # a stream is read from the hub as it goes: a cache cannot stand in
+        raise UserError(f"task.dataset: 'c4' streams allenai/c4 from the Hugging Face hub, "
+                        f"which cannot be reached ({reason}); {LOCAL_C4}")
+
+
+def _files(task: TaskConfig, split: str) -> list[str]:
+    """A local source's files in order; the hub's C4 training files by name."""
+    if task.dataset == "c4":
+        _hub_reachable()
+        return [f"{C4_HUB}/c4-train.{i:05d}-of-{C4_TRAIN_FILES:05d}.json.gz"
+                for i in range(C4_TRAIN_FILES)]
+    if task.dataset == "sample":
+        return [str(SAMPLE / f"c4-{split}.00000-of-00001.json.gz")]
+    return _local_files(task, split)
+
+
+def open_files(task: TaskConfig, files: list[str], split: str = "train") -> Any:
+    """`files` (local paths or hub URLs) as one `datasets.IterableDataset`, read in order."""
+    return _open(task, split, {"path": "json", "data_files": files, "split": "train"})
+
+
+def _open(task: TaskConfig, split: str, args: dict[str, Any]) -> Any:
     from datasets import load_dataset
 
-    if task.dataset == "c4":
-        reason = offline()
-        if reason:  # a stream is read from the hub as it goes: a cache cannot stand in
-            raise UserError(f"task.dataset: 'c4' streams allenai/c4 from the Hugging Face hub, "
-                            f"which cannot be reached ({reason}); {LOCAL_C4}")
-        args: dict[str, Any] = {"path": "allenai/c4", "name": "en", "split": split}
-    else:
-        if task.dataset == "sample":
-            files = [str(SAMPLE / f"c4-{split}.00000-of-00001.json.gz")]
-        else:
-            files = _local_files(task, split)
-        args = {"path": "json", "data_files": files, "split": "train"}
     try:
         return load_dataset(streaming=True, **args).select_columns(["text"])
     except Exception as e:  # unreachable hub, bad files: the user must point at local data
@@ -143,15 +166,29 @@ class BlockStream:
         self.tokenize = tokenize or SplitTokenizer(tokenizer)
         self.rng = random.Random(seed)
         self.epoch = 0
-        self.buffer: list[str | np.ndarray] = []
+        self.buffer: list[str | np.ndarray | int] = []  # read_shards: stream positions
         self.ready: list[np.ndarray] = []  # drawn and tokenized ahead, not yet packed
         self.packer = Packer(task, tokenizer)
-        self.docs = open_documents(task, "train")
+        self.shards = self._sharded() if task.read_shards else None
+        self.docs = None if self.shards else open_documents(task, "train")
         self._docs_iter: Iterator[dict[str, Any]] | None = None
 
+    def _sharded(self) -> ShardedDocs:
+        """This rank's read shards (harness/data/shards.py); its tokenizer splits by owner."""
+        split = self.tokenize.split
+        rank, world = (self.tokenize.rank, self.tokenize.world) if split else (0, 1)
+        files = _files(self.task, "train")
+        n = self.task.read_shards or 1
+        check(n, len(files), world, self.task.dataset)
+        self.tokenize.owned()
+        return ShardedDocs(files, n, rank, world, lambda part: open_files(self.task, part))
+
     def state(self) -> dict[str, Any]:
+        """The position; under read_shards with several ranks, this rank's part of it
+        (`whole` joins them)."""
         return {
-            "reader": copy.deepcopy(self.docs.state_dict()),
+            "reader": self.shards.state() if self.shards else copy.deepcopy(
+                self.docs.state_dict()),
             "epoch": self.epoch,
             "rng": self.rng.getstate(),
             "buffer": list(self.buffer),
@@ -159,10 +196,23 @@ class BlockStream:
             "ready": list(self.ready),
         }
 
+    def whole(self, state: dict[str, Any], group: Any = None) -> dict[str, Any]:
+        """`state` with every rank's shards and texts under read_shards: the position that
+        restores at any world size. A collective over `group` (default: all ranks) when this
+        rank's holds its own alone: every rank calls it at the same position."""
+        if self.shards is None or self.shards.whole(state["reader"]):
+            return state
+        parts: list[Any] = [None] * self.shards.world
+        dist.all_gather_object(parts, state["reader"], group=group)
+        return {**state, "reader": merge(parts)}
+
     def restore(self, state: dict[str, Any]) -> None:
-        if state["epoch"] != self.epoch:
-            self.docs = open_documents(self.task, "train")
-        self.docs.load_state_dict(state["reader"])
+        if self.shards:
+            self.shards.restore(state["reader"])
+        else:
+            if state["epoch"] != self.epoch:
+                self.docs = open_documents(self.task, "train")
+            self.docs.load_state_dict(state["reader"])
         self._docs_iter = None
         self.epoch = state["epoch"]
         self.rng.setstate(state["rng"])
@@ -170,7 +220,9 @@ class BlockStream:
         self.packer.carry = state["carry"].copy()
         self.ready = list(state.get("ready", []))  # states written before it: none
 
-    def _read_chunk(self) -> list[str]:
+    def _read_chunk(self) -> list[str] | list[int]:
+        if self.shards:  # shards are read pass after pass: never short
+            return self.shards.read(READ_CHUNK)
         texts: list[str] = []
         for _ in range(2):  # at most one restart per call: an empty corpus must not spin
             if self._docs_iter is None:
@@ -186,7 +238,7 @@ class BlockStream:
             self._docs_iter = None
         raise UserError(f"task.dataset: '{self.task.dataset}' has no training documents")
 
-    def _draw(self) -> str | np.ndarray:
+    def _draw(self) -> str | np.ndarray | int:
         """The buffer holds raw texts, tokenized when drawn: filling 1000 documents then costs
         a read, not 2 s of tokenization before a trial's first step (the sample corpus, 2 cores).
         A token array in it comes from a checkpoint written before that and is used as it is."""
@@ -202,6 +254,9 @@ class BlockStream:
     def _next_document(self) -> np.ndarray:
         """Drawn `tokenize.batch` at a time (one in one process): which documents are drawn
         depends on the seed and the texts only, so drawing ahead leaves the stream as it was."""
+        if not self.ready and self.shards:
+            self.ready = self.tokenize.by_owner(*self.shards.take(
+                [int(self._draw()) for _ in range(self.tokenize.batch)]))
         if not self.ready:
             drawn = [self._draw() for _ in range(self.tokenize.batch)]
             ids = iter(self.tokenize([d for d in drawn if isinstance(d, str)]))

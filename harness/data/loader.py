@@ -35,8 +35,11 @@ class Prefetcher:
     """
 
     def __init__(self, stream: BlockStream, batch_size: int, device: torch.device, depth: int = 8,
-                 rank: int = 0, world: int = 1):
+                 rank: int = 0, world: int = 1, state_group: Any = None):
+        """`state_group`: the ranks `state()` joins a read_shards position over (default:
+        all)."""
         self.stream = stream
+        self.state_group = state_group
         self.batch_size = batch_size
         self.device = device
         self.rank, self.world = rank, world
@@ -73,7 +76,8 @@ class Prefetcher:
         return ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
     def state(self) -> dict[str, Any]:
-        return self._state
+        """Under read_shards with several ranks, a collective: every rank calls it at once."""
+        return self.stream.whole(self._state, self.state_group)
 
     def close(self) -> None:
         self.stop.set()

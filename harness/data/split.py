@@ -8,6 +8,10 @@ the trainer's group would interleave with the trainer's collectives). Each rank 
 whole stream, as one process would, and keeps its blocks. Per exchange a rank receives every
 rank's header (8 bytes a document) and token ids (4 bytes a token, each rank's padded to the
 longest share), so about 4 bytes per token of the global batch.
+
+Under `task.read_shards` (harness/data/shards.py) a rank reads only its shards' texts: each
+drawn document is tokenized by the rank that read it (`by_owner`), which may hold up to the
+whole drawn batch, so the headers have a slot for each.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ class SplitTokenizer:
     def __init__(self, tok: Any, rank: int = 0, world: int = 1, group: Any = None) -> None:
         self.tok, self.rank, self.world, self.group = tok, rank, world, group
         self.ended = False
+        self.slots = DOCS_PER_RANK  # documents a rank may bring to one exchange
+
+    def owned(self) -> None:
+        """Documents go to their owner (`by_owner`), who may hold a whole batch of them."""
+        self.slots = self.batch
 
     @property
     def batch(self) -> int:
@@ -59,22 +68,34 @@ class SplitTokenizer:
     def __call__(self, texts: list[str]) -> list[np.ndarray]:
         if not self.split or not texts:  # every rank holds the same texts: all skip alike
             return encode(self.tok, texts)
+        docs = self._exchange(encode(self.tok, texts[self.rank :: self.world]))
+        return [docs[i % self.world][i // self.world] for i in range(len(texts))]
+
+    def by_owner(self, mine: list[str], owners: list[int]) -> list[np.ndarray]:
+        """Token ids of a drawn batch whose texts only their owners read (`task.read_shards`):
+        `mine` this rank's texts in drawn order, `owners[i]` the rank holding document i,
+        alike on every rank."""
+        if not self.split:
+            return encode(self.tok, mine)
+        docs = [iter(d) for d in self._exchange(encode(self.tok, mine))]
+        return [next(docs[owner]) for owner in owners]
+
+    def _exchange(self, mine: list[np.ndarray]) -> list[list[np.ndarray]]:
+        """Every rank's token ids, in rank order (each list padded with empty arrays)."""
         if self.ended:
             raise StreamEnded("the data stream ended: another rank stopped reading")
-        mine = encode(self.tok, texts[self.rank :: self.world])
         lengths = self._headers([len(ids) for ids in mine], stop=False).clip(min=0)
         # padded to the longest share (one token at least: documents may be empty)
         flat = np.zeros(max(1, lengths.sum(1).max()), dtype=np.int32)
         if mine:
             flat[: lengths[self.rank].sum()] = np.concatenate(mine)
         parts = gather(flat, self.world, self.group)
-        docs = [np.split(part, np.cumsum(n)) for part, n in zip(parts, lengths, strict=True)]
-        return [docs[i % self.world][i // self.world] for i in range(len(texts))]
+        return [np.split(part, np.cumsum(n)) for part, n in zip(parts, lengths, strict=True)]
 
     def _headers(self, lengths: list[int], stop: bool) -> np.ndarray:
-        """Every rank's document lengths (W × DOCS_PER_RANK, -1 past its share); a rank
-        that stops says so here, and then every rank's stream ends."""
-        mine = np.full(DOCS_PER_RANK + 1, -1, dtype=np.int64)
+        """Every rank's document lengths (W × slots, -1 past its share); a rank that stops
+        says so here, and then every rank's stream ends."""
+        mine = np.full(self.slots + 1, -1, dtype=np.int64)
         mine[0] = int(stop)
         mine[1 : 1 + len(lengths)] = lengths
         headers = np.stack(gather(mine, self.world, self.group))

@@ -1,8 +1,9 @@
 """Each rank of tests/data/test_split_ranks.py, forked with torchrun's environment at 4 ranks
 (tests/ranks.py): the training stream and the validation blocks read as 4 ranks and, on two
 groups of 2, as 2 ranks, with the documents each rank tokenized counted; and a stop flag
-offered by rank 1 alone. Writes `rank-<r>.json` (blocks and counts) and `state-<W>-<r>.pkl`
-into the folder given."""
+offered by rank 1 alone; and with `task.read_shards: 4` on a corpus of 4 files, each rank
+reading its own, the batches and the joined position. Writes `rank-<r>.json` (blocks and
+counts), `state-<W>-<r>.pkl` and `sharded-<W>-<r>.pkl` into the folder given."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from harness.data.split import SplitTokenizer
 from harness.distributed.host import LateFlag, host_group
 
 BLOCKS = 320  # each world size reads this many blocks in all
+SHARDED_BLOCKS = 64  # the same under read_shards
 EVAL_TOKENS = 2000
 MICRO = 2  # a rank's micro-batch
 PAIRS = ([0, 1], [2, 3])
@@ -74,6 +76,24 @@ def read(task: TaskConfig, folder: Path, world: int) -> dict[str, Any]:
     return {"batches": batches, "texts": counted.texts, "tokens": counted.tokens}
 
 
+def read_sharded(task: TaskConfig, folder: Path, world: int) -> list[Any]:
+    """The batches as the trainer takes them under read_shards, and the position joined over
+    the main thread's group of the ranks (`sharded-<W>-<r>.pkl`)."""
+    tok = load_tokenizer("sample")
+    rank, group = groups(world)
+    stream = BlockStream(task, tok, 0, SplitTokenizer(tok, rank, world, group))
+    _, joined = groups(world)
+    loader = Prefetcher(stream, MICRO, torch.device("cpu"), rank=rank, world=world,
+                        state_group=joined)
+    try:
+        batches = [loader.next()[0].tolist() for _ in range(SHARDED_BLOCKS // (MICRO * world))]
+        state = loader.state()
+    finally:
+        loader.close()
+    (folder / f"sharded-{world}-{dist.get_rank()}.pkl").write_bytes(pickle.dumps(state))
+    return batches
+
+
 def validation(task: TaskConfig, world: int) -> dict[str, Any]:
     tok = Counting(load_tokenizer("sample"))
     rank, group = groups(world)
@@ -87,11 +107,14 @@ def main(argv: list[str]) -> int:
     rank = dist.get_rank()
     try:
         out = {world: read(task, folder, world) for world in (4, 2)}
+        sharded = task.model_copy(update={"dataset": argv[2], "read_shards": 4})
+        by_shards = {world: read_sharded(sharded, folder, world) for world in (4, 2)}
         held = {world: validation(task, world) for world in (4, 2)}
         flag = LateFlag()
         agreed = [flag.agree(rank == 1 and i == 2, last=i == 4) for i in range(5)]
     finally:
         distributed.teardown()
     (folder / f"rank-{rank}.json").write_text(json.dumps({"reads": out, "validation": held,
-                                                          "agreed": agreed}))
+                                                          "agreed": agreed,
+                                                          "sharded": by_shards}))
     return 0
