@@ -11,13 +11,16 @@ import pytest
 import torch
 from conftest import SAMPLE_VOCAB, assert_estimate_matches, micro_model, micro_run, train_losses
 from method_matrix import (
+    ALL_PAIRS,
     CASES,
     EXACT,
     EXCLUDED,
     METHODS,
+    MODEL_METHODS,
     MODIFIERS,
     PRECISIONS,
     REFUSED,
+    REPRESENTATIVE,
     SETTINGS,
     baseline,
     quick_cases,
@@ -62,6 +65,48 @@ def test_the_matrix_names_only_registered_methods_and_modifiers():
     assert {x for _, x in quick} == set(MODIFIERS) and {m for m, _ in quick} == set(METHODS)
     assert not quick & REFUSED
     assert set(EXACT) | set(PRECISIONS) <= set(MODIFIERS)
+    assert REPRESENTATIVE in MODEL_METHODS <= set(METHODS)
+    # only the model-side modifiers leave methods out, and only those that keep the model
+    left_out = set(ALL_PAIRS) - set(CASES)
+    assert {x for _, x in left_out} <= set(EXACT) and not {m for m, _ in left_out} & MODEL_METHODS
+    assert {m for m, x in CASES if x in EXACT} == MODEL_METHODS
+
+
+def test_methods_that_change_the_model_are_read_from_their_class():
+    """A `prepare` of its own (LoRA, low-rank, Q-GaLore, APOLLO's INT8 option) puts a method
+    in MODEL_METHODS; the optimizer-only ones (AdamW, 8-bit Adam, GaLore, Muon) stay out."""
+    assert {"lora", "qlora", "relora", "lowrank", "qgalore", "apollo"} <= MODEL_METHODS
+    assert not {"adam8bit", "adam_mini", "galore", "fira", "muon"} & MODEL_METHODS
+
+
+@pytest.mark.parametrize("modifier", EXACT)
+def test_model_side_modifiers_keep_the_parameters_and_gradients(modifier):
+    """What lets CASES train them with one optimizer-only method: a model-side modifier keeps
+    the model's modules, parameters (the same tensors, under the same names) and gradients."""
+    from harness.config import MemoryConfig
+    from harness.modifiers.recompute import apply
+
+    def grads(model: torch.nn.Module) -> list[torch.Tensor]:
+        ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+        model(input_ids=ids).logits.float().pow(2).mean().backward()
+        return [p.grad for p in model.parameters()]
+
+    plain, model = (micro_model(0, "llama_micro", vocab=512, seq_len=16) for _ in range(2))
+    modules, params = [n for n, _ in model.named_modules()], list(model.named_parameters())
+    apply(model, MemoryConfig(**MODIFIERS[modifier]["memory"]), torch.device("cpu"))
+    assert [n for n, _ in model.named_modules()] == modules
+    after = list(model.named_parameters())
+    assert [n for n, _ in after] == [n for n, _ in params]
+    assert all(p is q for (_, p), (_, q) in zip(after, params, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(grads(plain), grads(model), strict=True))
+
+
+def test_every_pair_the_matrix_does_not_train_loads_as_listed():
+    """The pairs CASES leaves out are accepted at load time (or refused as REFUSED says), so
+    leaving them out hides no refusal."""
+    for method, modifier in sorted(set(ALL_PAIRS) - set(CASES)):
+        reason = refusal(method, modifier)
+        assert (reason is not None) == ((method, modifier) in REFUSED), (method, modifier, reason)
 
 
 @pytest.mark.parametrize(("method", "modifier"), CASES, ids=[f"{m}-{x}" for m, x in CASES])

@@ -1,6 +1,12 @@
 """train.compile: each decoder layer and the loss's head as one graph each, traced for every
 method and modifier that can be (torch._dynamo.explain, no C++ build), the rest refused at
-load; and trainings compiled against eager (the C++ build: integration tier, tests/tiers.py)."""
+load; and trainings compiled against eager (the C++ build: integration tier, tests/tiers.py).
+
+The traced graphs are the model's forward and loss: a method reaches them only through its
+`prepare` hook, never through its optimizer (which gets the parameters, not the modules). So
+every method that changes the model (tests/method_matrix.py's MODEL_METHODS, full among them)
+is traced with every modifier, and a method that keeps the model as built traces full's graphs:
+it is loaded with every modifier (a refusal would show), not traced again."""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import micro_run, train_losses
-from method_matrix import METHODS, MODIFIERS, REFUSED
+from method_matrix import METHODS, MODEL_METHODS, MODIFIERS, REFUSED
 from safetensors import safe_open
 from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
@@ -30,21 +36,23 @@ TRACED |= {"bf16_mixed": {"train": {"precision": "bf16-mixed"}},
 # Q-GaLore's INT8 layers update inside backward (refused); its simulated form traces.
 COMPILE_METHODS = {**{m: s for m, s in METHODS.items() if m != "qgalore"},
                    "qgalore_simulated": {**METHODS["qgalore"], "simulate": True}}
-CASES = [(m, x) for m in COMPILE_METHODS for x in TRACED
+PAIRS = [(m, x) for m in COMPILE_METHODS for x in TRACED
          if (m.removesuffix("_simulated"), x) not in REFUSED
          and not (m == "qgalore_simulated" and TRACED[x].get("memory", {}).get("layerwise"))]
+CASES = [(m, x) for m, x in PAIRS if m.removesuffix("_simulated") in MODEL_METHODS]  # traced
 
 
 def _diagonal() -> set[tuple[str, str]]:
-    """Each method with one modifier, the modifiers in turn (every one at least once)."""
+    """Each traced method with one modifier, the modifiers in turn, and full with any modifier
+    left over (every one at least once)."""
     order = list(TRACED)
     picked, turn = set(), 0
-    for method in COMPILE_METHODS:
+    for method in dict.fromkeys(m for m, _ in CASES):
         while (method, order[turn % len(order)]) not in CASES:
             turn += 1
         picked.add((method, order[turn % len(order)]))
         turn += 1
-    return picked
+    return picked | {("full", x) for x in TRACED if x not in {y for _, y in picked}}
 
 
 QUICK = {"test_each_layer_and_the_loss_trace_as_one_graph": _diagonal()}  # rest: integration
@@ -115,6 +123,15 @@ def assert_traced(config: dict[str, Any], names: set[str]) -> None:
 @pytest.mark.parametrize(("method", "modifier"), CASES, ids=[f"{m}-{x}" for m, x in CASES])
 def test_each_layer_and_the_loss_trace_as_one_graph(method, modifier):
     assert_traced(run_config(method, modifier), {"layer0", "loss"})
+
+
+def test_a_method_that_keeps_the_model_is_accepted_compiled_with_every_modifier():
+    """The pairs not traced (the module docstring): each loads with train.compile on."""
+    untraced = [(m, x) for m, x in PAIRS if (m, x) not in CASES]
+    assert {m for m, _ in untraced} == set(COMPILE_METHODS) - {"qgalore_simulated"} - set(
+        MODEL_METHODS)
+    for method, modifier in untraced:
+        assert load_run(run_config(method, modifier)).train.compile, (method, modifier)
 
 
 def test_a_glue_models_layers_trace_as_one_graph():
