@@ -44,6 +44,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "apollo_mini": {"update_proj_gap": 2},
     "fira": {"rank": 8, "update_proj_gap": 2},
     "adam4bit": {"compile_step": False},  # torch.compile on CPU: seconds a shape, same numbers
+    "stable_spam": {"update_proj_gap": 2},  # a momentum reset within the 4 steps
 }
 EXCLUDED: dict[str, str] = {}  # a registered method the matrix leaves out -> why
 METHODS: dict[str, dict[str, Any]] = {
