@@ -25,7 +25,7 @@ from harness.distributed.materialize import Twins, Unsupported
 from harness.distributed.weights import Weights
 from harness.methods import build_method
 from harness.methods.resolve import load_run
-from harness.train import finetune, meta_build, pretrain, setup
+from harness.train import classifier, finetune, meta_build, pretrain, setup
 
 METHODS = {
     "full": {"name": "full"}, "lora": {"name": "lora", "rank": 4},
@@ -333,6 +333,13 @@ def test_sharded_bin_files_are_read_by_rows_through_their_index(tmp_path, task):
         run = load_run({**micro_run(), "model": str(folder)})
     assert len(list(Path(run.model).glob("*.bin"))) == 2
     each_rank(run)
+
+
+def test_a_trial_without_a_final_model_is_the_one_source_built_whole(tmp_path):
+    """model.from of a trial whose checkpoint must first be exported by its method (adapters
+    merged, ...) on the host: the meta build is not tried, and says why."""
+    with pytest.raises(Unsupported, match=r"has no final model; its checkpoint is exported"):
+        classifier.from_trial(tmp_path, 2, load=lambda name, config: torch.nn.Module())
 
 
 class Read(torch.Tensor):
