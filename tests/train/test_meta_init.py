@@ -281,25 +281,29 @@ def hub_repo(cache: Path, repo: str, source: Path) -> None:
     shutil.copytree(source, folder / "snapshots" / ("0" * 40))
 
 
-def as_bin(folder: Path, shards: int) -> Path:
-    """`folder`'s safetensors weights rewritten as PyTorch pickles: pytorch_model.bin, or
-    `shards` files and the index that names each weight's."""
-    from safetensors.torch import load_file
+def as_bin(folder: Path, shards: int, form: str = "bin") -> Path:
+    """`folder`'s safetensors weights rewritten as PyTorch pickles (pytorch_model.bin), or as
+    `shards` files of `form` (bin, safetensors) and the index that names each weight's."""
+    from safetensors.torch import load_file, save_file
 
     state = load_file(folder / "model.safetensors")
     (folder / "model.safetensors").unlink()
     if shards == 1:
         torch.save(state, folder / "pytorch_model.bin")
         return folder
+    stem = "pytorch_model" if form == "bin" else "model"
     names, where = sorted(state), {}
     for k in range(shards):
-        file = f"pytorch_model-{k + 1:05d}-of-{shards:05d}.bin"
-        part = names[k::shards]
-        torch.save({n: state[n] for n in part}, folder / file)
+        file = f"{stem}-{k + 1:05d}-of-{shards:05d}.{form}"
+        part = {n: state[n] for n in names[k::shards]}
+        if form == "bin":
+            torch.save(part, folder / file)
+        else:
+            save_file(part, folder / file, metadata={"format": "pt"})
         where |= dict.fromkeys(part, file)
     size = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": size}, "weight_map": where}
-    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    (folder / f"{stem}.{form}.index.json").write_text(json.dumps(index))
     return folder
 
 
@@ -323,15 +327,17 @@ def test_a_hub_models_weights_are_read_by_rows_from_the_local_cache(hub_cache, t
     each_rank(load_run(glue(f"{repo}-body")))
 
 
-@pytest.mark.parametrize("task", ["pretrain", "glue"])
-def test_sharded_bin_files_are_read_by_rows_through_their_index(tmp_path, task):
-    """Weights in two .bin shards and pytorch_model.bin.index.json, as older checkpoints are."""
+@pytest.mark.parametrize(("task", "form"), [("pretrain", "bin"), ("glue", "bin"),
+                                             ("pretrain", "safetensors")])
+def test_sharded_weights_are_read_by_rows_through_their_index(tmp_path, task, form):
+    """Weights in two shards named by their index json: .bin, as older checkpoints are, or
+    safetensors, as save_pretrained shards a large model."""
     if task == "glue":
-        run = load_run(glue(str(as_bin(Path(encoder_folder(tmp_path, "roberta")), 2))))
+        run = load_run(glue(str(as_bin(Path(encoder_folder(tmp_path, "roberta")), 2, form))))
     else:
-        folder = as_bin(Path(with_weights(tmp_path, "mistral")), 2)
+        folder = as_bin(Path(with_weights(tmp_path, "mistral")), 2, form)
         run = load_run({**micro_run(), "model": str(folder)})
-    assert len(list(Path(run.model).glob("*.bin"))) == 2
+    assert len(list(Path(run.model).glob(f"*.{form}"))) == 2
     each_rank(run)
 
 
