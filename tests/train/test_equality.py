@@ -32,7 +32,10 @@ LOSS_RTOL = {"32-true": 1e-5, "bf16-mixed": 1e-4}
 # (measured over 6 steps: GaLore 4.9e-5, APOLLO 3.7e-5, Fira 8.9e-5, Q-GaLore 3.2e-4, ReLoRA
 # 6.0e-4, 8-bit Adam 4.8e-4 (2.6e-3 after 12 steps), Muon 3.4e-3; others 1.3e-5)
 WEIGHT_ATOL = {"galore": 3e-4, "apollo": 2e-4, "fira": 3e-4, "qgalore": 1e-3, "relora": 3e-3,
-               "adam8bit": 4e-3, "muon": 2e-2}
+               "adam8bit": 4e-3, "muon": 2e-2,
+               # Lion: an interpolation near 0 whose sign the sums' order flips steps that
+               # weight 2·lr the other way (measured 4.7e-3 over 4 steps; 4 steps of 2·lr)
+               "lion": 2.4e-2}
 # bf16-mixed: a weight rounded to the neighbouring bfloat16 value turns into Adam steps of up
 # to about lr apart (measured 1.1e-2 over 6 steps; 4 steps of 2·lr: 2.4e-2)
 BF16_WEIGHT_ATOL = 3e-2
