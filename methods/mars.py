@@ -50,9 +50,9 @@ class MarsConfig(AdamConfig):
     optimize_1d: bool = Field(
         False, description="vectors take MARS too, not AdamW (MARS/optimizers/mars.py: "
         "optimize_1d=False)")
-    lr_1d: float | None = Field(
-        None, gt=0, description="the vectors' peak LR, scheduled as train.lr "
-        "(config/train_gpt2_small_mars.py: lr_1d 3e-3 with learning_rate 6e-3; None: train.lr)")
+    lr_1d_factor: float = Field(
+        1.0, gt=0, description="the vectors' LR over train.lr (MARS/optimizers/mars.py: "
+        "lr_1d_factor = lr_1d / lr, 1 at its defaults; config/train_gpt2_*_mars.py: 0.5)")
     betas_1d: tuple[float, float] = Field(
         (0.9, 0.95), description="the vectors' AdamW betas (MARS/train_mars.py: betas_1d)")
     weight_decay_1d: float = Field(
@@ -126,15 +126,15 @@ class Mars(Method):
         return Terms(refusal=unpaged(run, "moments and previous gradients"), fsdp=None)
 
     def groups(self, model: nn.Module, run: RunConfig) -> Groups:
-        """Matrices (MARS, train.weight_decay) and vectors (AdamW with betas_1d, lr_1d and
-        weight_decay_1d; MARS with the matrices' settings under `optimize_1d`)."""
+        """Matrices (MARS, train.weight_decay) and vectors (AdamW with betas_1d, lr_1d_factor
+        and weight_decay_1d; MARS with the matrices' settings under `optimize_1d`)."""
         c, t = self.config, run.train
         params = [p for p in model.parameters() if p.requires_grad]
         vectors = [p for p in params if vector_step(p, c.optimize_1d)]
         matrices = [p for p in params if not vector_step(p, c.optimize_1d)]
         return [
             {"params": matrices, "mars": True, "weight_decay": t.weight_decay},
-            {"params": vectors, "mars": False, "lr": c.lr_1d or t.lr, "betas": c.betas_1d,
+            {"params": vectors, "mars": False, "lr": t.lr * c.lr_1d_factor, "betas": c.betas_1d,
              "weight_decay": c.weight_decay_1d},
         ]
 

@@ -70,7 +70,7 @@ def test_matches_the_package_step_for_step(monkeypatch, optimize_1d):
     without_root_guard(monkeypatch)
     model, ref = micro_model(), micro_model()
     settings = {"gamma": GAMMA, "betas": [BETA1, 0.99], "optimize_1d": optimize_1d,
-                "lr_1d": 0.004, "betas_1d": [0.8, 0.9], "weight_decay_1d": 0.05}
+                "lr_1d_factor": 0.4, "betas_1d": [0.8, 0.9], "weight_decay_1d": 0.05}
     run = load_run(mars_run(method=settings, lr=0.01, weight_decay=0.1))
     ours = optimizer_for(build_method(run), model, run)
     reference = MARS(ref.parameters(), lr=0.01, betas=(BETA1, 0.99), gamma=GAMMA,
