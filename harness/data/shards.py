@@ -110,7 +110,8 @@ class ShardedDocs:
         return mine if self.foreign is None else merge([mine, {**mine, **self.foreign}])
 
     def restore(self, state: dict[str, Any]) -> None:
-        """From `merge`'s whole position (or this rank's own): what this rank owns now."""
+        """From a whole position (`merge`'s, or one rank's alone): what this rank owns now;
+        until it reads, its position is that whole one."""
         self.position = state["position"]
         self.texts = {j: t for j, t in state["texts"].items() if self.owner(j) == self.rank}
         for k, shard in self.shards.items():

@@ -176,8 +176,10 @@ def test_a_position_joined_from_the_ranks_resumes_at_any_world_size(tmp_path, co
         parts = [r[0][1] for r in run_ranks(task, world, half)]
         assert len(parts[0]["reader"]["shards"]) == 4 // world  # a rank holds its own alone
         whole = {**parts[0], "reader": merge([p["reader"] for p in parts])}
-        resumed = run_ranks(task, later, take, state=whole)
-        assert all(blocks == unbroken[BLOCKS:] for blocks, _ in resumed), (world, later)
+        resumed = run_ranks(task, later, lambda s: (s.state(), take(s)), state=whole)
+        for (unread, blocks), _ in resumed:
+            assert blocks == unbroken[BLOCKS:], (world, later)
+            assert unread["reader"] == whole["reader"]  # a checkpoint before reading: whole
 
 
 def test_the_hubs_c4_is_read_by_file_through_datasets(tmp_path, counted, monkeypatch):
