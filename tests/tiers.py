@@ -48,13 +48,14 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_hsdp_2x2_trains_as_one_process",  # 4 ranks forked (tests/train/hsdp_cases.py)
     "test_a_trial_stopped_as_2x2_resumes_on_2_processes",  # 4 ranks, then 2
     # a child process exports llama_130m, its memory measured (tests/train/test_stream_export.py)
-    "test_a_streamed_exports_host_memory_is_about_its_largest_tensor",
+    "test_a_streamed_exports_host_memory_is_about_one_unit",
     # ranks forked (tests/train/meta_init_ranks.py): meta-device construction, its memory
     "test_sharded_setup_builds_on_meta_and_equals_the_whole_build_bitwise",
     "test_a_ranks_peak_memory_at_start_is_a_quarter_of_one_process_plus_a_constant",
     "test_bench_launch_times_each_launcher", "test_bench_loop_json_pipes_into_a_json_reader",
     "test_user_error_from_the_real_command", "test_llama_7b_in_24gb",
     "test_harness_export_copies_a_finished_trials_model",  # `harness export` in a child
+    "test_compiled_step_equals_eager",  # torch.compile runs g++ (tests/methods/test_adam4bit.py)
     "test_harness_export_of_a_folder_that_is_no_trial_is_one_line",
     "test_a_sweep_its_disk_cannot_hold_is_refused_before_its_first_trial",  # a tmpfs, a sweep
     "test_a_second_sweep_on_one_folder_exits_2_and_the_first_finishes_alone",  # two sweeps
@@ -129,6 +130,22 @@ def service_group(nodeid: str) -> str | None:
     return SERVICE_GROUPS.get(nodeid.split("::", 1)[0].removeprefix("tests/"))
 
 
+# Files whose tests share a module-scoped fixture that trains (ranks launched, a compile, a
+# pair of runs): each file runs on one worker, so the fixture is built once, not on each.
+SHARED_SETUP_FILES = {
+    "train/test_compile.py", "train/test_hsdp.py", "cost/test_tensor_peak.py",
+    "methods/test_lora.py", "methods/test_qlora.py", "methods/test_relora.py",
+    "methods/test_relora_reference.py", "train/test_multinode.py",
+}
+
+
+def worker_scope(nodeid: str) -> str:
+    """What one worker runs together: a service group, a shared-setup file, else the test."""
+    file = nodeid.split("::", 1)[0]
+    shared = file.removeprefix("tests/") in SHARED_SETUP_FILES
+    return service_group(nodeid) or (file if shared else nodeid)
+
+
 def check_quick(items: list[pytest.Item]) -> None:
     """A `QUICK` case that names no case of its grid would leave the grid out of the quick tier
     unseen: where a grid's every case was collected, each of its quick cases must be one."""
@@ -165,12 +182,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`--dist loadgroup`'s rule, decided here by file: xdist 3.8 marks a group by rewriting
     `item._nodeid`, which pytest 9 no longer reads (nodeid comes from `_id`), so its groups were
-    silently split over workers. A service file is one scope; every other test its own."""
+    silently split over workers. A service or shared-setup file is one scope; every other test
+    its own (`worker_scope`)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ServiceGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return service_group(nodeid) or nodeid
+            return worker_scope(nodeid)
 
     return ServiceGroups(config, log)
 

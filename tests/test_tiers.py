@@ -1,0 +1,42 @@
+"""tests/tiers.py's scheduling: a file whose tests share a module-scoped fixture runs on one
+worker, so that fixture is built once a run, not once a worker."""
+
+from __future__ import annotations
+
+import ast
+
+from tiers import REPO, SHARED_SETUP_FILES, worker_scope
+
+
+def shared_fixture_uses(path: str) -> dict[str, int]:
+    """Each module-scoped fixture of the file: the test cases that ask for it (a parametrized
+    test's cases counted by its parameter lists' lengths)."""
+    tree = ast.parse((REPO / "tests" / path).read_text())
+    functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    shared = {f.name for f in functions for d in f.decorator_list
+              if "scope='module'" in ast.unparse(d)}
+    uses = dict.fromkeys(shared, 0)
+    for f in functions:
+        if f.name.startswith("test_"):
+            cases = 1
+            for d in f.decorator_list:
+                if isinstance(d, ast.Call) and ast.unparse(d.func).endswith("parametrize"):
+                    values = d.args[1]
+                    cases *= len(values.elts) if isinstance(values, ast.List | ast.Tuple) else 2
+            for arg in f.args.args:
+                if arg.arg in uses:
+                    uses[arg.arg] += cases
+    return uses
+
+
+def test_each_shared_setup_file_has_a_fixture_that_two_tests_share():
+    for path in sorted(SHARED_SETUP_FILES):
+        assert max(shared_fixture_uses(path).values(), default=0) >= 2, path
+
+
+def test_a_shared_setup_file_is_one_scope_and_other_tests_their_own():
+    compile_ = [f"tests/train/test_compile.py::{name}" for name in ("test_a", "test_b[x]")]
+    assert worker_scope(compile_[0]) == worker_scope(compile_[1]) == "tests/train/test_compile.py"
+    other = ["tests/train/test_train.py::test_a", "tests/train/test_train.py::test_b"]
+    assert worker_scope(other[0]) != worker_scope(other[1])
+    assert worker_scope("tests/sweep/test_slurm.py::test_a") == "slurm"
