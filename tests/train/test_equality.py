@@ -35,7 +35,9 @@ WEIGHT_ATOL = {"galore": 3e-4, "apollo": 2e-4, "fira": 3e-4, "qgalore": 1e-3, "r
                "adam8bit": 4e-3, "muon": 2e-2,
                # Lion: an interpolation near 0 whose sign the sums' order flips steps that
                # weight 2·lr the other way (measured 4.7e-3 over 4 steps; 4 steps of 2·lr)
-               "lion": 2.4e-2}
+               "lion": 2.4e-2,
+               # Schedule-Free: measured 4.9e-5 over 4 steps, at the default's edge
+               "schedule_free": 1e-4}
 # bf16-mixed: a weight rounded to the neighbouring bfloat16 value turns into Adam steps of up
 # to about lr apart (measured 1.1e-2 over 6 steps; 4 steps of 2·lr: 2.4e-2)
 BF16_WEIGHT_ATOL = 3e-2
