@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from harness.config.hub import offline
 from harness.distributed.materialize import Unsupported
 from harness.errors import brief
 
@@ -21,13 +22,15 @@ FILES = (("model.safetensors", "model.safetensors.index.json"),
 
 
 def hub_folder(name: str) -> Path | None:
-    """A hub model's snapshot folder in the local Hugging Face cache (its `main` revision, as
-    from_pretrained reads it), found offline; None when the cache does not hold it."""
+    """A hub model's snapshot folder in the local Hugging Face cache, at the revision
+    from_pretrained reads: `main` as the hub names it now (its small json files fetched),
+    or, where the hub cannot be reached, as the cache last saw it. None: not cached."""
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(name, local_files_only=True))
-    except Exception:  # not cached, or not a repository id: nothing to read here
+        return Path(snapshot_download(name, allow_patterns=["*.json"],
+                                      local_files_only=offline() is not None))
+    except Exception:  # not cached, not reachable, or not a repository id: nothing to read
         return None
 
 

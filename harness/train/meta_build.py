@@ -42,16 +42,18 @@ def build(run: RunConfig, twins: Twins, whole: Callable[[], Built]) -> Built:
 
 
 def files_of(name: str) -> list[Path]:
-    """The weight files of a local folder or of a hub model in the local cache."""
+    """The weight files of a local folder, or of a hub model's snapshot in the local cache (at
+    the revision from_pretrained reads: where it lacks them, the ordinary build downloads)."""
     folder = Path(name).expanduser()
-    if not folder.is_dir():
-        cached = hub_folder(name)
-        if cached is None:
-            raise Unsupported(f"'{name}' is not in the local Hugging Face cache")
-        folder = cached
-    files = weight_files(folder)
+    if folder.is_dir():
+        files = weight_files(folder)
+        if files is None:
+            raise Unsupported(f"no weight files from_pretrained reads in {folder}")
+        return files
+    cached = hub_folder(name)
+    files = None if cached is None else weight_files(cached)
     if files is None:
-        raise Unsupported(f"no weight files from_pretrained reads in {folder}")
+        raise Unsupported(f"the weights of '{name}' are not in the local Hugging Face cache")
     return files
 
 

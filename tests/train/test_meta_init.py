@@ -327,6 +327,16 @@ def test_a_hub_models_weights_are_read_by_rows_from_the_local_cache(hub_cache, t
     each_rank(load_run(glue(f"{repo}-body")))
 
 
+def test_a_hub_model_whose_weights_are_not_cached_is_built_whole(hub_cache, tmp_path):
+    """Its config cached, its weights not: the ordinary build (which downloads them) instead."""
+    source = Path(with_weights(tmp_path, "mistral"))
+    (source / "model.safetensors").unlink()
+    hub_repo(hub_cache, "someone/uncached-weights", source)
+    run = load_run({**micro_run(), "model": "someone/uncached-weights"})
+    with pytest.raises(Unsupported, match=r"the weights of 'someone/uncached-weights' are not"):
+        meta_build.build(run, Twins(0, 2), partial(pretrain.build, run))
+
+
 @pytest.mark.parametrize(("task", "form"), [("pretrain", "bin"), ("glue", "bin"),
                                              ("pretrain", "safetensors")])
 def test_sharded_weights_are_read_by_rows_through_their_index(tmp_path, task, form):
