@@ -87,10 +87,17 @@ def wait_past_requeue(trial_dir: Path, steps: int, why: str) -> int:
     return stopped_at
 
 
+# Without the profile's cpus_per_task (launcher.kind alone): each job gets one CPU of the node.
+NO_CPUS_PER_TASK = ("launcher.profile=null", "launcher.kind=slurm")
+
+
 def test_grid_sweep_runs_as_one_job_array(tmp_path):
+    """Three trials as one array, two at once. Without cpus_per_task a job gets one CPU of the
+    node (SLURM_CPUS_ON_NODE=1) and sees every core: each trial still runs one thread."""
     out = tmp_path / "runs"
     start = time.time()
-    proc = start_sweep(sweep_file(tmp_path, 4, [1e-3, 2e-3, 3e-3]), out, "launcher.jobs=2")
+    path = sweep_file(tmp_path, 4, [1e-3, 2e-3, 3e-3])
+    proc = start_sweep(path, out, "launcher.jobs=2", *NO_CPUS_PER_TASK)
     log = finish(proc)
     assert proc.returncode == 0, log
     trial_dirs = sorted((out / "trials").iterdir())
@@ -99,16 +106,19 @@ def test_grid_sweep_runs_as_one_job_array(tmp_path):
     for d in trial_dirs:
         summary = read_json(d / "summary.json")
         assert summary["status"] == "ok" and summary["requeues"] == 0
+        assert summary["threads"] == 1
     states = subprocess.run(["sacct", "-n", "-X", "-j", jobs[0].split("_")[0], "-o", "State"],
                             capture_output=True, text=True).stdout.split()
     assert states == ["COMPLETED"] * 3, states
     print(f"3-trial array sweep on Slurm: {time.time() - start:.1f} s")
 
-    again = finish(start_sweep(sweep_file(tmp_path, 4, [1e-3, 2e-3, 3e-3]), out))
+    again = finish(start_sweep(path, out, *NO_CPUS_PER_TASK))
     assert "3 already finished, 0 to run" in again
 
 
 def test_preempted_trial_resumes_from_its_checkpoint_with_the_same_losses(tmp_path):
+    """USR2 at step 5, and a second one while the trial still writes the first one's checkpoint:
+    one requeue, and the resumed trial's losses are an uninterrupted run's."""
     steps = 5 + STEPS_LEFT
     path = sweep_file(tmp_path, steps, [3e-3])
     reference = train(load_run(micro_run(steps=steps, log_every=1) | {
@@ -117,15 +127,17 @@ def test_preempted_trial_resumes_from_its_checkpoint_with_the_same_losses(tmp_pa
     proc = start_sweep(path, out)
     trial_dir = only_trial(out)
     wait_for_step(trial_dir, 5)
-    subprocess.run(["scancel", "--signal=USR2", job_of(trial_dir)], check=True)
-    log = finish(proc)
-    assert proc.returncode == 0, log
+    job = job_of(trial_dir)
+    preempt(job)
+    time.sleep(0.2)
+    preempt(job)
+    assert_requeued_ok(proc, trial_dir, 1, steps)
     summary = read_json(trial_dir / "summary.json")
-    assert summary["status"] == "ok" and summary["requeues"] == 1
     assert train_losses(trial_dir) == train_losses(tmp_path / "reference")
     assert summary["eval_loss"] == reference["eval_loss"]
     logs = "".join(p.read_text() for p in (out / "jobs").glob("*/*_log.out"))
     assert "resumed from" in logs
+    assert "signal SIGUSR2 ignored: a requeue is under way" in logs
 
 
 def test_a_preempted_fsdp_trial_of_two_tasks_resumes_from_its_shards(tmp_path):
@@ -260,21 +272,6 @@ def assert_requeued_ok(proc: subprocess.Popen, trial_dir: Path, requeues: int,
     assert sorted(train_losses(trial_dir)) == list(range(1, steps + 1))  # no step lost
 
 
-def test_two_preemption_signals_make_one_requeue(tmp_path):
-    """The second USR2 comes while the trial still writes the first one's checkpoint."""
-    out = tmp_path / "runs"
-    proc = start_sweep(sweep_file(tmp_path, 4 + STEPS_LEFT, [3e-3]), out)
-    trial_dir = only_trial(out)
-    wait_for_step(trial_dir, 4)
-    job = job_of(trial_dir)
-    preempt(job)
-    time.sleep(0.2)
-    preempt(job)
-    assert_requeued_ok(proc, trial_dir, 1, 4 + STEPS_LEFT)
-    logs = "".join(p.read_text() for p in (out / "jobs").glob("*/*_log.out"))
-    assert "signal SIGUSR2 ignored: a requeue is under way" in logs
-
-
 def test_a_signal_during_a_checkpoint_write_and_a_second_preemption_after_the_requeue(
         tmp_path):
     """USR2 while the trial writes a periodic checkpoint; once the requeued job has resumed,
@@ -308,17 +305,6 @@ def test_a_signal_while_the_trial_process_starts_makes_one_requeue(tmp_path):
         time.sleep(0.01)
     preempt(job)
     assert_requeued_ok(proc, trial_dir, 1, 10)
-
-
-def test_two_slurm_trials_at_once_each_use_the_cpu_they_were_given(tmp_path):
-    """Without cpus_per_task a job gets one CPU of the node (SLURM_CPUS_ON_NODE=1) and sees
-    every core: its trial still runs one thread."""
-    out = tmp_path / "runs"
-    proc = start_sweep(sweep_file(tmp_path, 3, [1e-3, 3e-3]), out, "launcher.jobs=2",
-                       "launcher.profile=null", "launcher.kind=slurm")
-    log = finish(proc)
-    assert proc.returncode == 0, log
-    assert [read_json(d / "summary.json")["threads"] for d in (out / "trials").iterdir()] == [1, 1]
 
 
 def test_harness_train_started_by_srun_runs_the_threads_of_its_cpus(tmp_path):
