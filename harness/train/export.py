@@ -4,29 +4,37 @@ Hugging Face format, from its final model or its newest checkpoint (harness/trai
 A finished trial writes its final model and then drops its training state; a trial is
 finished once that is done, and is never trained again for want of the state.
 
-A pretraining trial whose method exports its model as trained (no adapters to merge, no weights
-to dequantize) is written streamed (harness/trials/stream_export.py): its skeleton on the meta
-device, each tensor read from the checkpoint (a sharded one's `model/`, one at a time) as its
-turn in the safetensors file comes; the files are those the whole model's save writes.
+The model is written streamed (harness/trials/stream_export.py): its skeleton on the meta
+device, each tensor read from the checkpoint (a sharded one's `model/`) as its turn in the
+safetensors file comes; where the method's export changes the model (adapters merged, weights
+dequantized), a unit (decoder layer, embedding, head) at a time, the method's `export` run on a
+skeleton holding only that unit's weights. The files are those the whole model's save writes.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from harness.config import RunConfig, read_yaml
+from harness.config import ModelFrom, RunConfig, read_yaml
+from harness.data.glue import get_task
 from harness.errors import UserError
 from harness.methods import Method, build_method
 from harness.methods.resolve import load_run
-from harness.models import generation_ids, generation_ready
+from harness.models import PRESETS, generation_ids, generation_ready
 from harness.modifiers.precision import pure_bf16
+from harness.modifiers.recompute import decoder_layers
 from harness.train import finetune, pretrain
+from harness.train.classifier import resolve_trial
 from harness.train.plain import Build, newest_state, plain_model, save_plain
 from harness.trials import Summary, TrialDir, final_model, sharded, stream_export
+
+Fill = Callable[[dict[str, torch.Tensor]], None]  # tensors given their weights, in place
 
 
 def builder(run: RunConfig) -> Build:
@@ -96,16 +104,13 @@ def export_trial(folder: Path, out: Path) -> int:
 def write_model(run: RunConfig, state: dict[str, Any], folder: Path, step: int,
                 record: bool = True) -> int:
     """The trial's model from `state` (a checkpoint's) in Hugging Face format into `folder`,
-    verified (trials/final_model.py): streamed where the method exports the model as trained,
-    else built whole and exported by the method. Its bytes."""
-    if run.task.kind == "glue" or type(build_method(run)).export is not Method.export:
+    verified (trials/final_model.py): streamed, else (`streamed` says when) built whole and
+    exported by the method. Its bytes."""
+    found = streamed(run, state)
+    if found is None:
         model, tok = generating(run, state)
         return save_plain(model, tok, folder, step, record)
-    skeleton, tok = skeleton_of(run)
-    read = _reader(state, skeleton.state_dict())
-    if read is None:  # a checkpoint of another layout: the whole load names what differs
-        model, tok = generating(run, state)
-        return save_plain(model, tok, folder, step, record)
+    skeleton, tok, read = found
     params = dict(skeleton.named_parameters(remove_duplicate=False))
 
     def save(tmp: Path) -> None:
@@ -118,36 +123,139 @@ def write_model(run: RunConfig, state: dict[str, Any], folder: Path, step: int,
     return final_model.write(folder, save, same, step, record)
 
 
-def skeleton_of(run: RunConfig) -> tuple[Any, Any]:
-    """The plain model as `generating` gives it, its weights on the meta device (nothing
-    drawn, nothing held), and the tokenizer."""
-    model, tok = pretrain.build(run, skeleton=True)
-    model = pure_bf16(build_method(run).prepare(pure_bf16(model, run.train), run), run.train)
-    generation_ready(model, tok)
+def streamed(run: RunConfig, state: dict[str, Any]) -> tuple[Any, Any, stream_export.Read] | None:
+    """The exported model's skeleton (weights on the meta device), the tokenizer, and how each
+    weight is read: from the checkpoint as it is, or, where the method's export changes the
+    model, a unit (decoder layer, embedding, head) at a time (`_by_unit`). None where the
+    model cannot be built on the meta device (`skeleton_of`), or the checkpoint is of another
+    layout (the whole load then names what differs)."""
+    method = build_method(run)
+    built = skeleton_of(run, method)
+    if built is None:
+        return None
+    prepared, tok = built
+    templates = prepared.state_dict()
+    fill = _filler(state, templates)
+    if fill is None:
+        return None
+    read: stream_export.Read = lambda name, like: _filled(fill, {name: like})[name]  # noqa: E731
+    exported = prepared
+    if type(method).export is not Method.export:
+        # a new skeleton for each export: one may change a class its modules share with their
+        # copies (torch's parametrize removes the property from it)
+        def fresh() -> nn.Module:
+            return skeleton_of(run, method)[0]  # type: ignore[index]
+
+        exported = method.export(fresh())
+        read = _by_unit(prepared, exported, fresh, method, fill)
+    generation_ready(exported, tok)
+    return exported.eval(), tok, read
+
+
+def skeleton_of(run: RunConfig, method: Method) -> tuple[Any, Any] | None:
+    """The model as the trial built and prepared it, its weights on the meta device (nothing
+    drawn, nothing held), and the tokenizer; None where it cannot be: a GLUE body from a
+    trial without a final model, or a method whose `prepare` needs the weights (QLoRA:
+    bitsandbytes quantizes each NF4 weight as it builds it)."""
+    built = classifier_skeleton(run) if run.task.kind == "glue" else pretrain.build(
+        run, skeleton=True)
+    if built is None:
+        return None
+    model, tok = built
+    try:
+        model = pure_bf16(method.prepare(pure_bf16(model, run.train), run), run.train)
+    except (RuntimeError, NotImplementedError):  # an op the meta device has no data for
+        return None
     return model.eval(), tok
 
 
-def _reader(state: dict[str, Any],
-            templates: dict[str, torch.Tensor]) -> stream_export.Read | None:
-    """Each weight as `load_state_dict` would put it in the model (the model's dtype), read
-    alone: from a sharded checkpoint's `model/`, verified as read; from a one-process one's
-    state in memory. None where the checkpoint lacks a weight or holds it in another shape."""
+def classifier_skeleton(run: RunConfig) -> tuple[Any, Any] | None:
+    """A GLUE run's classifier as finetune.build gives it, on the meta device: a preset's from
+    its config, a folder's or hub model's from its config.json (from_pretrained reads weights);
+    None for a trial's body without a final model, or a model whose files are not at hand
+    (its export is built whole)."""
+    if isinstance(run.model, ModelFrom):
+        body = TrialDir(resolve_trial(run.model.from_)).final_model
+        if final_model.verified(body) is None:
+            return None
+        name, extra = str(body), {}
+    elif run.model in PRESETS:
+        with torch.device("meta"):
+            model, tok = finetune.build(run)
+        return model, tok
+    else:
+        name = run.model
+        dropout = run.task.classifier_dropout
+        extra = {} if dropout is None else {"classifier_dropout": dropout}
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    labels = get_task(run.task.glue_task).num_labels
+    try:
+        config = AutoConfig.from_pretrained(name, num_labels=labels, **extra)
+        tok = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError):  # not at hand: the whole build says so in one line
+        return None
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    return model, tok
+
+
+def _by_unit(prepared: nn.Module, exported: nn.Module, fresh: Callable[[], nn.Module],
+             method: Method, fill: Fill) -> stream_export.Read:
+    """Each exported weight as `method.export` of the whole loaded model gives it, computed a
+    unit at a time: a `fresh` meta skeleton given only that unit's weights (read from the
+    checkpoint in one read, put in as they are), exported, its unit's tensors kept."""
+    ours = stream_export.units(exported, decoder_layers(exported))
+    theirs = stream_export.units(prepared, decoder_layers(prepared))
+    source = {u: next(p for p in theirs if f".{p}".endswith(f".{u}")) for u in ours}
+    names = exported.state_dict()
+    owner = {n: next(u for u in ours if n.startswith(f"{u}.")) for n in names}
+    templates = prepared.state_dict()
+
+    def compute(unit: str) -> dict[str, torch.Tensor]:
+        model = fresh()
+        part, prefix = model.get_submodule(source[unit]), f"{source[unit]}."
+        weights = _filled(fill, {k: t for k, t in templates.items() if k.startswith(prefix)})
+        part.load_state_dict({k.removeprefix(prefix): t for k, t in weights.items()},
+                             assign=True)  # the tensors read become the unit's: no copy
+        del weights
+        done = method.export(model).state_dict()
+        tensors = {n: done[n] for n in names if owner[n] == unit}
+        beyond = next((n for n, t in tensors.items() if t.is_meta), None)
+        if beyond is not None:
+            raise ValueError(f"{beyond}: its export needs weights outside {unit}")
+        return tensors
+
+    return stream_export.ByUnit(owner, compute)
+
+
+def _filler(state: dict[str, Any], templates: dict[str, torch.Tensor]) -> Fill | None:
+    """How tensors are filled with their weights as `load_state_dict` would put them in the
+    model (the model's dtype): from a sharded checkpoint's `model/`, verified as read; from a
+    one-process one's state in memory. None where the checkpoint lacks a weight or holds it in
+    another shape."""
     if "sharded" not in state:
         weights = state["model"]
         if any(k not in weights or weights[k].shape != t.shape for k, t in templates.items()):
             return None
-        return lambda name, like: weights[name].to(like.dtype)
+
+        def copy(tensors: dict[str, torch.Tensor]) -> None:
+            for name, out in tensors.items():
+                out.copy_(weights[name])
+
+        return copy
     path = state["sharded"]
     _load(state, {})  # its metadata verified (nothing else read), then the layout checked
     saved = sharded.dcp().FileSystemReader(path / "model").read_metadata().state_dict_metadata
     sharded.same_layout(path, "model", templates, saved)
+    return lambda tensors: _load(state, tensors)
 
-    def read(name: str, like: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(like.shape, dtype=like.dtype)
-        _load(state, {name: out})
-        return out
 
-    return read
+def _filled(fill: Fill, templates: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """New host tensors shaped as `templates`, filled by `fill` in one read."""
+    tensors = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in templates.items()}
+    fill(tensors)
+    return tensors
 
 
 def _load(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:

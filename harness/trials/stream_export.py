@@ -8,6 +8,11 @@ decides, as for any model, which tensors go in which file (tied weights once, sh
 writer that takes the header (names, dtypes, shapes, offsets) from the skeleton, writes it, then
 each tensor's bytes as `read` returns them. The files are byte for byte those safetensors'
 `save_file` writes of the whole state dict.
+
+A model whose method's export changes it (adapters merged, weights dequantized, factors
+multiplied out) is read `ByUnit`: the units are its decoder layers and the modules beside them
+(`units`); each unit's exported tensors are computed when the first of them is asked for and
+held until a tensor of another unit is, so the host holds one unit's tensors, not the model.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 Read = Callable[[str, torch.Tensor], torch.Tensor]  # (name, its meta template) → it, on the host
+Compute = Callable[[str], dict[str, torch.Tensor]]  # a unit's name → its exported tensors
 
 # safetensors' dtype names, in the order of its Rust enum: a file holds the later dtypes first
 DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
@@ -89,6 +96,35 @@ class Lazy(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.templates)
+
+
+class ByUnit:
+    """A `Read` of an exported model's tensors, computed a unit at a time: `owner` names each
+    tensor's unit, `compute` gives all of a unit's tensors; the last unit computed is held
+    (a file's tensors come in name order, a unit's together) and freed before the next."""
+
+    def __init__(self, owner: Mapping[str, str], compute: Compute) -> None:
+        self.owner, self.compute = owner, compute
+        self.unit: str | None = None
+        self.held: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        unit = self.owner[name]
+        if unit != self.unit:
+            self.held, self.unit = {}, None  # dropped first: one unit on the host at a time
+            self.held, self.unit = self.compute(unit), unit
+        return self.held[name]
+
+
+def units(model: nn.Module, layers: nn.Module) -> list[str]:
+    """The names of `model`'s units: each of the `layers` (a ModuleList inside it), and each
+    module beside the modules that lead to them (embeddings, final norm, heads)."""
+    path = next(name for name, m in model.named_modules() if m is layers)
+    found, module, prefix = [], model, ""
+    for part in path.split("."):
+        found += [prefix + name for name, _ in module.named_children() if name != part]
+        module, prefix = module.get_submodule(part), f"{prefix}{part}."
+    return found + [f"{path}.{name}" for name, _ in layers.named_children()]
 
 
 @contextmanager
