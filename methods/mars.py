@@ -9,12 +9,14 @@ the previous step's gradient on the previous batch, kept as one more state per m
 current batch. Embeddings and the head are matrices: MARS trains them as the others
 (AGI-Arena/MARS `MARS/optimizers/mars.py`: `is_grad_2d`; pytorch-optimizer's `MARS` alike).
 
-The arithmetic is pytorch-optimizer's `MARS(mars_type="adamw")` (its per-parameter path: the
-AdamW denominator (√v + ε)/√(1−β2^t)·(1−β1^t), decoupled decay p·(1 − lr·wd) before the
-update), written here per parameter so that it keeps bf16-true's float32 states and
-compensated update (modifiers/compensation.py) and takes fsdp's row shards: the clip norm of
-a matrix is its whole norm, each rank's sum of squares summed over the ranks that split it
-(`Rows.sum`). The test checks it against the package step for step (tests/methods/test_mars.py).
+The arithmetic is the authors' (`update_fn`: the denominator √v/√(1−β2^t) + ε, times
+1−β1^t; decoupled decay), which pytorch-optimizer's `MARS(mars_type="adamw")` follows but for
+where it adds ε (before the bias correction) and a guard of its own under the root
+(docs/fidelity.md#mars). Written here per parameter so that it keeps bf16-true's float32 states
+and compensated update (modifiers/compensation.py) and takes fsdp's row shards: the clip norm
+of a matrix is its whole norm, each rank's sum of squares summed over the ranks that split it
+(`Rows.sum`). The test checks it against the package step for step, its ε re-expressed as the
+authors' (tests/methods/test_mars.py).
 """
 
 from __future__ import annotations
@@ -95,7 +97,9 @@ class MarsOptimizer(ParamwiseOptimizer):
         del c, g  # each float32 temporary goes as soon as it is used: see add_update
         keep_rounded(kept, {"exp_avg": m, "exp_avg_sq": v})
         step = st["step"]
-        denom = v.sqrt().add_(group["eps"]).mul_((1 - b1 ** step) / math.sqrt(1 - b2 ** step))
+        # the authors' m / ((√v / √(1−β2^t) + ε)·(1−β1^t)): ε after the bias correction
+        denom = v.sqrt().mul_(1 / math.sqrt(1 - b2 ** step)).add_(group["eps"]).mul_(
+            1 - b1 ** step)
         del v
         update = torch.div(m, denom, out=denom).mul_(-lr)  # in the denominator's storage
         del m
