@@ -248,11 +248,13 @@ def stop_after(data: dict[str, Any], out: Path, procs: int, step: int) -> int:
 ASYNC = {"checkpoint_async": True}
 
 
+# 2 → 1 (full): one process reads the shards whole in tests/train/test_multinode.py (2 torchrun
+# nodes stopped, resumed by one process, the 1-process losses), so it is not repeated here.
 @pytest.mark.parametrize(("first", "then", "method", "keys"), [
-    (4, 2, FULL, ASYNC), (2, 1, FULL, {}), (4, 2, GALORE, {}), (4, 2, {"name": "adam_mini"}, {}),
+    (4, 2, FULL, ASYNC), (4, 2, GALORE, {}), (4, 2, {"name": "adam_mini"}, {}),
     (4, 2, APOLLO, {}), (4, 2, ADAM8BIT, {}), (1, 2, ADAM8BIT, {}),
     (2, 2, MUON, {"layerwise": True})],  # async: full's; GaLore's states: 4 → 2
-    ids=["4-2-full-async", "2-1-full", "4-2-galore", "4-2-adam_mini",
+    ids=["4-2-full-async", "4-2-galore", "4-2-adam_mini",
          "4-2-apollo", "4-2-adam8bit", "1-2-adam8bit", "2-2-muon-layerwise"])
 def test_a_trial_stopped_at_one_world_size_resumes_at_another(tmp_path, first, then, method,
                                                               keys):
