@@ -12,9 +12,11 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from harness.config import Strict
 from harness.methods.base import Groups, Method, Terms, register, unpaged
 from harness.methods.full import AdamConfig
 from harness.methods.galore_optim import GaLoreOptimizer
+from harness.methods.golore_optim import GoLoreOptimizer
 from harness.methods.surgery import TARGETS, target_matrix
 from harness.modifiers.compensation import own_optimizer_kwargs
 from harness.modifiers.optimizer import unwrap
@@ -40,6 +42,15 @@ class ProjectionConfig(AdamConfig):
         return target_matrix(name, shape, self.target_modules)
 
 
+class ProjectionAfter(Strict):
+    """GoLore (arXiv 2410.11289, Algorithm 1 and §6): from `step` on, refreshes draw the
+    basis uniformly at random on the Stiefel manifold instead of from the gradient's SVD."""
+
+    step: int = Field(ge=0, description="the first projection step whose refresh is random "
+                      "(it takes effect at the first refresh at or after it)")
+    kind: Literal["random"] = Field("random", description="random: GoLore's Stiefel draw")
+
+
 class GaLoreConfig(ProjectionConfig):
     optimizer: Literal["adamw", "adam8bit", "adafactor"] = Field(
         "adamw", description="inner optimizer, also used at full rank for the other weights")
@@ -50,6 +61,9 @@ class GaLoreConfig(ProjectionConfig):
     min_8bit_size: int = Field(4096, ge=1, description="adam8bit: smaller states stay 32-bit")
     adafactor_beta1: float | None = Field(
         None, ge=0, lt=1, description="adafactor: first-moment decay (None: no first moment)")
+    projection_after: ProjectionAfter | None = Field(
+        None, description="GoLore (He et al., 2024): {step, kind: random}, random bases from "
+        "that step on; None: SVD throughout (GaLore)")
 
 
 @register("galore")
@@ -76,16 +90,26 @@ class GaLore(Method):
         projected = [p for n, p in named if self.config.targeted(n, tuple(p.shape))]
         ids = {id(p) for p in projected}
         rest = [p for _, p in named if id(p) not in ids]
+        # GoLore: each projected weight its own group, whose seed tells its random draws apart
+        mine = [{"params": [p], "rank": self.config.rank, "weight_decay": wd, "seed": i}
+                for i, p in enumerate(projected)] if self._switch_step() is not None \
+            else [{"params": projected, "rank": self.config.rank, "weight_decay": wd}]
         return [
-            {"params": projected, "rank": self.config.rank, "weight_decay": wd},
+            *mine,
             {"params": [p for p in rest if p.dim() >= 2], "weight_decay": wd},
             {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
         ]
 
+    def _switch_step(self) -> int | None:
+        """GoLore's switch step, where the config has one (Fira's and Q-GaLore's have not)."""
+        after = getattr(self.config, "projection_after", None)
+        return None if after is None else after.step
+
     def optimizer(self, groups: Groups, run: RunConfig) -> torch.optim.Optimizer:
-        c = self.config
-        return GaLoreOptimizer(
-            groups, lr=run.train.lr, betas=c.betas, eps=c.eps, inner=c.optimizer,
+        c, switch = self.config, self._switch_step()
+        extra = {} if switch is None else {"switch_step": switch}
+        return (GaLoreOptimizer if switch is None else GoLoreOptimizer)(
+            groups, **extra, lr=run.train.lr, betas=c.betas, eps=c.eps, inner=c.optimizer,
             proj_type=c.proj_type, update_proj_gap=c.update_proj_gap, scale=c.scale,
             moments=c.moments, svd=c.svd, min_8bit_size=c.min_8bit_size,
             adafactor_beta1=c.adafactor_beta1, **own_optimizer_kwargs(run.train, chunked=True))
