@@ -17,13 +17,12 @@ if TYPE_CHECKING:
 @register_memory("ademamix")
 class AdEMAMixMemory(Memory):
     def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
-        """Its own optimizer computes every bf16-true update in float32, one weight at a time:
-        beside the update and the weight's copy (`Memory.update_bytes`), the gradient's copy
-        and, with bfloat16 moments, the three moments' float32 copies alive together."""
-        if run.train.precision != "bf16-true":
-            return 0
-        copies = 2 if run.train.state_dtype == "float32" else 4
-        return 4 * copies * max(numel(s) for s in shapes.values())
+        """Its own optimizer computes each update in float32, one weight at a time: two float32
+        tensors of the largest weight's size alive at once (the denominator and the update;
+        under bf16-true the update and the weight's copy), four with bfloat16 moments (the
+        three moments' float32 copies and the denominator)."""
+        bf16_states = run.train.precision == "bf16-true" and run.train.state_dtype == "bfloat16"
+        return 4 * (4 if bf16_states else 2) * max(numel(s) for s in shapes.values())
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         w = widths(run)

@@ -16,6 +16,12 @@ if TYPE_CHECKING:
 
 @register_memory("schedule_free")
 class ScheduleFreeMemory(Memory):
+    def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
+        """The package's foreach step makes the denominators of every tensor it steps at once
+        (`torch._foreach_div`), at the weights' width: all of them, or one layer-wise."""
+        sizes = [numel(s) for s in shapes.values()]
+        return widths(run).weight * (max(sizes) if run.memory.layerwise else sum(sizes))
+
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         """Two states per element at the weight's width (bf16-true is refused)."""
         w = widths(run)
