@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, harness, harness_here, micro_run, write_yaml
 
-from harness.cli import main
+from harness.cli import build_parser, main
 
 QUICKSTART = str(REPO / "sweeps" / "quickstart.yaml")
 
@@ -173,10 +173,13 @@ def test_internal_lines_reach_the_terminal_only_under_verbose(tmp_path) -> None:
     out = tmp_path / "quiet"
     assert f"1 trial in {out}: 1 ok (one row each: harness status {out}" in quiet.stdout
     assert "| id " not in quiet.stdout and "| id " in harness_here("status", str(out)).stdout
-    for argv in (["sweep", str(sweep), "--out", str(tmp_path / "loud"), "--verbose"],
-                 ["-v", "sweep", str(sweep), "--out", str(tmp_path / "loud2")]):
-        loud = harness(*argv)
-        assert loud.returncode == 0, loud.stderr[-2000:]
-        assert re.search(r"^\[relora-\w+\] step 2: relora_merge 1", loud.stdout, re.MULTILINE)
-        assert re.search(r"^\[relora-\w+\] threads: \d+$", loud.stdout, re.MULTILINE)
-        assert "A new study created" in loud.stderr and "ExperimentalWarning" in loud.stderr
+    # Before the command or after it, `main` reads the same flag (one sweep shows its effect).
+    parser = build_parser()
+    assert parser.parse_args(["sweep", str(sweep)]).verbose is False
+    for argv in (["sweep", str(sweep), "--verbose"], ["-v", "sweep", str(sweep)]):
+        assert parser.parse_args(argv).verbose is True
+    loud = harness("sweep", str(sweep), "--out", str(tmp_path / "loud"), "--verbose")
+    assert loud.returncode == 0, loud.stderr[-2000:]
+    assert re.search(r"^\[relora-\w+\] step 2: relora_merge 1", loud.stdout, re.MULTILINE)
+    assert re.search(r"^\[relora-\w+\] threads: \d+$", loud.stdout, re.MULTILINE)
+    assert "A new study created" in loud.stderr and "ExperimentalWarning" in loud.stderr
