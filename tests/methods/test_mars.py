@@ -11,7 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SAMPLE_VOCAB, assert_estimate_matches, micro_model, micro_run
+from conftest import (
+    SAMPLE_VOCAB,
+    assert_estimate_matches,
+    assert_resumes_exactly,
+    micro_model,
+    micro_run,
+)
 
 from harness.errors import UserError
 from harness.methods import build_memory, build_method, memory_of, optimizer_for
@@ -176,3 +182,10 @@ def test_bf16_true_honours_state_dtype_and_compensation(tmp_path, monkeypatch, s
                     "last": torch.bfloat16, "kahan": compensation == "kahan"}
     estimate = build_memory(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
     assert_estimate_matches(estimate, summary)
+
+
+def test_resume_keeps_the_previous_gradient(tmp_path):
+    """Stopped after step 2 and resumed: the next correction needs step 2's gradient, kept in
+    the checkpoint with the float32 moments of bfloat16 weights."""
+    data = mars_run(steps=4, precision="bf16-true", update_compensation="kahan")
+    assert_resumes_exactly(load_run(data), tmp_path, stop=2)

@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SAMPLE_VOCAB, assert_estimate_matches, micro_model, micro_run
+from conftest import (
+    SAMPLE_VOCAB,
+    assert_estimate_matches,
+    assert_resumes_exactly,
+    micro_model,
+    micro_run,
+)
 
 from harness.errors import UserError
 from harness.methods import build_memory, build_method, memory_of, optimizer_for
@@ -173,3 +179,11 @@ def test_bf16_true_honours_state_dtype_and_compensation(tmp_path, monkeypatch, s
                     "scalar": torch.float32, "kahan": compensation == "kahan"}
     estimate = build_memory(run).estimate(param_shapes("llama_micro", SAMPLE_VOCAB), run)
     assert_estimate_matches(estimate, summary)
+
+
+def test_resume_is_exact_across_a_reset_and_the_decay(tmp_path):
+    """Stopped after step 3 (a reset at step 2, the next at 4) and resumed: the counters, the
+    decay's factor, float32 statistics and moments of bfloat16 weights all come back."""
+    data = spam_run(steps=5, precision="bf16-true", update_compensation="kahan",
+                    method={"update_proj_gap": 2, "t_max": 4})
+    assert_resumes_exactly(load_run(data), tmp_path, stop=3)
