@@ -3,10 +3,10 @@ Models", arXiv 2411.10438), its AdamW form: AdamW fed a variance-reduced gradien
 c_t = g_t + γ·β1/(1−β1)·(g_t − g_{t−1}), clipped to unit norm (Algorithm 1, Clip(c_t, 1)), on
 every matrix; plain AdamW, with its own betas, LR and decay, on the vectors (norms, biases).
 
-This is MARS-approx (the paper's §3.3 and the authors' default, `is_approx=True`): g_{t−1} is
-the previous step's gradient on the previous batch, kept as one more state per matrix element
-(`last_grad`), where exact MARS would take a second gradient of the previous weights on the
-current batch. Embeddings and the head are matrices: MARS trains them as the others
+This is MARS-approx (the paper's approximate variant, the authors' default `is_approx=True`):
+g_{t−1} is the previous step's gradient on the previous batch, kept as one more state per matrix
+element (`last_grad`), where exact MARS would take a second gradient of the previous weights on
+the current batch. Embeddings and the head are matrices: MARS trains them as the others
 (AGI-Arena/MARS `MARS/optimizers/mars.py`: `is_grad_2d`; pytorch-optimizer's `MARS` alike).
 
 The arithmetic is the authors' (`update_fn`: the denominator √v/√(1−β2^t) + ε, times

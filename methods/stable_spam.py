@@ -2,7 +2,7 @@
 Adam", arXiv 2502.17055), its AdamW form: Adam on a gradient first clipped where it spikes and
 then rescaled to a running norm, with the moments reset every `update_proj_gap` steps.
 
-Per tensor, each step (the paper's Algorithm 1): AdaClip keeps a running maximum
+Per tensor, each step: AdaClip keeps a running maximum
 m_max ← θ·m_max + (1−θ)·max|g| and brings every element above its bias-corrected value back to
 it (g·m̂_max/max|g|); AdaGN keeps running moments of the clipped gradient's norm,
 m_n ← γ1·m_n + (1−γ1)·‖g‖ and v_n ← γ2·v_n + (1−γ2)·‖g‖², and rescales g to norm
@@ -46,12 +46,15 @@ SCALARS = ("m_norm_t", "v_norm_t", "m_max_t")  # the package's names: AdaGN's tw
 
 
 class StableSpamConfig(AdamConfig):
+    betas: tuple[float, float] = Field(
+        (0.9, 0.999), description="Adam's β1, β2 (the authors' StableSPAM defaults, which "
+        "their scripts keep)")
     gamma1: float = Field(0.7, ge=0, lt=1, description="γ1: decay of the gradient norm's mean "
-                          "(§4 and the authors' StableSPAM(gamma1=0.7))")
+                          "(the authors' StableSPAM(gamma1=0.7))")
     gamma2: float = Field(0.9, ge=0, lt=1, description="γ2: decay of the gradient norm's square "
-                          "(§4 and the authors' StableSPAM(gamma2=0.9))")
+                          "(the authors' StableSPAM(gamma2=0.9))")
     theta: float = Field(0.999, ge=0, lt=1, description="θ: decay of the running max |g| of "
-                         "AdaClip (§4; the authors' gamma3=0.999)")
+                         "AdaClip (the authors' StableSPAM(gamma3=0.999))")
     update_proj_gap: int = Field(1000, ge=1, description="ΔT: steps between momentum resets "
                                  "(the authors' StableSPAM(update_proj_gap=1000))")
     t_max: int | None = Field(None, ge=1, description="steps of the cosine decay of β1 and γ1 "
