@@ -13,6 +13,7 @@ skeleton holding only that unit's weights. The files are those the whole model's
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from harness.config import ModelFrom, RunConfig, read_yaml
 from harness.data.glue import get_task
@@ -141,13 +143,12 @@ def streamed(run: RunConfig, state: dict[str, Any]) -> tuple[Any, Any, stream_ex
     read: stream_export.Read = lambda name, like: _filled(fill, {name: like})[name]  # noqa: E731
     exported = prepared
     if type(method).export is not Method.export:
-        # a new skeleton for each export: one may change a class its modules share with their
-        # copies (torch's parametrize removes the property from it)
-        def fresh() -> nn.Module:
-            return skeleton_of(run, method)[0]  # type: ignore[index]
-
+        fresh = _copies(prepared, run, method)
         exported = method.export(fresh())
-        read = _by_unit(prepared, exported, fresh, method, fill)
+        units = _units(prepared, exported)
+        if units is None:
+            return None
+        read = _by_unit(units, templates, exported, fresh, method, fill)
     generation_ready(exported, tok)
     return exported.eval(), tok, read
 
@@ -200,17 +201,39 @@ def classifier_skeleton(run: RunConfig) -> tuple[Any, Any] | None:
     return model, tok
 
 
-def _by_unit(prepared: nn.Module, exported: nn.Module, fresh: Callable[[], nn.Module],
-             method: Method, fill: Fill) -> stream_export.Read:
+def _copies(prepared: nn.Module, run: RunConfig, method: Method) -> Callable[[], nn.Module]:
+    """New copies of the meta skeleton, for exports to change: deep copies, except of one with
+    parametrized weights, built anew (a deep copy shares its modules' classes, and torch's
+    parametrize deletes the weight's property from the class as it removes one)."""
+    if any(parametrize.is_parametrized(m) for m in prepared.modules()):
+        return lambda: skeleton_of(run, method)[0]  # type: ignore[index]
+    return lambda: copy.deepcopy(prepared)
+
+
+def _units(prepared: nn.Module, exported: nn.Module) -> dict[str, str] | None:
+    """Each unit of the exported model (stream_export.units) → the prepared model's unit it
+    comes from (the one whose name ends with its name: peft adds a prefix). None where a unit
+    has no one such source, or a weight lies outside every unit."""
+    try:
+        ours = stream_export.units(exported, decoder_layers(exported))
+        theirs = stream_export.units(prepared, decoder_layers(prepared))
+    except UserError:  # no stack of layers
+        return None
+    sources = {u: [p for p in theirs if f".{p}".endswith(f".{u}")] for u in ours}
+    if any(len(found) != 1 for found in sources.values()) or any(
+            not any(n.startswith(f"{u}.") for u in ours) for n in exported.state_dict()):
+        return None
+    return {u: found[0] for u, found in sources.items()}
+
+
+def _by_unit(source: dict[str, str], templates: dict[str, torch.Tensor], exported: nn.Module,
+             fresh: Callable[[], nn.Module], method: Method, fill: Fill) -> stream_export.Read:
     """Each exported weight as `method.export` of the whole loaded model gives it, computed a
-    unit at a time: a `fresh` meta skeleton given only that unit's weights (read from the
-    checkpoint in one read, put in as they are), exported, its unit's tensors kept."""
-    ours = stream_export.units(exported, decoder_layers(exported))
-    theirs = stream_export.units(prepared, decoder_layers(prepared))
-    source = {u: next(p for p in theirs if f".{p}".endswith(f".{u}")) for u in ours}
+    unit at a time: a `fresh` meta skeleton given only that unit's weights (`templates`' of
+    its `source`, read from the checkpoint in one read, put in as they are), exported, its
+    unit's tensors kept."""
     names = exported.state_dict()
-    owner = {n: next(u for u in ours if n.startswith(f"{u}.")) for n in names}
-    templates = prepared.state_dict()
+    owner = {n: next(u for u in source if n.startswith(f"{u}.")) for n in names}
 
     def compute(unit: str) -> dict[str, torch.Tensor]:
         model = fresh()

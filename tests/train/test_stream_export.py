@@ -12,15 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, micro_run
+from conftest import REPO, micro_run, write_yaml
+from test_export import EXPORTS
 
 from harness.errors import UserError
-from harness.methods import build_method
+from harness.methods import Method, build_method
 from harness.methods.resolve import load_run
 from harness.modifiers.precision import pure_bf16
 from harness.train import export, pretrain
 from harness.train.plain import save_plain
-from harness.trials import stream_export
+from harness.trials import TrialDir, stream_export
 from harness.trials.checksums import digest
 
 
@@ -82,16 +83,10 @@ def test_a_sharded_checkpoint_whose_metadata_changed_is_refused_in_one_line(tmp_
     assert not (tmp_path / "out").exists()
 
 
-# Each method whose export changes the model, at llama_micro's sizes (as tests/train/test_export.py
-# trains them), and GLUE classifiers: a LLaMA preset's head and a RoBERTa folder's, with LoRA.
-MERGED = {
-    "lora": {"name": "lora", "rank": 4},
-    "relora": {"name": "relora", "rank": 4, "reset_every": 2, "restart_warmup_steps": 1},
-    "lowrank": {"name": "lowrank", "rank": 8},
-    "apollo_int8": {"name": "apollo", "rank": 8, "update_proj_gap": 2, "int8_weights": True},
-    "qgalore": {"name": "qgalore", "rank": 8, "update_proj_gap": 2},
-    "qgalore_simulate": {"name": "qgalore", "rank": 8, "update_proj_gap": 2, "simulate": True},
-}
+# Every registered method with an export of its own but QLoRA (built whole: below), at
+# llama_micro's sizes, and the forms whose model differs (tests/train/test_export.py's).
+MERGED = {label: method for label, method in EXPORTS.items() if label != "qlora" and type(
+    build_method(load_run({**micro_run(), "method": method}))).export is not Method.export}
 
 
 def roberta_folder(folder: Path) -> str:
@@ -109,50 +104,65 @@ def roberta_folder(folder: Path) -> str:
     return str(folder)
 
 
-def glue(model: str, method: dict, dropout: float | None = None) -> dict:
+def glue(model: str | dict, method: dict, dropout: float | None = None) -> dict:
     data = {**micro_run(), "model": model, "method": method}
     data["task"] = {"kind": "glue", "glue_task": "sample", "tokenizer": "sample", "seq_len": 48,
                     "classifier_dropout": dropout}
     return data
 
 
-def trained_states(run, tmp_path: Path) -> dict[str, dict]:
+def trained_states(run, tmp_path: Path, sharded: bool = True) -> dict[str, dict]:
     """A trained-looking prepared model's state (every float tensor moved off its start: LoRA's
-    B is no longer zero), as a one-process checkpoint holds it and as a sharded one does."""
+    B is no longer zero), as a one-process checkpoint holds it and (`sharded`) as a sharded
+    one does."""
     torch.manual_seed(0)
     model, _ = export.builder(run)(run)
     model = pure_bf16(build_method(run).prepare(pure_bf16(model, run.train), run), run.train)
     weights = {k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v.clone()
                for k, v in model.state_dict().items()}
-    dcp.save(weights, checkpoint_id=tmp_path / "state.pt" / "model", no_dist=True)
-    return {"one-process": {"model": weights, "step": 3},
-            "sharded": {"sharded": tmp_path / "state.pt", "record": {}, "step": 3}}
+    states = {"one-process": {"model": weights, "step": 3}}
+    if sharded:
+        dcp.save(weights, checkpoint_id=tmp_path / "state.pt" / "model", no_dist=True)
+        states["sharded"] = {"sharded": tmp_path / "state.pt", "record": {}, "step": 3}
+    return states
+
+
+def pretrained_trial(folder: Path) -> str:
+    """A pretraining trial's folder as `model: {from: ...}` takes it: its config and a verified
+    final model (llama_micro's)."""
+    run = load_run(micro_run())
+    write_yaml(folder / "config.yaml", micro_run())
+    save_plain(*pretrain.build(run), TrialDir(folder).final_model, 6)
+    return str(folder)
 
 
 def cases(tmp_path: Path) -> dict[str, dict]:
     roberta = roberta_folder(tmp_path / "roberta")
     lora_roberta = {"name": "lora", "rank": 4, "target_modules": ["query", "value", "dense"]}
+    body = {"from": pretrained_trial(tmp_path / "body")}
     return {**{label: {**micro_run(), "method": m} for label, m in MERGED.items()},
             "glue_llama_full": glue("llama_micro", {"name": "full"}),
             "glue_llama_lora": glue("llama_micro", {"name": "lora", "rank": 4}),
-            "glue_roberta_lora": glue(roberta, lora_roberta, dropout=0.1)}
+            "glue_roberta_lora": glue(roberta, lora_roberta, dropout=0.1),
+            "glue_from_a_trial_lowrank": glue(body, {"name": "lowrank", "rank": 8})}
 
 
 def test_each_merging_method_and_glue_streams_the_files_the_whole_export_writes(tmp_path,
                                                                                monkeypatch):
-    """For LoRA, ReLoRA, low-rank, APOLLO's and Q-GaLore's INT8 weights, Q-GaLore simulated,
-    and GLUE classifiers (LLaMA full and LoRA, RoBERTa LoRA): every file equal byte for byte
-    to the export of the model built whole, merged by the method, from a one-process
-    checkpoint or a sharded one (alternately); no whole model is built."""
+    """For LoRA, ReLoRA, low-rank, APOLLO (its INT8 weights too), Q-GaLore (simulated too),
+    and GLUE classifiers (LLaMA full and LoRA, RoBERTa LoRA, low-rank on a pretraining trial's
+    body, `model: {from: ...}`): every file equal byte for byte to the export of the model
+    built whole, merged by the method, from a one-process checkpoint or a sharded one
+    (alternately); no whole model is built."""
     whole_generating = export.generating
     for i, (label, data) in enumerate(cases(tmp_path).items()):
         run = load_run(data)
-        states = trained_states(run, tmp_path / label)
+        kind = ("sharded", "one-process")[i % 2]  # each read path under half the cases
+        states = trained_states(run, tmp_path / label, sharded=kind == "sharded")
         save_plain(*whole_generating(run, states["one-process"]), tmp_path / label / "whole", 3,
                    record=False)
         want = files(tmp_path / label / "whole")
         assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(want), label
-        kind = ("sharded", "one-process")[i % 2]  # each read path under half the cases
         monkeypatch.setattr(export, "generating", no_whole_model)
         size = export.write_model(run, states[kind], tmp_path / label / kind, 3, record=False)
         monkeypatch.setattr(export, "generating", whole_generating)
@@ -203,7 +213,7 @@ def test_qlora_is_exported_whole(tmp_path, monkeypatch):
 PEAK = """
 import json, sys, threading, time
 from pathlib import Path
-from harness.methods import build_method
+from harness.methods import Method, build_method
 from harness.methods.resolve import load_run
 from harness.train import export
 sys.path.insert(0, "tests")
