@@ -45,6 +45,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "fira": {"rank": 8, "update_proj_gap": 2},
     "adam4bit": {"compile_step": False},  # torch.compile on CPU: seconds a shape, same numbers
     "stable_spam": {"update_proj_gap": 2},  # a momentum reset within the 4 steps
+    "coap": {"rank": 8, "update_proj_gap": 1, "reproject_factor": 2},  # both refresh kinds
+    "frugal": {"update_proj_gap": 2},
 }
 EXCLUDED: dict[str, str] = {}  # a registered method the matrix leaves out -> why
 METHODS: dict[str, dict[str, Any]] = {
