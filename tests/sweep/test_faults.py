@@ -27,7 +27,7 @@ from conftest import (
 from harness.config.launchers.slurm import SlurmConfig
 from harness.sweep.launchers.slurm import submit
 from harness.sweep.launchers.slurm_job import TrialJob
-from harness.trials import read_json
+from harness.trials import checkpoints, read_json
 
 
 def sweep_file(tmp_path: Path, steps: int, lrs: list[float]) -> Path:
@@ -161,7 +161,9 @@ def test_a_stop_signal_checkpoints_every_running_trial_and_a_rerun_resumes_them(
     """Every signal that asks a sweep to stop does what Ctrl-C does: both running trials
     save a checkpoint and end `interrupted`, the sweep exits 130 naming its resume command,
     and that command resumes each trial where it stopped. (Before, the sweep died at once,
-    exit 143, and its trials ended `failed: BrokenPipeError` without a checkpoint.)"""
+    exit 143, and its trials ended `failed: BrokenPipeError` without a checkpoint.) Each
+    signal leaves the same folders, each checkpoint verified whole at the trial's step; the
+    command resumes them once, after `kill` (resuming is the same whichever signal stopped)."""
     out, steps = tmp_path / "runs", 3 + STEPS_LEFT
     path = sweep_file(tmp_path, steps, [1e-3, 3e-3])
     proc = start_sweep_process(path, out, "--jobs", "2")
@@ -183,6 +185,12 @@ def test_a_stop_signal_checkpoints_every_running_trial_and_a_rerun_resumes_them(
         f"interrupted by {signal.Signals(sig).name}: 2 trials stopped with a checkpoint (")
     assert line.endswith(f"); resume: harness sweep {path} --out {out} --jobs 2")
     assert all(f"{name} at step {s['step']}" in line for name, s in stopped.items())
+    for trial_dir in trials:  # written whole: its record's checksum, the step it stopped at
+        loaded = checkpoints.load_newest(trial_dir / "checkpoint")
+        assert loaded is not None and loaded.path.name == "state.pt" and not loaded.skipped
+        assert loaded.state["step"] == stopped[trial_dir.name]["step"]
+    if (sig, to) != (signal.SIGTERM, ["sweep"]):
+        return
 
     again = harness_here("sweep", str(path), "--out", str(out), "--jobs", "2")
     assert again.returncode == 0, again.stdout + again.stderr
