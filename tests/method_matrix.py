@@ -47,6 +47,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "stable_spam": {"update_proj_gap": 2},  # a momentum reset within the 4 steps
     "coap": {"rank": 8, "update_proj_gap": 1, "reproject_factor": 2},  # both refresh kinds
     "frugal": {"update_proj_gap": 2},
+    # bases refreshed within the 4 steps; the 64 and 176 sides rotated, the 8192-token
+    # vocabulary side not (an 8192² eigendecomposition and QR would make most of a CPU step)
+    "soap": {"precondition_frequency": 2, "max_precond_dim": 4096},
 }
 EXCLUDED: dict[str, str] = {}  # a registered method the matrix leaves out -> why
 METHODS: dict[str, dict[str, Any]] = {
