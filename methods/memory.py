@@ -183,9 +183,12 @@ def numel(shape: torch.Size | tuple[int, ...]) -> int:
 
 def tensor_bytes(obj: Any) -> int:
     """Bytes of every tensor inside nested dicts/lists (an optimizer's state); of a sharded
-    tensor, this rank's shard: what this process holds."""
+    tensor, this rank's shard: what this process holds; of a tensor subclass that stores
+    other tensors (torchao's quantized states), those."""
     if isinstance(obj, torch.Tensor):
         obj = Rows(obj).local
+        if hasattr(obj, "__tensor_flatten__"):  # a quantized state (torchao's): its parts
+            return tensor_bytes([getattr(obj, name) for name in obj.__tensor_flatten__()[0]])
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())

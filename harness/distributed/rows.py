@@ -51,6 +51,12 @@ class Rows:
         """The whole tensor on every rank: an all-gather, every rank in the same order."""
         return fsdp.full(self.tensor)
 
+    def placed(self, local: torch.Tensor) -> torch.Tensor:
+        """`local`, this rank's rows of a tensor shaped as this one, placed as this one is (a
+        state made from the local rows that the optimizer's own step takes with the weight's
+        placement); unsharded, `local` itself."""
+        return fsdp.like(local, self.tensor)
+
     def mine(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's rows of `whole`, a tensor with the rows of this one (a left basis)."""
         return whole[self.span]

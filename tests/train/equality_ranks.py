@@ -48,9 +48,13 @@ def measure(run: RunConfig) -> dict[str, Any]:
 
 
 def flat(state: Any, key: str = "") -> dict[str, torch.Tensor]:
-    """An optimizer's state_dict as its tensors by path, each whole (sharded ones gathered)."""
+    """An optimizer's state_dict as its tensors by path, each whole (sharded ones gathered,
+    quantized ones dequantized)."""
     if isinstance(state, torch.Tensor):
-        return {key: fsdp.full(state).detach().clone()}
+        whole = fsdp.full(state)
+        if hasattr(whole, "dequantize"):  # torchao's quantized moments, as float values
+            whole = whole.dequantize()
+        return {key: whole.detach().clone()}
     if isinstance(state, dict):
         state = state.items()
     elif isinstance(state, list | tuple):
