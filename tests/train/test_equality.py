@@ -40,7 +40,13 @@ WEIGHT_ATOL = {"galore": 3e-4, "apollo": 2e-4, "fira": 3e-4, "qgalore": 1e-3, "r
                # neighbouring one of 16 codes (measured 1.9e-3 over 4 steps, lm_head)
                "adam4bit": 6e-3,
                # Schedule-Free: measured 4.9e-5 over 4 steps, at the default's edge
-               "schedule_free": 1e-4}
+               "schedule_free": 1e-4,
+               # FRUGAL: signSGD on the residual G − PPᵀG, whose entries near 0 the sums'
+               # order flips, each 2·lr the other way (measured 6.0e-3 over 4 steps, ddp)
+               "frugal": 2.4e-2}
+# Sign steps on every entry (FRUGAL's state-free part): a flipped sign moves the loss more
+# than rounding does (measured 2.2e-4 relative, fsdp bf16-mixed, 4 steps)
+SIGN_LOSS_RTOL = {"frugal": 1e-3}
 # bf16-mixed: a weight rounded to the neighbouring bfloat16 value turns into Adam steps of up
 # to about lr apart (measured 1.1e-2 over 6 steps; 4 steps of 2·lr: 2.4e-2)
 BF16_WEIGHT_ATOL = 3e-2
@@ -115,7 +121,9 @@ def test_every_method_trains_as_one_process_on_every_strategy(tmp_path, world):
         got, want = [*many["losses"], many["eval"]], [*one["losses"], one["eval"]]
         kernel = VARIANTS.get(method, (method,))[0]
         moments = [k for k in one["states"] if k.endswith("exp_avg")
-                   and kernel not in ("adam8bit", "adam4bit", "muon")]  # codes; Muon: momentum
+                   and kernel not in ("adam8bit", "adam4bit", "muon", "came", "frugal")]
+        # 8-bit codes; Muon's momentum; CAME's, of RMS-normalized updates (values near 1,
+        # measured 2.3e-5 relative under fsdp): their weights are bound, not the 2e-6 here
         losses = max(abs(a - b) / b for a, b in zip(got, want, strict=True))
         norm = (many["grad_norm"] or 0) / (one["grad_norm"] or 1) - 1
         rows.append(f"{path.stem}: losses {losses:.1e}, weights "
@@ -127,7 +135,8 @@ def test_every_method_trains_as_one_process_on_every_strategy(tmp_path, world):
     for (many, one, got, want, method, parallel, precision, moments), row in zip(checks, rows,
                                                                                 strict=True):
         kernel = VARIANTS.get(method, (method,))[0]
-        assert got == pytest.approx(want, rel=LOSS_RTOL[precision], abs=0), row
+        rtol = max(LOSS_RTOL[precision], SIGN_LOSS_RTOL.get(kernel, 0))
+        assert got == pytest.approx(want, rel=rtol, abs=0), row
         atol = max(WEIGHT_ATOL.get(kernel, 5e-5),
                    BF16_WEIGHT_ATOL if precision == "bf16-mixed" else 0)
         assert many["weights"].keys() == one["weights"].keys()
