@@ -118,13 +118,29 @@ def trained_states(run, tmp_path: Path, sharded: bool = True) -> dict[str, dict]
     torch.manual_seed(0)
     model, _ = export.builder(run)(run)
     model = pure_bf16(build_method(run).prepare(pure_bf16(model, run.train), run), run.train)
-    weights = {k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v.clone()
+    moved: dict[int, torch.Tensor] = {}  # by storage: a tied weight moves once
+    weights = {k: moved.setdefault(v.data_ptr(), v + 0.01 * torch.randn_like(v)
+                                   if v.is_floating_point() else v.clone())
                for k, v in model.state_dict().items()}
     states = {"one-process": {"model": weights, "step": 3}}
     if sharded:
         dcp.save(weights, checkpoint_id=tmp_path / "state.pt" / "model", no_dist=True)
         states["sharded"] = {"sharded": tmp_path / "state.pt", "record": {}, "step": 3}
     return states
+
+
+def tied_llama_folder(folder: Path) -> str:
+    """A LLaMA whose head is its input embedding (as Qwen2's small models), saved with the
+    sample tokenizer: 2 layers of width 64."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(REPO / "harness" / "data" / "sample" / "tokenizer"))
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
 
 
 def pretrained_trial(folder: Path) -> str:
@@ -140,7 +156,10 @@ def cases(tmp_path: Path) -> dict[str, dict]:
     roberta = roberta_folder(tmp_path / "roberta")
     lora_roberta = {"name": "lora", "rank": 4, "target_modules": ["query", "value", "dense"]}
     body = {"from": pretrained_trial(tmp_path / "body")}
+    tied = {**micro_run(), "model": tied_llama_folder(tmp_path / "tied"),
+            "method": {"name": "lowrank", "rank": 8}}
     return {**{label: {**micro_run(), "method": m} for label, m in MERGED.items()},
+            "tied_head_lowrank": tied,
             "glue_llama_full": glue("llama_micro", {"name": "full"}),
             "glue_llama_lora": glue("llama_micro", {"name": "lora", "rank": 4}),
             "glue_roberta_lora": glue(roberta, lora_roberta, dropout=0.1),
@@ -149,11 +168,11 @@ def cases(tmp_path: Path) -> dict[str, dict]:
 
 def test_each_merging_method_and_glue_streams_the_files_the_whole_export_writes(tmp_path,
                                                                                monkeypatch):
-    """For LoRA, ReLoRA, low-rank, APOLLO (its INT8 weights too), Q-GaLore (simulated too),
-    and GLUE classifiers (LLaMA full and LoRA, RoBERTa LoRA, low-rank on a pretraining trial's
-    body, `model: {from: ...}`): every file equal byte for byte to the export of the model
-    built whole, merged by the method, from a one-process checkpoint or a sharded one
-    (alternately); no whole model is built."""
+    """For LoRA, ReLoRA, low-rank (on a tied head too), APOLLO (its INT8 weights too), Q-GaLore
+    (simulated too), and GLUE classifiers (LLaMA full and LoRA, RoBERTa LoRA, low-rank on a
+    pretraining trial's body, `model: {from: ...}`): every file equal byte for byte to the
+    export of the model built whole, merged by the method, from a one-process checkpoint or a
+    sharded one (alternately); no whole model is built."""
     whole_generating = export.generating
     for i, (label, data) in enumerate(cases(tmp_path).items()):
         run = load_run(data)
