@@ -48,7 +48,8 @@ PRECISIONS: dict[str, dict[str, Any]] = {  # -> train keys
 # be paged; ReLoRA's resets and Q-GaLore's INT8 updates inside backward need the whole optimizer
 # on the device, and Q-GaLore's cannot be undone by fp16's skipped steps.
 OWN_STATES = ("adam_mini", "galore", "apollo", "apollo_mini", "fira", "muon", "lion",
-              "ademamix", "mars", "stable_spam", "coap", "frugal", "soap", "normuon")
+              "ademamix", "mars", "stable_spam", "coap", "frugal", "soap", "normuon",
+              "came")
 METHOD_REFUSES: dict[str, set[str]] = {
     "relora": {"layerwise", "offload_host", "offload_paged"},
     "qgalore": {"offload_host", "offload_paged", "16-mixed"},
