@@ -44,9 +44,10 @@ WEIGHT_ATOL = {"galore": 3e-4, "apollo": 2e-4, "fira": 3e-4, "qgalore": 1e-3, "r
                # FRUGAL: signSGD on the residual G − PPᵀG, whose entries near 0 the sums'
                # order flips, each 2·lr the other way (measured 6.0e-3 over 4 steps, ddp)
                "frugal": 2.4e-2}
-# Sign steps on every entry (FRUGAL's state-free part): a flipped sign moves the loss more
-# than rounding does (measured 2.2e-4 relative, fsdp bf16-mixed, 4 steps)
-SIGN_LOSS_RTOL = {"frugal": 1e-3}
+# Sign steps on every entry (FRUGAL's state-free part): flipped signs move the loss and the
+# last gradient norm more than rounding does. Relative (loss, grad norm); measured over 4
+# steps: 2.2e-4 and 5.6e-3 (fsdp bf16-mixed), 7.1e-6 and 8.2e-4 (ddp 32-true)
+SIGN_RTOL = {"frugal": (1e-3, 2e-2)}
 # bf16-mixed: a weight rounded to the neighbouring bfloat16 value turns into Adam steps of up
 # to about lr apart (measured 1.1e-2 over 6 steps; 4 steps of 2·lr: 2.4e-2)
 BF16_WEIGHT_ATOL = 3e-2
@@ -135,8 +136,8 @@ def test_every_method_trains_as_one_process_on_every_strategy(tmp_path, world):
     for (many, one, got, want, method, parallel, precision, moments), row in zip(checks, rows,
                                                                                 strict=True):
         kernel = VARIANTS.get(method, (method,))[0]
-        rtol = max(LOSS_RTOL[precision], SIGN_LOSS_RTOL.get(kernel, 0))
-        assert got == pytest.approx(want, rel=rtol, abs=0), row
+        loss_rtol, norm_rtol = SIGN_RTOL.get(kernel, (0, 0))
+        assert got == pytest.approx(want, rel=max(LOSS_RTOL[precision], loss_rtol), abs=0), row
         atol = max(WEIGHT_ATOL.get(kernel, 5e-5),
                    BF16_WEIGHT_ATOL if precision == "bf16-mixed" else 0)
         assert many["weights"].keys() == one["weights"].keys()
@@ -151,7 +152,8 @@ def test_every_method_trains_as_one_process_on_every_strategy(tmp_path, world):
         if one["grad_norm"] is None:  # layer-wise: each gradient used and freed in backward
             assert many["grad_norm"] is None and (kernel != method or kernel == "qgalore")
         else:  # over every rank's shards, as one process's over its gradients
-            assert many["grad_norm"] == pytest.approx(one["grad_norm"], rel=NORM_RTOL[precision])
+            assert many["grad_norm"] == pytest.approx(
+                one["grad_norm"], rel=max(NORM_RTOL[precision], norm_rtol))
             assert many["grad_norm"] > 0
         if parallel == "fsdp":  # rank 0 holds its rows of each weight: ceil(m / W) of m
             held = sum(-(-s[0] // world) * (s.numel() // s[0])
