@@ -54,13 +54,14 @@ COLUMNS = ("exp_avg_sq_col", "exp_avg_res_col")
 class CAMEConfig(Strict):
     betas: tuple[float, float, float] = Field(
         (0.9, 0.999, 0.9999), description="β1 (momentum), β2 (factored second moment), β3 "
-        "(factored instability): the paper's Section 4 settings, came_pytorch's defaults")
+        "(factored instability): the authors' README (yangluo7/CAME) and came_pytorch's "
+        "defaults")
     eps: tuple[float, float] = Field(
         (1e-30, 1e-16), description="ε1 added to G², ε2 added to the instability (u − m)²: "
-        "the paper's Algorithm 1 and came_pytorch's defaults")
+        "the paper's Algorithm 1 (ε1, ε2), the README's and came_pytorch's values")
     clip_threshold: float = Field(
-        1.0, gt=0, description="d, the largest RMS of the preconditioned update (Adafactor's "
-        "update clipping; the paper's and came_pytorch's 1.0)")
+        1.0, gt=0, description="d, the largest RMS of the preconditioned update (Algorithm 1, "
+        "Adafactor's update clipping; came_pytorch's clip_threshold 1.0)")
 
 
 def _rows_mean(x: Tensor, rows: Rows, matrix: bool) -> Tensor:
