@@ -111,6 +111,18 @@ def is_sharded(t: Any) -> bool:
     return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
+def regather(model: nn.Module) -> None:
+    """Every sharded module's gathered weights dropped, so that its next forward gathers the
+    shards again: for shards changed in place outside a step (Schedule-Free's switch between
+    its points), which the root's weights, kept gathered after a forward with no backward,
+    would otherwise not show."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's rows of a sharded tensor, a view (writes reach the shard); else `t` itself."""
     return t.to_local() if is_sharded(t) else t

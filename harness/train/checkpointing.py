@@ -50,7 +50,7 @@ def save(t: Trained, background: sharded.Background | None = None) -> None:
     staged before `save_sharded_checkpoint` returns). The weights saved are the optimizer's
     averaged ones where it keeps them apart (Schedule-Free's x: harness/train/averaged.py), so
     that the exported model is too."""
-    with averaged(t.optimizer):
+    with averaged(t.optimizer, t.model):
         _save(t, background)
 
 
@@ -131,7 +131,7 @@ def resume(t: Trained) -> bool:
         return False
     if "sharded" not in state:
         load_tensors(t, state)
-    training(t.optimizer)  # a checkpoint holds the averaged weights: back to the training ones
+    training(t.optimizer, t.model)  # a checkpoint holds the averaged weights: to the training ones
     t.scheduler.load_state_dict(state["scheduler"])
     t.data.restore(state["data"])
     set_rng_state(state["rng"])

@@ -193,7 +193,7 @@ class Trainer:
         (Schedule-Free's x: harness/train/averaged.py)."""
         self.model.eval()
         try:
-            with averaged(self.optimizer):
+            with averaged(self.optimizer, self.model):
                 return self.data.evaluate(self.model, self.precision, self.sharded)
         finally:
             self.model.train()

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import (
+    SAMPLE_VOCAB,
     assert_resumes_exactly,
     hf_eval_loss,
     micro_model,
@@ -80,7 +81,7 @@ def test_matches_two_references_at_y_and_x(memory):
             # reference variant's (two float32 ulps of a norm weight near 1)
             torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
             torch.testing.assert_close(p, ref.state[r]["y"], atol=1e-6, rtol=1e-5)
-    with averaged(ours):
+    with averaged(ours, model):
         for p, r, s in zip(model.parameters(), ref_model.parameters(), start, strict=True):
             torch.testing.assert_close(p, ref.state[r]["x"], atol=1e-6, rtol=1e-5)
             assert (p - s).abs().max() > 1e-3  # x moved: the comparison compares something
@@ -152,3 +153,43 @@ def test_bench_memory_counts_what_it_estimates_peak_included(monkeypatch):
 def test_bf16_true_and_paged_states_are_refused_with_the_reason(keys, memory, reason):
     with pytest.raises(UserError, match=rf"^method schedule_free: {reason}"):
         load_run(sf_run(memory=memory, **keys))
+
+
+def test_under_fsdp_the_forwards_around_an_evaluation_see_the_switched_shards(tmp_path):
+    """fsdp on a one-rank gloo group: after two steps, a forward that leaves the root's weights
+    gathered (no backward), then one inside `averaged` (x: the loss of an unsharded copy
+    holding x = (y − (1 − β1)·z) / β1, the paper's relation), then one after (y again)."""
+    import torch.distributed as dist
+
+    from harness.distributed import fsdp
+    from harness.modifiers.recompute import decoder_layers
+
+    run = load_run(sf_run(lr=0.01))
+    torch.manual_seed(0)
+    model, plain = micro_model(), micro_model()
+    ids = torch.randint(0, SAMPLE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        fsdp.shard(model, decoder_layers(model), torch.device("cpu"), True, False)
+        optimizer = optimizer_for(build_method(run), model, run)
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():
+            at_y = float(model(input_ids=ids, labels=ids).loss)
+            with averaged(optimizer, model):
+                at_x = float(model(input_ids=ids, labels=ids).loss)
+            again = float(model(input_ids=ids, labels=ids).loss)
+            fsdp.regather(model)  # the root's parameters the shards again, the states' keys
+            z = {id(p): fsdp.full(optimizer.state[p]["z"]) for p in model.parameters()}
+            x = {n: (fsdp.full(p) - (1 - BETA1) * z[id(p)]) / BETA1
+                 for n, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    plain.load_state_dict(x)
+    with torch.no_grad():
+        expected = float(plain(input_ids=ids, labels=ids).loss)
+    assert at_x == pytest.approx(expected, rel=1e-6)  # measured: equal; x rebuilt: rounding
+    assert again == pytest.approx(at_y, rel=1e-6) and abs(at_x - at_y) > 1e-3
