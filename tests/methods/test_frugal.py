@@ -142,3 +142,18 @@ def test_resume_is_exact(tmp_path):
     data = frugal_run(steps=5, projection="random")
     data["train"].update(precision="bf16-true", update_compensation="kahan")
     assert_resumes_exactly(load_run(data), tmp_path, stop=3)
+
+
+def test_fsdp_estimate_counts_what_a_rank_keeps():
+    """fsdp over 2 at ρ 0.25 (r = 16), by hand: a right side's moments by W's rows (q, k, v,
+    o: 32×16; gate, up: 88×16), a left side's by rows of r (down: 8×176), each ×2; Q whole
+    (16×64), P by rows (32×16); embeddings and head 4096×64, norms 32, AdamW's two moments."""
+    from harness.cost.estimate import estimate_run
+
+    run = load_run({**micro_run(total_batch_size=4, parallel="fsdp"),
+                    "method": {"name": "frugal"}})
+    record = estimate_run(run, 2)
+    low = 2 * 2 * (4 * 32 * 16 + 2 * 88 * 16 + 8 * 176)
+    rest = 2 * (2 * (SAMPLE_VOCAB // 2) * 64 + 5 * 32)
+    assert record["optimizer_state_bytes"] == 4 * (low + rest)
+    assert record["extra_bytes"] == 4 * 2 * (6 * 16 * 64 + 32 * 16)
