@@ -43,15 +43,15 @@ if TYPE_CHECKING:
 class FrugalConfig(AdamConfig):
     density: float = Field(
         0.25, gt=0, lt=1, description="ρ: the state-full share of each projected matrix, "
-        "r = ⌊ρ·min(m, n)⌋ (arXiv 2411.07837 §5: ρ = 0.25)")
+        "r = ⌊ρ·min(m, n)⌋ (the paper's pre-training tables: ρ = 0.25)")
     projection: Literal["svd", "random"] = Field(
         "svd", description="the state-full subspace: the gradient's top singular vectors "
-        "(GaLore's) or a random orthonormal basis (the paper's §4 lists both)")
+        "(GaLore's, which the paper integrates) or a random orthonormal basis (GoLore's draw)")
     update_proj_gap: int = Field(200, ge=1, description="T: steps between subspace refreshes "
-                                 "(GaLore's T = 200, which the paper's runs follow)")
+                                 "(GaLore's T = 200)")
     free_lr_scale: float = Field(
         1.0, gt=0, description="the state-free signSGD step's LR as a factor of train.lr "
-        "(Algorithm 1: one LR for both parts)")
+        "(1: one LR for both parts, as the framework's update is written)")
     moments: Literal["reset", "keep", "reproject"] = Field(
         "reset", description="Adam's state when the subspace changes: reset (a fresh "
         "state-full optimizer for the new subspace), keep, or rotate into it")
