@@ -54,6 +54,8 @@ METHOD_REFUSES: dict[str, set[str]] = {
     "relora": {"layerwise", "offload_host", "offload_paged"},
     "qgalore": {"offload_host", "offload_paged", "16-mixed"},
     **{name: {"offload_paged"} for name in OWN_STATES},
+    # torchao's quantized moments cannot be paged; its step keeps no Kahan buffer
+    "adam4bit": {"offload_paged", "bf16-true-kahan"},
     # its train/eval switch moves bfloat16 weights in place (methods/schedule_free.py)
     "schedule_free": {"offload_paged", "bf16-true", "bf16-true-kahan", "bf16-true-sr-bf16"},
 }
