@@ -229,12 +229,12 @@ class Muon(Method):
         the others; one of them alone when the groups are one parameter's (layer-wise)."""
         hidden = [g for g in groups if g["muon"]]
         rest = [g for g in groups if not g["muon"]]
-        optimizers = [self.orthogonal(hidden, run)] if hidden else []
+        optimizers = [self._orthogonal(hidden, run)] if hidden else []
         if rest:
             optimizers.append(adamw(rest, run, self.config))
         return optimizers[0] if len(optimizers) == 1 else Chain(optimizers)
 
-    def orthogonal(self, hidden: Groups, run: RunConfig) -> MuonOptimizer:
+    def _orthogonal(self, hidden: Groups, run: RunConfig) -> MuonOptimizer:
         """The optimizer of the hidden matrices (a variant's own: NorMuon)."""
         c = self.config
         return MuonOptimizer(hidden, lr=run.train.lr, momentum=c.momentum, nesterov=c.nesterov,

@@ -100,7 +100,7 @@ class NorMuon(Muon):
         # fsdp: Muon's spread; a row's statistics live with its shard (module docstring)
         return Terms(refusal=unpaged(run, "momentum and row second moments"), fsdp=None)
 
-    def orthogonal(self, hidden: Groups, run: RunConfig) -> MuonOptimizer:
+    def _orthogonal(self, hidden: Groups, run: RunConfig) -> MuonOptimizer:
         c = self.config
         return NorMuonOptimizer(
             hidden, lr=run.train.lr, momentum=c.momentum, nesterov=c.nesterov,
