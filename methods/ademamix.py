@@ -38,7 +38,7 @@ STATES = ("exp_avg", "exp_avg_sq", "exp_avg_slow")  # m1, ν, m2
 class AdEMAMixConfig(Strict):
     betas: tuple[float, float, float] = Field(
         (0.9, 0.999, 0.9999), description="β1 (fast EMA), β2 (second moment), β3 (slow EMA): "
-        "the paper's LLM settings (Section 5), pytorch-optimizer's defaults")
+        "the paper's LLM experiments, pytorch-optimizer's defaults")
     alpha: float = Field(8.0, ge=0, description="weight of the slow EMA in the update: 8, the "
                          "paper's LLM runs (it sweeps 4 to 10; pytorch-optimizer's default 5)")
     eps: float = Field(1e-8, gt=0, description="added to the second moment's root")

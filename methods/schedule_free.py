@@ -42,7 +42,7 @@ class ScheduleFreeConfig(Strict):
                      "uniform average of the paper's theory (schedulefree's default)")
     weight_lr_power: float = Field(
         2.0, ge=0, description="x's weights grow as lr^weight_lr_power during the warmup, so "
-        "warmup steps count less (schedulefree's default 2.0, the paper's Section 5)")
+        "warmup steps count less (schedulefree's default 2.0, the paper's warmup weighting)")
 
 
 def constant(step: int) -> float:
