@@ -44,6 +44,10 @@ QUICK = {"test_every_method_with_every_modifier": quick_cases()}  # the rest: in
 # 0.25% (qlora) to 3.9% (adam_mini) at seed 0, and a run that never updated is 3.2e-3 (qlora)
 # to 4.2e-2 away: it fails.
 PRECISION_REL = {"16-mixed": 5e-4, "bf16_true_kahan": 1e-3, "bf16_true_bf16_states": 1e-3}
+# CAME's RMS-normalized steps (ε1 1e-30: a gradient's rounding noise near 0 takes full-size
+# steps) drift further by step 4 (seed 0): 1.9e-3 with Kahan, 1.6e-3 with bf16 states (bf16-
+# mixed, not in the matrix: 2.8e-3), so 5e-3; the loss moves 3.6%.
+METHOD_REL = {"came": 5e-3}
 
 
 def refusal(method: str, modifier: str) -> str | None:
@@ -126,7 +130,7 @@ def test_every_method_with_every_modifier(tmp_path, tmp_path_factory, method, mo
         assert losses == plain  # exactly: recompute and offload change no numbers
     elif modifier in PRECISIONS:  # fp16 autocast or bf16 weights: close to float32, not equal
         assert all(math.isfinite(v) for v in losses.values())
-        rel = PRECISION_REL[modifier]
+        rel = max(PRECISION_REL[modifier], METHOD_REL.get(method, 0))
         assert [losses[s] for s in plain] == pytest.approx(list(plain.values()), rel=rel)
         assert plain[1] - plain[4] > rel * plain[1]  # the loss moved by more than that
     else:  # per-parameter optimizers, or the same update on host copies
