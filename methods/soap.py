@@ -32,6 +32,7 @@ from torch import Tensor
 from harness.config import Strict
 from harness.methods.base import Groups, Method, Terms, decay_groups, register, unpaged
 from harness.modifiers.compensation import (
+    KAHAN,
     ParamwiseOptimizer,
     add_update,
     keep_rounded,
@@ -111,6 +112,8 @@ class SOAPOptimizer(ParamwiseOptimizer):
         st["step"] = 0
         st["exp_avg"] = torch.zeros_like(p, dtype=dtype)
         st["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
+        if self.compensation == "kahan" and p.dtype == torch.bfloat16:
+            st[KAHAN] = torch.zeros_like(p)  # from the first step, as the moments
         for (stat, _), size in zip(SIDES, rotated(p.shape, group["max_precond_dim"]),
                                    strict=False):
             if size:
