@@ -17,10 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import hf_eval_loss, micro_run, ranks, write_yaml
+from conftest import free_port, hf_eval_loss, micro_run, ranks, write_yaml
+from ranks import Ranks
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from harness.config import read_yaml
 from harness.distributed.rows import Rows
 from harness.errors import UserError
 from harness.methods.resolve import load_run
@@ -100,6 +102,7 @@ GALORE_8BIT = {**GALORE, "rank": 32, "optimizer": "adam8bit", "min_8bit_size": 2
 APOLLO = {"name": "apollo", "rank": 8, "update_proj_gap": 3}  # new projections at steps 1 and 4
 RELORA = {"name": "relora", "rank": 4, "reset_every": 2, "restart_warmup_steps": 1}  # 2 merges
 MUON = {"name": "muon"}
+ADAM4BIT = {"name": "adam4bit", "compile_step": False}  # eager: no compile a case
 # Final weights against 1 process: Adam's m/√v turns a 1e-7 difference in a near-zero gradient
 # into up to lr·1e-2 (measured 1.3e-5); GaLore's SVD turns it into a basis 7.7e-5 away
 # (measured on the weights: 9.9e-5 with 4 processes). ReLoRA's magnitude pruning zeroes the
@@ -250,35 +253,57 @@ def stop_after(data: dict[str, Any], out: Path, procs: int, step: int) -> int:
 ASYNC = {"checkpoint_async": True}
 
 
-# 2 → 1 (full): one process reads the shards whole in tests/train/test_multinode.py (2 torchrun
-# nodes stopped, resumed by one process, the 1-process losses), so it is not repeated here.
-@pytest.mark.parametrize(("first", "then", "method", "keys"), [
-    (4, 2, FULL, ASYNC), (4, 2, GALORE, {}), (4, 2, {"name": "adam_mini"}, {}),
-    (4, 2, APOLLO, {}), (4, 2, ADAM8BIT, {}), (1, 2, ADAM8BIT, {}),
-    (2, 2, MUON, {"layerwise": True})],  # async: full's; GaLore's states: 4 → 2
-    ids=["4-2-full-async", "4-2-galore", "4-2-adam_mini",
-         "4-2-apollo", "4-2-adam8bit", "1-2-adam8bit", "2-2-muon-layerwise"])
-def test_a_trial_stopped_at_one_world_size_resumes_at_another(tmp_path, first, then, method,
-                                                              keys):
+# Stopped at the first world size, resumed on 2 (async: full's; GaLore's states: 4 → 2; a
+# one-process checkpoint at 2; the same world size, layer-wise). 2 → 1 (full): one process reads
+# the shards whole in tests/train/test_multinode.py (2 torchrun nodes stopped, resumed by one
+# process, the 1-process losses), so it is not repeated here.
+RESUMES: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {  # id -> (W, method, keys)
+    "4-2-full-async": (4, FULL, ASYNC), "4-2-galore": (4, GALORE, {}),
+    "4-2-adam_mini": (4, {"name": "adam_mini"}, {}), "4-2-apollo": (4, APOLLO, {}),
+    "4-2-adam8bit": (4, ADAM8BIT, {}), "4-2-adam4bit": (4, ADAM4BIT, {}),
+    "1-2-adam8bit": (1, ADAM8BIT, {}), "2-2-muon-layerwise": (2, MUON, {"layerwise": True}),
+}
+
+
+def resume_ranks(configs: list[Path], procs: int, stop: int | None = None) -> str:
+    """Every trial of `configs` in one launch of `procs` ranks (tests/train/resume_ranks.py)."""
+    argv = [*(["--stop", str(stop)] if stop is not None else []),
+            *(x for path in configs for x in (str(path), str(free_port())))]
+    proc = Ranks(argv, procs, free_port(), "resume_ranks")
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output
+    return output
+
+
+def test_a_trial_stopped_at_one_world_size_resumes_at_another(tmp_path):
     """Each rank wrote its shards (by parameter name: torch's get_state_dict); a resume at any
     world size reads the rows it now holds (GaLore: its row-sharded moments by rows, its bases
-    whole; 8-bit Adam: its absmax values as shards of the blocks; Muon's momentum and the
-    layer-wise optimizers' states), one process reads them whole, and a one-process checkpoint
-    resumes sharded; the losses after it are the uninterrupted 1-process run's. Async: each
-    checkpoint written in the background and published once written."""
-    data = {**fsdp_run(steps=10, **{k: v for k, v in keys.items() if k != "layerwise"}),
-            "method": method, "memory": {"layerwise": True} if keys.get("layerwise") else {}}
-    stopped = stop_after(data, tmp_path / "trial", first, step=2)
-    assert 2 <= stopped < 10
-    if then == 1:
-        train(load_run(data), tmp_path / "trial")
-    else:
-        output = run_procs(data, tmp_path / "trial", then)
-        assert f"resumed from {tmp_path / 'trial' / 'checkpoint' / 'state.pt'}" in output
-    train(load_run(data), tmp_path / "one")
-    assert read_json(tmp_path / "trial" / "summary.json")["step"] == 10
-    assert_same_losses(tmp_path / "one", tmp_path / "trial")
-    print(f"fsdp {first} processes stopped at step {stopped}, resumed on {then}: same losses")
+    whole; 8-bit Adam: its absmax values as shards of the blocks; 4-bit AdamW: its quantized
+    states in DTensors; Muon's momentum and the layer-wise optimizers' states), one process
+    reads them whole, and a one-process checkpoint resumes sharded; the losses after it are the
+    uninterrupted 1-process run's. Async: each checkpoint written in the background and
+    published once written. Every case stops in one launch of its world size (the last rank
+    asks for the stop after step 2, as a SIGINT to it does; the signal itself stops the next
+    test's trial) and all resume in one launch of 2."""
+    configs = {}
+    for case, (_, method, keys) in RESUMES.items():
+        data = {**fsdp_run(steps=10, **{k: v for k, v in keys.items() if k != "layerwise"}),
+                "method": method, "memory": {"layerwise": True} if keys.get("layerwise") else {}}
+        configs[case] = write_yaml(tmp_path / case / "trial.yaml", data)
+    for procs in sorted({first for first, *_ in RESUMES.values()}):
+        resume_ranks([configs[c] for c, (first, *_) in RESUMES.items() if first == procs],
+                     procs, stop=2)
+    for case, path in configs.items():
+        stopped = read_json(path.with_suffix("") / "summary.json")
+        assert stopped["status"] == "interrupted" and 2 <= stopped["step"] < 10, (case, stopped)
+    output = resume_ranks(list(configs.values()), 2)
+    for case, path in configs.items():
+        trial = path.with_suffix("")
+        assert f"resumed from {trial / 'checkpoint' / 'state.pt'}" in output, case
+        assert read_json(trial / "summary.json")["step"] == 10, case
+        train(load_run(read_yaml(path)), tmp_path / case / "one")
+        assert_same_losses(tmp_path / case / "one", trial)
+    print(f"fsdp: {', '.join(RESUMES)} stopped and resumed: same losses")
 
 
 def test_a_sharded_checkpoint_that_does_not_verify_is_skipped_for_the_one_before(tmp_path):
