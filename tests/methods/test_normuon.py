@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SAMPLE_VOCAB, micro_model, micro_run
+from conftest import SAMPLE_VOCAB, assert_resumes_exactly, micro_model, micro_run
 from package_steps import feed
 from pytorch_optimizer import NorMuon as PackageNorMuon
 
@@ -120,3 +120,9 @@ def test_bf16_true_keeps_the_row_moments_in_the_state_dtype(state_dtype, dtype):
 def test_paged_states_are_refused_with_the_reason():
     with pytest.raises(UserError, match=r"^method normuon: its momentum and row second "):
         load_run(normuon_run(memory={"optimizer_offload": "paged"}))
+
+
+def test_resume_is_exact(tmp_path):
+    """bf16-true with Kahan: the row moments and the momentum come back in their dtypes."""
+    data = normuon_run(precision="bf16-true", update_compensation="kahan")
+    assert_resumes_exactly(load_run(data), tmp_path, stop=2)

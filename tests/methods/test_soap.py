@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SAMPLE_VOCAB, micro_model, micro_run
+from conftest import SAMPLE_VOCAB, assert_resumes_exactly, micro_model, micro_run
 from package_steps import feed
 from pytorch_optimizer import SOAP as PackageSOAP
 
@@ -116,3 +116,13 @@ def test_fsdp_and_paged_states_are_refused_with_the_reason():
         load_run(soap_run(parallel="fsdp"))
     with pytest.raises(UserError, match=r"^method soap: its moments, statistics and eigen"):
         load_run(soap_run(memory={"optimizer_offload": "paged"}))
+
+
+def test_resume_across_a_refresh_is_exact(tmp_path):
+    """Stopped after step 2 and resumed, bases refreshed at steps 3 and 5 (after the first
+    step's build): every logged loss as the run never stopped; bf16-true with Kahan, so the
+    states' dtypes and the compensation buffer come back too."""
+    data = soap_run(method={"precondition_frequency": 2, "max_precond_dim": 200},
+                    precision="bf16-true", update_compensation="kahan")
+    data["train"]["steps"] = 6
+    assert_resumes_exactly(load_run(data), tmp_path, stop=2)
