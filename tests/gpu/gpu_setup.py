@@ -1,9 +1,32 @@
 """Where and on what tests/gpu runs: the mode switch and the cases.
 
-On a CUDA device (`pytest -m gpu`): llama_60m, every pair of method, memory modifier and
-precision in at least one trained case. With HARNESS_GPU_SMOKE=1: the same tests on CPU at
-llama_micro with tiny settings and a covering subset (every method once, every modifier and
-precision at least once), so the code cannot rot between devices. Otherwise: skipped.
+On a CUDA device (`pytest -m gpu`): llama_60m, each case a method with a memory modifier and a
+precision. Every registered method trains, with every optimizer-side modifier (none, layer-wise,
+host optimizer offload, paged) and every precision it accepts, but for what its optimizer cannot
+tell apart (the principle of tests/method_matrix.py's docstring): recompute and activation
+offload replace a decoder module's forward only, so a method that keeps the model as built
+(not in the matrix's MODEL_METHODS, read from the registry) meets them as it meets `plain`;
+32-true, bf16-mixed and 16-mixed hand it the same float32 weights and gradients (autocast and
+the loss scale act on the forward and on the gradients before its step), so it meets one of
+them; and Kahan summation is the shared compensation code's (harness/modifiers/compensation.py)
+on a buffer of the weight's shape, so every method meets it as bf16-true. Recompute, activation
+offload and the float32-weight precisions train with `full` (its fused AdamW reads the loss
+scaler's overflow flag in its step) and with every method in MODEL_METHODS, Kahan summation
+with every modifier (each modifier meets each precision it accepts), and on CPU the matrix
+trains each method with each of them. Left out on CUDA: each
+optimizer-only method with recompute, activation offload, the float32-weight precisions but
+one, and Kahan summation; each model method with Kahan summation (`required` names the pairs).
+
+Resumed on CUDA (stopped, resumed, compared with a run never stopped): one method of each kind
+of state a checkpoint must bring back to the device (RESUMED_METHODS): 8-bit blockwise moments
+(bitsandbytes, paged among them), 4-bit subclass moments (torchao), random projections drawn
+from a generator on the device (APOLLO), INT8 weights and projections (Q-GaLore),
+NF4 base weights (QLoRA), merged and reset adapters (ReLoRA). Not resumed on CUDA: the other
+methods, whose states are tensors of the weights' shapes or smaller in torch's optimizer state
+dict, loaded as these are; each one's resume is checked exact on CPU (tests/methods; full's in
+tests/train). With HARNESS_GPU_SMOKE=1: the same tests on CPU at
+llama_micro with tiny settings and a covering subset (every modifier and precision at least
+once), so the code cannot rot between devices. Otherwise: skipped.
 """
 
 from __future__ import annotations
@@ -14,7 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 from conftest import micro_run
-from method_matrix import METHODS
+from method_matrix import METHODS, MODEL_METHODS
 
 SMOKE = os.environ.get("HARNESS_GPU_SMOKE") == "1"
 CUDA = torch.cuda.is_available() and not SMOKE
@@ -60,6 +83,11 @@ METHOD_REFUSES: dict[str, set[str]] = {
     "schedule_free": {"offload_paged", "bf16-true", "bf16-true-kahan", "bf16-true-sr-bf16"},
 }
 
+# The matrix's settings, but on CUDA 4-bit AdamW compiles its step as by default (a GPU run's
+# path; the matrix turns it off for the CPU, where it gives the same numbers).
+DEVICE_METHODS = {name: {k: v for k, v in settings.items() if not (CUDA and k == "compile_step")}
+                  for name, settings in METHODS.items()}
+
 
 class Case(NamedTuple):
     method: str
@@ -88,7 +116,7 @@ def run_config(case: Case) -> dict[str, Any]:
     method, modifier, precision = case
     data = micro_run(steps=STEPS, batch_size=SHAPE["batch_size"],
                      total_batch_size=SHAPE["total_batch_size"], **PRECISIONS[precision])
-    data.update(model=SHAPE["model"], device=DEVICE, method=METHODS[method],
+    data.update(model=SHAPE["model"], device=DEVICE, method=DEVICE_METHODS[method],
                 memory=MODIFIERS[modifier], eval={"every": 0, "tokens": 4 * SHAPE["seq_len"]})
     data["task"]["seq_len"] = SHAPE["seq_len"]
     # A final model only for QLoRA's cases, whose export dequantizes on the device: the rest
@@ -98,6 +126,13 @@ def run_config(case: Case) -> dict[str, Any]:
 
 
 ALL = [Case(m, x, p) for m in METHODS for x in MODIFIERS for p in PRECISIONS]
+# What a method's optimizer sees of a case (the module docstring): model-side modifiers and
+# the float32-weight precisions change the forward and the gradients' making, not the step.
+MODEL_SIDE = ("recompute", "offload")
+FLOAT32 = ("32-true", "bf16-mixed", "16-mixed")
+# Resumed on CUDA: one method of each kind of state a checkpoint must bring back on the
+# device (the module docstring).
+RESUMED_METHODS = ("adam8bit", "adam4bit", "apollo", "qgalore", "qlora", "relora")
 
 
 def pairs(case: Case) -> set[tuple[str, str]]:
@@ -105,25 +140,52 @@ def pairs(case: Case) -> set[tuple[str, str]]:
     return {(method, modifier), (method, precision), (modifier, precision)}
 
 
+def seen(case: Case) -> tuple[str, str]:
+    """The modifier and precision as `case.method` meets them: Kahan summation as bf16-true;
+    for a method that keeps the model (not in MODEL_METHODS), a model-side modifier as
+    `plain` and a float32-weight precision as `float32`."""
+    method, modifier, precision = case
+    precision = "bf16-true" if precision == "bf16-true-kahan" else precision
+    if method in MODEL_METHODS:
+        return modifier, precision
+    return ("plain" if modifier in MODEL_SIDE else modifier,
+            "float32" if precision in FLOAT32 else precision)
+
+
+def required(case: Case) -> set[tuple[str, str]]:
+    """The pairs a trained `case` meets: its method with the modifier and the precision it
+    sees (`seen`), and its modifier with its precision."""
+    modifier, precision = seen(case)
+    return {(case.method, modifier), (case.method, precision), (case.modifier, case.precision)}
+
+
 def covering() -> tuple[list[Case], list[Case]]:
-    """Trained cases in which every pair (method, modifier, precision) that some case accepts
-    meets at least once: each method with each modifier, at the precision that covers most
-    pairs still missing, then cases for the pairs left. And one refused case per pair that no
-    case accepts, for the test to see refused."""
+    """Trained cases in which every pair `required` names for some accepted case meets at
+    least once: method by method, its modifiers with the fewest accepted cases first (paged:
+    float32 precisions only), each at the precision that covers most of its method's pairs
+    still missing, then of all pairs; then cases for the pairs left. And one refused case per
+    pair (of `pairs`) that no case accepts, for the test to see refused."""
     accepted = [c for c in ALL if refusal(c) is None]
-    missing = set().union(*map(pairs, accepted))
+    missing = set().union(*map(required, accepted))
     trained: list[Case] = []
 
-    def take(options: list[Case]) -> None:
-        best = max(options, key=lambda c: len(pairs(c) & missing))
-        trained.append(best)
-        missing.difference_update(pairs(best))
+    def own(case: Case) -> set[tuple[str, str]]:
+        return {(case.method, x) for x in seen(case)} & missing
 
-    for method in METHODS:
-        for modifier in MODIFIERS:
-            options = [c for c in accepted if c[:2] == (method, modifier)]
-            if options:
-                take(options)
+    def take(options: list[Case]) -> None:
+        best = max(options, key=lambda c: (len(own(c)), len(required(c) & missing)))
+        trained.append(best)
+        missing.difference_update(required(best))
+
+    # Methods that change the model first: only they meet the model-side modifiers' pairs.
+    for method in sorted(METHODS, key=lambda m: m not in MODEL_METHODS):
+        options = [c for c in accepted if c.method == method]
+        kinds = Counter(seen(c)[0] for c in options)
+        for modifier in sorted(kinds, key=kinds.__getitem__):
+            if (method, modifier) in missing:
+                take([c for c in options if seen(c)[0] == modifier])
+        while any(map(own, options)):
+            take(options)
     while missing:
         take(accepted)
     reachable = set().union(*map(pairs, accepted))
@@ -132,12 +194,13 @@ def covering() -> tuple[list[Case], list[Case]]:
 
 
 def diagonal(cases: list[Case]) -> list[Case]:
-    """Each method once, in cases that together cover every modifier and precision (the
-    least used first, once all are in)."""
+    """A case of each of RESUMED_METHODS, its step on the device (not `offload_host`, whose
+    states live on the host), together covering as many modifiers and precisions as they can
+    (the least used first, once all are in)."""
     used: Counter[str] = Counter()
     picked = []
-    for method in METHODS:
-        case = max((c for c in cases if c.method == method),
+    for method in RESUMED_METHODS:
+        case = max((c for c in cases if c.method == method and c.modifier != "offload_host"),
                    key=lambda c: (len({c.modifier, c.precision} - set(used)),
                                   -used[c.modifier] - used[c.precision]))
         picked.append(case)
@@ -145,11 +208,28 @@ def diagonal(cases: list[Case]) -> list[Case]:
     return picked
 
 
-TRAINED, REFUSED = covering()
-DIAGONAL = diagonal(TRAINED)
-# Resumed (stopped at STOP, resumed, compared with a run never stopped): on CUDA each method
-# once, the diagonal; in the smoke form its first case, and the rest of it trains once.
+def spread(cases: list[Case], done: list[Case]) -> list[Case]:
+    """Cases of `cases` in which every modifier and precision not in `done` trains once: each
+    the one with most of those still missing (the first on a tie)."""
+    missing = set(MODIFIERS) | set(PRECISIONS)
+    missing -= {x for c in done for x in (c.modifier, c.precision)}
+    picked = []
+    while missing:
+        best = max(cases, key=lambda c: len({c.modifier, c.precision} & missing))
+        picked.append(best)
+        missing -= {best.modifier, best.precision}
+    return picked
+
+
+COVERING, REFUSED = covering()
+DIAGONAL = diagonal(COVERING)
+# Resumed (stopped at STOP, resumed, compared with a run never stopped): on CUDA the diagonal,
+# the rest trained. In the smoke form the diagonal's first case, and enough of the rest for
+# every modifier and precision to train once: each method trains on the CPU with the
+# modifiers and precisions in tests/method_matrix.py, with these very settings.
+CUDA_RESUMED, CUDA_TRAINED = DIAGONAL, [c for c in COVERING if c not in DIAGONAL]
 if SMOKE:
-    RESUMED, TRAINED = DIAGONAL[:1], DIAGONAL[1:]
+    RESUMED = DIAGONAL[:1]
+    TRAINED = spread(DIAGONAL[1:] + CUDA_TRAINED, RESUMED)
 else:
-    RESUMED, TRAINED = DIAGONAL, [c for c in TRAINED if c not in DIAGONAL]
+    RESUMED, TRAINED = CUDA_RESUMED, CUDA_TRAINED
