@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import free_port, hf_eval_loss, micro_run, ranks, write_yaml
+from fsdp_ranks import HEADER
 from ranks import Ranks
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -56,6 +57,20 @@ def run_procs(data: dict[str, Any], out: Path, procs: int) -> str:
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output
     return output
+
+
+def launch(configs: list[Path], procs: int, stop: int | None = None) -> dict[Path, str]:
+    """Every trial of `configs` in one launch of `procs` ranks (tests/train/fsdp_ranks.py),
+    each by `harness train` (`stop`: stopped after that step); each trial's folder -> the
+    output from its start to the next trial's."""
+    argv = [*(["--stop", str(stop)] if stop is not None else []),
+            *(x for path in configs for x in (str(path), str(free_port())))]
+    proc = Ranks(argv, procs, free_port(), "fsdp_ranks")
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output
+    parts = {Path(part.split("\n", 1)[0]): part for part in output.split(HEADER)[1:]}
+    assert list(parts) == [path.with_suffix("") for path in configs], output
+    return parts
 
 
 def state(out: Path) -> dict[str, Any]:
@@ -265,16 +280,6 @@ RESUMES: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {  # id -> (W, 
 }
 
 
-def resume_ranks(configs: list[Path], procs: int, stop: int | None = None) -> str:
-    """Every trial of `configs` in one launch of `procs` ranks (tests/train/resume_ranks.py)."""
-    argv = [*(["--stop", str(stop)] if stop is not None else []),
-            *(x for path in configs for x in (str(path), str(free_port())))]
-    proc = Ranks(argv, procs, free_port(), "resume_ranks")
-    output, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, output
-    return output
-
-
 def test_a_trial_stopped_at_one_world_size_resumes_at_another(tmp_path):
     """Each rank wrote its shards (by parameter name: torch's get_state_dict); a resume at any
     world size reads the rows it now holds (GaLore: its row-sharded moments by rows, its bases
@@ -291,15 +296,15 @@ def test_a_trial_stopped_at_one_world_size_resumes_at_another(tmp_path):
                 "method": method, "memory": {"layerwise": True} if keys.get("layerwise") else {}}
         configs[case] = write_yaml(tmp_path / case / "trial.yaml", data)
     for procs in sorted({first for first, *_ in RESUMES.values()}):
-        resume_ranks([configs[c] for c, (first, *_) in RESUMES.items() if first == procs],
-                     procs, stop=2)
+        launch([configs[c] for c, (first, *_) in RESUMES.items() if first == procs], procs,
+               stop=2)
     for case, path in configs.items():
         stopped = read_json(path.with_suffix("") / "summary.json")
         assert stopped["status"] == "interrupted" and 2 <= stopped["step"] < 10, (case, stopped)
-    output = resume_ranks(list(configs.values()), 2)
+    outputs = launch(list(configs.values()), 2)
     for case, path in configs.items():
         trial = path.with_suffix("")
-        assert f"resumed from {trial / 'checkpoint' / 'state.pt'}" in output, case
+        assert f"resumed from {trial / 'checkpoint' / 'state.pt'}" in outputs[trial], case
         assert read_json(trial / "summary.json")["step"] == 10, case
         train(load_run(read_yaml(path)), tmp_path / case / "one")
         assert_same_losses(tmp_path / case / "one", trial)
