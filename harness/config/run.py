@@ -81,6 +81,7 @@ LATER_METHOD_KEYS = {
     "relora": {"prune": "magnitude", "decay_vectors": False},
     "apollo": {"int8_weights": False, "weight_group": 256, "decay_vectors": False},
     "apollo_mini": {"int8_weights": False, "weight_group": 256, "decay_vectors": False},
+    "galore": {"projection_after": None},  # GoLore's switch: SVD throughout without it
 }
 LATER_TASK_KEYS = {"read_shards": None}  # task settings added later, as LATER_METHOD_KEYS
 WARM_START_KEYS = ("warm_start", "warm_start_warmup_steps")  # ReLoRA's: idle without warm start

@@ -133,8 +133,9 @@ def test_7b_is_estimated_offline_in_seconds(tmp_path, monkeypatch):
 
 
 def test_one_row_per_distinct_configuration_with_its_learning_rates(capsys):
-    """c4_1b.yaml: 13 method entries, 5 learning rates each (Q-GaLore 3), one seed: 63 trials,
-    13 rows; the table, what follows it and GaLore Table 2 beside it keep to 120 columns."""
+    """c4_1b.yaml: 25 method entries (13, and issue 69's 12 contenders), 5 learning rates each
+    (Q-GaLore 3), one seed: 123 trials, 25 rows; the table, what follows it and GaLore Table 2
+    beside it keep to 120 columns."""
     from harness.cli import main
 
     assert main(["estimate", "sweeps/c4_1b.yaml"]) == 0
@@ -144,7 +145,7 @@ def test_one_row_per_distinct_configuration_with_its_learning_rates(capsys):
     header = lines[0].split()
     assert header[:2] == ["method", "lr"] and "trial" not in header
     rows = {line.split()[0]: line for line in lines[2:lines.index("set hyperparameters:")]}
-    assert len(rows) == 13 and "-" not in "".join(rows)  # no trial ids (label-hash)
+    assert len(rows) == 25 and "-" not in "".join(rows)  # no trial ids (label-hash)
     assert rows["full"].split()[1:6] == ["0.0001", "to", "0.01", "(5)", "5.36"]
     assert rows["qgalore"].split()[1:4] == ["0.005,", "0.01,", "0.015"]
     assert "  qgalore: betas=(0.9, 0.95), rank=1024, lazy_schedule=reference" in lines
