@@ -66,9 +66,12 @@ def _junit(report: Path, returncode: int, tail: str) -> Record:
 
 
 def estimate(s: Settings, out: Path) -> Iterator[Record]:
-    """Every method's counted bytes (exact) and steady-step peak (±5%) against the estimate."""
+    """Every method's counted bytes (exact) and steady-step peak (±5%) against the estimate
+    (the smoke run: its `estimate_labels` only)."""
+    labels = [label for label in METHODS
+              if s.estimate_labels is None or label in s.estimate_labels]
     for preset in s.presets:
-        for label in METHODS:
+        for label in labels:
             try:
                 records = method_records(label, preset, s.steps, s.seq_len, s.batch_size)
             except torch.OutOfMemoryError as e:

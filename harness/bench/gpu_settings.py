@@ -34,15 +34,18 @@ class Settings:
     loop: tuple[str, int, int, int, str, int]  # model, steps, batch, seq_len, precision, rounds
     big: str  # the 7B single-step part's model
     rank_7b: int
+    estimate_labels: tuple[str, ...] | None = None  # bench memory's labels to run (None: all)
 
 
 GPU = Settings("cuda", ("llama_60m", "llama_350m"), 6, 256, 8, "llama_1b", None, 512,
                64, 8, 16, 0.5, ("llama_350m", 30, 8, 256, "bf16-mixed", 3), "llama_7b", 1024)
-# The smoke run: every method in `estimate`, two of Table 11's rows (the same loop), every
-# branch of the mfu part; small enough for CI's CPUs.
+# The smoke run: three methods in `estimate` (`harness bench memory` runs every one at the same
+# sizes in tests/bench/test_bench.py), two of Table 11's rows (the same loop), every branch of
+# the mfu part; small enough for CI's CPUs.
 SMOKE = Settings("cpu", ("llama_micro",), 3, 32, 2, "llama_micro",
                  ("full", "galore_8bit_layerwise"), 8, 2, 3, 2, 0.01,
-                 ("llama_micro", 3, 2, 32, "32-true", 1), "llama_micro", 8)
+                 ("llama_micro", 3, 2, 32, "32-true", 1), "llama_micro", 8,
+                 estimate_labels=("full", "qgalore", "apollo_mini_int8_layerwise"))
 
 
 def kit_run(s: Settings, model: str, method: dict[str, Any], layerwise: bool = False,

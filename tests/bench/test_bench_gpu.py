@@ -14,10 +14,12 @@ import pytest
 import torch
 from conftest import REPO, harness
 
+from harness.bench import gpu_parts
 from harness.bench.gpu import CAPS, load_state, run_part
 from harness.bench.gpu_mfu import gemm_shapes
 from harness.bench.gpu_parts import _junit
 from harness.bench.gpu_report import render
+from harness.bench.memory import METHODS
 from harness.errors import UserError
 from harness.trials import read_json, write_json
 
@@ -51,9 +53,9 @@ def test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left(t
     assert len(outcomes) == tests["value"] + tests["skipped"]  # the plugin saw what junit saw
     assert {o["outcome"] for o in outcomes} <= {"passed", "skipped"}
     estimate = parts["estimate"]["records"]
-    labels = {r["name"].split("/")[3] for r in estimate}
-    assert len(labels) == 15 and {"full", "qgalore", "apollo_mini_int8_layerwise"} <= labels
-    assert len(estimate) == 15 * 5  # 4 counted parts and the peak, each method
+    labels = {r["name"].split("/")[3] for r in estimate}  # the smoke's three (every one: below)
+    assert labels == {"full", "qgalore", "apollo_mini_int8_layerwise"}
+    assert len(estimate) == 3 * 5  # 4 counted parts and the peak, each method
     assert all(r["value"] == r["estimate"] for r in estimate if "tolerance" not in r)
     table11 = {r["name"].rsplit("/", 1)[1]: r for r in parts["table11"]["records"]}
     assert table11["galore_8bit_layerwise"]["paper_gb"] == 5.63  # GaLore Table 11, by hand
@@ -101,6 +103,23 @@ def test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left(t
     again = harness("bench", "gpu", "--out", str(out), "--smoke", cwd=REPO)
     assert again.returncode == 0 and again.stdout.count("done before (ok)") == 6
     assert read_json(out / "gpu.json")["parts"] == parts  # nothing measured twice
+
+
+def test_the_estimate_part_measures_every_method_on_a_device_and_three_in_the_smoke(
+        monkeypatch):
+    """A GPU run measures every `harness bench memory` label at each preset; the smoke run's
+    three only, since tests/bench/test_bench.py runs every one at the smoke's sizes."""
+    asked: list[tuple[str, str]] = []
+    monkeypatch.setattr(gpu_parts, "method_records", lambda label, preset, *sizes: (
+        asked.append((preset, label)), [{"name": f"memory/{preset}/{label}/param_bytes"}])[1])
+    records = list(gpu_parts.estimate(gpu_parts.GPU, Path("unused")))
+    assert asked == [(p, label) for p in ("llama_60m", "llama_350m") for label in METHODS]
+    assert len(METHODS) > 20 and records[0]["name"] == "gpu/memory/llama_60m/full/param_bytes"
+    asked.clear()
+    list(gpu_parts.estimate(gpu_parts.SMOKE, Path("unused")))
+    assert asked == [("llama_micro", label) for label in METHODS
+                     if label in ("full", "qgalore", "apollo_mini_int8_layerwise")]
+    assert len(asked) == 3
 
 
 def test_a_part_past_its_cap_is_killed_and_says_so(tmp_path):
