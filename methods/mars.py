@@ -117,7 +117,7 @@ def _corrected(p: Tensor, g: Tensor, st: dict[str, Any], group: dict[str, Any]) 
     norm = torch.linalg.vector_norm(c)
     if rows.sharded:  # the whole matrix's: every rank's sum of squares
         norm = rows.sum(norm.square()).sqrt()
-    return c.div_(norm) if norm > 1 else c
+    return c.div_(norm.clamp(min=1))  # clipped to norm 1, with no host read of the norm
 
 
 @register("mars")

@@ -147,7 +147,7 @@ class Trainer:
         measure = not self.layerwise and self._logged(self.step + 1)
         grads = clip or measure or self.precision.scaler is not None  # fp16 checks their norm
         params = [p for p in self.model.parameters() if p.grad is not None] if grads else []
-        self.lr = float(self.optimizer.param_groups[0]["lr"])  # a tensor in torchao's groups
+        self.lr = self.optimizer.param_groups[0]["lr"]  # torchao's: a tensor, read when logged
         norm = self.precision.step(self.optimizer, params, clip, self.step + 1, measure)
         self.grad_norm = norm if measure else None  # read at the log line: no sync before it
         self.scheduler.step()
@@ -241,7 +241,7 @@ class Trainer:
         if len(bad):
             first = int(bad[0])
             raise NonFinite(float(losses[first]), self.step - len(losses) + 1 + first)
-        lr, value = self.lr, float(losses[-1])
+        lr, value = float(self.lr), float(losses[-1])
         self.rec.log(
             {
                 "kind": "train",

@@ -55,7 +55,7 @@ def test_user_error_from_the_real_command(tmp_path):
     line = done.stderr.strip()
     assert "\n" not in line
     assert line.startswith("error: methods.adam8bt.name: unknown method 'adam8bt' "
-                           "(did you mean 'adam8bit'? allowed: adam8bit, ")
+                           "(did you mean 'adam8bit'? allowed: adam4bit, adam8bit, ")
 
 
 def test_bad_flags_and_files(tmp_path, capsys):

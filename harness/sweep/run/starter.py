@@ -36,8 +36,8 @@ from harness.sweep.run.process import trial_args
 # its first export builds (harness/train/warm.py): the fork server loads them once. Nothing it
 # imports may run a parallel torch op: a child forked after OpenMP's thread pool has started
 # hangs in its own first one (seen with a matmul).
-PRELOAD = ["harness.cli", "harness.train.run", "harness.sweep.search.prune",
-           "harness.methods.resolve", "harness.data.c4",
+PRELOAD = ["harness.sweep.run.fork_safe", "harness.cli", "harness.train.run",
+           "harness.sweep.search.prune", "harness.methods.resolve", "harness.data.c4",
            "transformers.models.llama.modeling_llama", "datasets", "harness.train.warm"]
 
 # The signals that ask a sweep to stop. The sweep decides for its trials: its fork server
