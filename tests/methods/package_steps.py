@@ -1,6 +1,7 @@
 """What the reference tests that step a built method beside an authors' package share: the
 same gradients into both models, the package's groups for a model, and the comparison of the
-weights after (tests/methods/test_muon.py, test_apollo.py, test_fira.py)."""
+weights after, and the AdamW beside Muon-split packages (tests/methods/test_muon.py,
+test_normuon.py, test_apollo.py, test_fira.py)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,13 @@ def assert_stepped_as_package(model: torch.nn.Module, ref: torch.nn.Module, ours
             assert gap < 3e-4 if vectors_close else gap > 1.5e-2, name
         else:
             assert gap < (3e-3 if "embed" in name or "lm_head" in name else 2e-4), name
+
+
+def adamw_on_the_rest(model: torch.nn.Module, taken: list[torch.nn.Parameter], lr: float,
+                      weight_decay: float) -> torch.optim.Optimizer:
+    """torch's fused AdamW on `model`'s parameters outside `taken` (Muon's split): decay on
+    matrices, none on vectors, as the harness's AdamW side does."""
+    rest = [p for p in model.parameters() if all(p is not t for t in taken)]
+    return torch.optim.AdamW(
+        [{"params": [p for p in rest if p.dim() == 2], "weight_decay": weight_decay},
+         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}], lr=lr, fused=True)

@@ -18,7 +18,7 @@ from conftest import (
     micro_model,
     micro_run,
 )
-from package_steps import feed
+from package_steps import adamw_on_the_rest, feed
 
 from harness.errors import UserError
 from harness.methods import build_method, memory_of, optimizer_for
@@ -54,10 +54,7 @@ def test_hidden_matrices_step_as_torch_muon_and_the_rest_as_torch_adamw(adjust, 
               if p.dim() == 2 and "embed" not in n and "lm_head" not in n]
     muon = torch.optim.Muon(hidden, lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov,
                             ns_steps=4, adjust_lr_fn=adjust)
-    rest = [p for p in ref.parameters() if all(p is not h for h in hidden)]
-    adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() == 2], "weight_decay": 0.1},
-                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
-                              lr=0.02, fused=True)
+    adamw = adamw_on_the_rest(ref, hidden, lr=0.02, weight_decay=0.1)
     start = [p.detach().clone() for p in model.parameters()]
 
     def step() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import SAMPLE_VOCAB, assert_resumes_exactly, micro_model, micro_run
-from package_steps import feed
+from package_steps import adamw_on_the_rest, feed
 from pytorch_optimizer import NorMuon as PackageNorMuon
 
 from harness.errors import UserError
@@ -59,10 +59,7 @@ def test_hidden_matrices_step_as_the_package_and_the_rest_as_torch_adamw(scale, 
         [{"params": hidden, "use_muon": True, "lr": 0.02, "weight_decay": 0.1}], beta2=0.9,
         nesterov=nesterov, update_scale=scale, use_adjusted_lr=adjust == "match_rms_adamw",
         foreach=False)
-    rest = [p for p in ref.parameters() if all(p is not h for h in hidden)]
-    adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() == 2], "weight_decay": 0.1},
-                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
-                              lr=0.02, fused=True)
+    adamw = adamw_on_the_rest(ref, hidden, lr=0.02, weight_decay=0.1)
     start = [p.detach().clone() for p in model.parameters()]
 
     def step() -> None:
