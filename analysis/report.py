@@ -39,6 +39,7 @@ from .html import Block, Heading, Image, Paragraph, Preformatted, Table, write_h
 from .load import PathArg, Paths, load_runs, load_steps, read_sweep, run_dirs
 from .paper import task_kind
 from .plots import PER_TRIAL, curves_plot, memory_chart, save_png
+from .protocol import protocol_sections
 from .stats import at_best_lr
 from .tables import write_tables
 from .unreadable import unreadable_note, with_mark
@@ -99,6 +100,8 @@ def write_report(paths: Paths, out: PathArg | None = None) -> str:
         cost_blocks, cost_text = cost_section(pretraining, order, name, out)
         blocks += cost_blocks
         terminal += [cost_text] if cost_text else []
+        fit_blocks, fit_texts = protocol_sections(pretraining, name, out)  # speedup, scaling
+        blocks, terminal = [*blocks, *fit_blocks], [*terminal, *fit_texts]
     for title, note, table in write_tables(trials, out, order):
         blocks += [Heading(title), Paragraph(note), Table(table, flag="differs")]
         terminal.append(f"{title}\n{text_table(table)}")

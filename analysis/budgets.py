@@ -1,0 +1,89 @@
+"""Each method's best trials per (model, token budget): what the speedup and scaling fits read.
+
+A trial is compared at its own end: its final eval loss (nats per token; ln of the eval
+perplexity for a summary without it). Per (model, budget, method setting) the best trial set
+is the seeds of the LR whose seed-mean final loss is lowest (`stats.best_lr`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from .format import VARIANT_DEFAULTS, fill_variants, variant_label
+from .stats import best_lr, finished
+
+# The sweep's recorded token budget per trial; a sweep from before budgets has none, and its
+# trials' budget is the tokens each one saw (steps × tokens per step at a normal end).
+BUDGET_COLUMN = "budget_tokens"
+LOSS = "final_loss"
+KEYS = ["model", "budget", "variant"]
+SET_COLUMNS = [*KEYS, "method", "lr", "mean", "ci", "n", "sem", "losses", "tokens",
+               "total_params"]
+
+
+def budget_tokens(trials: pd.DataFrame) -> pd.Series:
+    """Each trial's token budget: the recorded one where the sweep states budgets, else the
+    tokens its summary counts."""
+    tokens = pd.to_numeric(trials.get("tokens", pd.Series(np.nan, index=trials.index)),
+                           errors="coerce")
+    if BUDGET_COLUMN in trials:
+        return pd.to_numeric(trials[BUDGET_COLUMN], errors="coerce").fillna(tokens)
+    return tokens
+
+
+def final_loss(trials: pd.DataFrame) -> pd.Series:
+    """The final eval loss, ln(eval perplexity) where a summary records only the perplexity."""
+    nan = pd.Series(np.nan, index=trials.index)
+    loss = pd.to_numeric(trials.get("eval_loss", nan), errors="coerce")
+    ppl = pd.to_numeric(trials.get("eval_ppl", nan), errors="coerce")
+    return loss.fillna(np.log(ppl.where(ppl > 0)))
+
+
+def with_budgets(trials: pd.DataFrame) -> pd.DataFrame:
+    """The trials with `budget`, `final_loss` and `variant` (method plus any memory modifiers
+    and precision, as the summary table names it)."""
+    filled = fill_variants(trials)
+    labels = [variant_label(*row) for row in
+              filled[list(VARIANT_DEFAULTS)].astype(str).itertuples(index=False)]
+    return filled.assign(budget=budget_tokens(filled), **{LOSS: final_loss(filled)},
+                         variant=labels)
+
+
+def best_sets(trials: pd.DataFrame) -> pd.DataFrame:
+    """One row per (model, budget, variant) with a finished trial: the best LR, the seed-mean
+    final loss with its 95% t half-width (`ci`), n, the standard error of the mean (`sem`), the
+    seeds' losses, the tokens they trained on (D: whole steps within the budget, the budget
+    itself where a summary counts none) and the largest parameter count recorded."""
+    ready = with_budgets(trials)
+    ready = ready[ready["budget"].notna() & ready["model"].notna()]
+    picks = best_lr(ready, KEYS, metric=LOSS)
+    if picks.empty:
+        return pd.DataFrame(columns=SET_COLUMNS)
+    done = finished(ready, LOSS)
+    rows = []
+    for _, pick in picks.iterrows():
+        at = done[(done[KEYS] == pick[KEYS]).all(axis=1) & (done["lr"] == pick["lr"])]
+        losses = tuple(float(v) for v in at[LOSS])
+        sem = float(np.std(losses, ddof=1) / math.sqrt(len(losses))) if len(losses) > 1 \
+            else math.nan
+        params = pd.to_numeric(at["total_params"], errors="coerce").max() \
+            if "total_params" in at else math.nan
+        tokens = pd.to_numeric(at["tokens"], errors="coerce").mean() if "tokens" in at \
+            else math.nan
+        rows.append({**pick[[*KEYS, "lr", "mean", "ci", "n"]].to_dict(),
+                     "method": str(at["method"].iloc[0]), "sem": sem, "losses": losses,
+                     "tokens": pick["budget"] if pd.isna(tokens) else float(tokens),
+                     "total_params": float(params)})
+    return pd.DataFrame(rows, columns=SET_COLUMNS)
+
+
+def baseline_variant(sets: pd.DataFrame, baseline: str) -> str | None:
+    """The variant standing for the baseline method label: the label itself (its default
+    memory and precision) where run, else its first other variant; None where not run."""
+    variants = list(dict.fromkeys(sets.loc[sets["method"] == baseline, "variant"]))
+    if baseline in variants:
+        return baseline
+    return variants[0] if variants else None
