@@ -13,7 +13,8 @@ from .format import metric_cells, text_table, whole
 from .unreadable import unreadable_lines
 
 # `harness status --json`: one record per trial with these keys (null where not reported).
-STATUS_KEYS = ["trial", "method", "memory", "status", "step", "steps", *STATUS, "error"]
+STATUS_KEYS = ["trial", "method", "memory", "status", "step", "steps", *STATUS,
+               "final_model_dropped", "error"]
 
 
 def status_table(trials: pd.DataFrame) -> str:
@@ -32,6 +33,9 @@ def status_table(trials: pd.DataFrame) -> str:
             **{METRICS[name].header: metric_cells(name, trials[name]) for name in STATUS},
         }
     )
+    if "final_model_dropped" in trials:  # its sweep's keep_models dropped it: not missing
+        why, header = trials["final_model_dropped"], METRICS["final_model_bytes"].header
+        table[header] = table[header].where(why.isna(), "dropped (" + why.astype(str) + ")")
     return "\n".join([text_table(table), *unreadable_lines(trials)])
 
 

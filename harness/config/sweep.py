@@ -94,6 +94,11 @@ class SweepConfig(Common):
     storage: str | None = Field(
         None, description="Optuna storage: a journal file path or a database URL"
     )
+    keep_models: Literal["best", "all", "none"] = Field(
+        "best", description="as each run of the sweep ends: which trials that ended ok keep "
+        "their final model (best: each method's best by the search metric per model and "
+        "budget; all; none)"
+    )
 
     @field_validator("methods")
     @classmethod

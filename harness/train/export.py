@@ -8,7 +8,9 @@ The model is written streamed (harness/trials/stream_export.py): its skeleton on
 device, each tensor read from the checkpoint (a sharded one's `model/`) as its turn in the
 safetensors file comes; where the method's export changes the model (adapters merged, weights
 dequantized), a unit (decoder layer, embedding, head) at a time, the method's `export` run on a
-skeleton holding only that unit's weights. The files are those the whole model's save writes.
+skeleton holding only that unit's weights. The files are those the whole model's save writes,
+in the dtype the trial trained in: a bf16-true trial's all bfloat16 (a dequantized weight as
+its forward cast it), others' float32.
 """
 
 from __future__ import annotations
@@ -72,20 +74,22 @@ def finish(run: RunConfig, trial: TrialDir, summary: dict[str, Any],
 
 def is_finished(run: RunConfig, trial: TrialDir, summary: Summary) -> bool:
     """A trial that ended ok and whose `finish` completed: its final model verifies, or it
-    keeps none. Its training state is not needed (and is gone unless `keep_final: full`).
-    UserError when it finished another config (its identity, kept in the summary)."""
+    keeps none, or its sweep dropped it (`keep_models`). Its training state is not needed (and
+    is gone unless `keep_final: full`). UserError when it finished another config (its
+    identity, kept in the summary)."""
     if summary.get("keep_final") is None:
         return False
     if summary.get("identity") != run.identity():
         raise UserError(f"{trial}: finished with a different config ({summary.get('identity')}, "
                         f"this run is {run.identity()}); use another --out or delete that folder")
-    return (summary.get("keep_final") == "none"
+    return (summary.get("keep_final") == "none" or bool(summary.get("final_model_dropped"))
             or final_model.verified(trial.final_model) is not None)
 
 
 def export_trial(folder: Path, out: Path) -> int:
     """`harness export`: the trial's final model copied to `out`, or, without one (an
-    interrupted trial, or one that keeps none), its newest checkpoint exported there."""
+    interrupted trial, or one that keeps none), its newest checkpoint exported there. A model
+    its sweep dropped (`keep_models`), with no checkpoint left: UserError saying so."""
     trial = TrialDir(folder)
     if not trial.is_trial():
         raise UserError(f"{folder}: not a trial folder (no config.yaml); give "
@@ -98,9 +102,25 @@ def export_trial(folder: Path, out: Path) -> int:
         final_model.copy(trial.final_model, out)
         _generation_ids_into(out)
         return have
-    state = newest_state(trial)
+    state = _state_or_dropped(trial)
     run = load_run(read_yaml(trial.config))
     return write_model(run, state, out, state["step"], record=False)
+
+
+def _state_or_dropped(trial: TrialDir) -> dict[str, Any]:
+    """The trial's newest checkpoint; where there is none and its sweep dropped its final
+    model, UserError naming why and the trial that kept one."""
+    try:
+        return newest_state(trial)
+    except UserError:
+        summary = trial.read_summary()
+        why = summary.get("final_model_dropped") if summary is not None else None
+        if not why:
+            raise
+        kept = summary.get("final_model_kept_by")
+        instead = f"; {kept} kept its model" if kept else ""
+        raise UserError(f"{trial}: its final model was dropped ({why}) as its sweep ended"
+                        f"{instead}; a sweep with keep_models: all keeps every trial's") from None
 
 
 def write_model(run: RunConfig, state: dict[str, Any], folder: Path, step: int,
@@ -144,7 +164,7 @@ def streamed(run: RunConfig, state: dict[str, Any]) -> tuple[Any, Any, stream_ex
     exported = prepared
     if type(method).export is not Method.export:
         fresh = _copies(prepared, run, method)
-        exported = method.export(fresh())
+        exported = pure_bf16(method.export(fresh()), run.train)  # dequantized: float32
         units = _units(prepared, exported)
         if units is None:
             return None
@@ -243,7 +263,7 @@ def _by_unit(source: dict[str, str], templates: dict[str, torch.Tensor], exporte
                              assign=True)  # the tensors read become the unit's: no copy
         del weights
         done = method.export(model).state_dict()
-        tensors = {n: done[n] for n in names if owner[n] == unit}
+        tensors = {n: done[n].to(names[n].dtype) for n in names if owner[n] == unit}
         beyond = next((n for n, t in tensors.items() if t.is_meta), None)
         if beyond is not None:
             raise ValueError(f"{beyond}: its export needs weights outside {unit}")

@@ -1,6 +1,7 @@
 """A trial's model as a plain Hugging Face model: built as the trial built it (by its task's
 `build`), its checkpoint loaded (a sharded one's weights alone, whole in this one process), then the
-method's `export` (adapters merged, INT8 and NF4 weights dequantized, W = B·A multiplied out);
+method's `export` (adapters merged, INT8 and NF4 weights dequantized, W = B·A multiplied out), in
+the dtype it trained in (bf16-true: bfloat16, the dequantized weights as its forward used them);
 and such a model written in Hugging Face format, verified."""
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def plain_model(run: RunConfig, state: dict[str, Any], build: Build) -> tuple[nn
         model.load_state_dict(weights)
     else:
         model.load_state_dict(state["model"])
-    return method.export(model).eval(), tok
+    return pure_bf16(method.export(model), run.train).eval(), tok  # bf16-true: all bf16
 
 
 def newest_state(trial: TrialDir) -> dict[str, Any]:

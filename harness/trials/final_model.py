@@ -6,7 +6,8 @@
 The folder is written under a temporary name, every file fsynced, each saved tensor read back
 and compared with the one in memory, and only then renamed into place and its record written.
 A trial's training state is removed only after that (`keep_final: weights`), so a kill or a
-full disk at any instant leaves either the checkpoint or a verified model, never neither.
+full disk at any instant leaves either the checkpoint or a verified model, never neither. A
+sweep's `keep_models` may drop it once the sweep's run ends (harness/sweep/run/keep.py).
 """
 
 from __future__ import annotations
@@ -110,6 +111,21 @@ def verified(folder: Path) -> int | None:
         if not path.is_file() or path.stat().st_size != want.get("bytes"):
             return None
     return record.get("bytes")
+
+
+def present(folder: Path) -> bool:
+    """Any of the final model on disk: its folder or its record (whole or not)."""
+    return folder.exists() or record_of(folder).exists()
+
+
+def drop(folder: Path) -> int:
+    """The final model removed (a sweep's `keep_models`), its record first, so a kill midway
+    leaves no record of a model that is not whole; the bytes freed."""
+    freed = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) \
+        if folder.is_dir() else 0
+    record_of(folder).unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    return freed
 
 
 def remove_state(checkpoints: Path) -> None:

@@ -2,7 +2,8 @@
 an Optuna study, search.py) gives the worker sources and the run part launches them, never
 knowing which kind they are. A trial left interrupted with a checkpoint (a preemption its job
 could not survive) runs again before the sweep ends, and a sweep that still has unfinished
-trials says so in its exit code."""
+trials says so in its exit code. As it ends, the trials that are not worth it drop their final
+models (`keep_models`, keep.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from harness.errors import UserError
 from harness.sweep.launchers.launch import launch
 from harness.sweep.plan.expand import load_sweep, preflight
 from harness.sweep.plan.forecast import check_disk
+from harness.sweep.run.keep import keep_models
 from harness.sweep.run.lock import hold
 from harness.sweep.run.stop import signal_name, stop_on_signals
 from harness.sweep.run.trial_state import trial_statuses
@@ -50,6 +52,8 @@ def run(search: Search, retry_failed: bool = False, show: Show | None = None) ->
         resubmit(sweep.launcher.max_requeues, search.trial_dirs,
                  lambda again: work(search, search.again(again)))
         any_failed = search.failed()
+        if dropped := keep_models(sweep, search.trial_dirs()):
+            print(dropped, flush=True)
     if show is not None:
         show(out)
     if unfinished(search):
