@@ -24,7 +24,7 @@ from scipy.optimize import OptimizeWarning, curve_fit
 from harness.errors import UserError
 
 ALPHA_MAX = 5.0  # an exponent past this is no power law a loss curve follows
-ALPHA_GRID = np.geomspace(1e-3, ALPHA_MAX, 400)  # starting points for the refinement
+ALPHA_GRID = np.geomspace(1e-3, ALPHA_MAX, 100)  # starting points for the refinement
 
 
 @dataclass(frozen=True)
