@@ -18,6 +18,7 @@ from harness.trials import RunsDir, Status, atomic_write
 
 from .caveats import annotate, conditions_line, with_conditions
 from .cost_front import cost_section
+from .downstream import downstream_section
 from .figures import (
     best_lr_trials,
     eval_curves,
@@ -102,6 +103,8 @@ def write_report(paths: Paths, out: PathArg | None = None) -> str:
         terminal += [cost_text] if cost_text else []
         fit_blocks, fit_texts = protocol_sections(pretraining, name, out)  # speedup, scaling
         blocks, terminal = [*blocks, *fit_blocks], [*terminal, *fit_texts]
+        eval_blocks, eval_texts = downstream_section(pretraining, out)  # `harness eval` scores
+        blocks, terminal = [*blocks, *eval_blocks], [*terminal, *eval_texts]
     for title, note, table in write_tables(trials, out, order):
         blocks += [Heading(title), Paragraph(note), Table(table, flag="differs")]
         terminal.append(f"{title}\n{text_table(table)}")

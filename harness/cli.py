@@ -25,6 +25,7 @@ from harness.cli_args import (
 from harness.cli_bench import add_bench
 from harness.cli_sweep import cmd_sweep, load_trials
 from harness.errors import UserError, render
+from harness.eval import DEFAULT_TASKS, batch_size, task_list
 
 # Only what building the parser needs is imported here: `harness --help` and `--version` stay
 # light; each command imports its rooms (torch, transformers, pandas) when it runs.
@@ -107,6 +108,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     size = export_trial(Path(args.trial), Path(args.out))
     print(f"{args.out}: {human_bytes(size)} in Hugging Face format "
           "(transformers loads it with from_pretrained)")
+    return EXIT_OK
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from harness.eval.run import evaluate, result_lines
+
+    scores = evaluate(Path(args.target), args.tasks, args.limit, args.batch_size, args.device,
+                      say=print)
+    print("\n".join(result_lines(scores)))
+    print(f"scores written to eval.json in {len(scores)} trial folder(s)")
     return EXIT_OK
 
 
@@ -258,6 +269,17 @@ def build_parser() -> Parser:
                    "(a trial's id is its method and a hash of its config; `harness status "
                    "RUNS_DIR` lists them)")
     x.add_argument("--out", required=True, help="folder to write the model into")
+    ev = command(sub, "eval", cmd_eval, "downstream scores with lm-eval", "Score a trial's "
+                 "final model, or every finished trial's of a runs directory, with "
+                 "lm-evaluation-harness; each task's scores go into the trial's eval.json.")
+    ev.add_argument("target", metavar="TRIAL_OR_RUNS", help="a trial folder or " + runs_dir)
+    ev.add_argument("--tasks", type=task_list, default=list(DEFAULT_TASKS), help="lm-eval "
+                    f"task names, comma-separated (default {','.join(DEFAULT_TASKS)}; offline: "
+                    "c4_sample_choice)")
+    ev.add_argument("--limit", type=positive_int, help="score the first N examples of each task")
+    ev.add_argument("--batch-size", type=batch_size, default=8,
+                    help="sequences a forward pass (default 8; auto: the largest that fits)")
+    ev.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda where there is one)")
     d = command(sub, "dashboard", cmd_dashboard, "watch a search sweep's studies",
                 "optuna-dashboard on the sweep's own study storage, on 127.0.0.1.")
     d.add_argument("runs_dir", help=runs_dir)

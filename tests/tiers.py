@@ -136,6 +136,7 @@ SHARED_SETUP_FILES = {
     "train/test_compile.py", "train/test_hsdp.py", "cost/test_tensor_peak.py",
     "methods/test_lora.py", "methods/test_qlora.py", "methods/test_relora.py",
     "methods/test_relora_reference.py", "train/test_multinode.py",
+    "eval/test_eval.py",  # lm-eval's task index, built once a process, and one scoring
 }
 
 

@@ -16,6 +16,7 @@
                             `train.keep_final: full`
         model/              the finished trial's model in Hugging Face format, and
         model.json          its record (final_model.py)
+        eval.json           its final model's downstream scores, per task (`harness eval`)
         launch.json         when and how it was launched (launcher kind, job id)
         optuna.json         the study and trial it reports to (Optuna sweeps)
         stderr.log          its stderr (local launcher)
@@ -91,6 +92,7 @@ class TrialDir(Folder):
     launch = Entry("launch.json")
     optuna_link = Entry("optuna.json")
     stderr = Entry("stderr.log")
+    downstream = Entry("eval.json")
 
     def is_trial(self) -> bool:
         """A folder holding a run config: what `model.from` may name directly."""
