@@ -24,6 +24,7 @@ from scipy.optimize import OptimizeWarning, curve_fit
 from harness.errors import UserError
 
 ALPHA_MAX = 5.0  # an exponent past this is no power law a loss curve follows
+ALPHA_BOUNDS = (1e-4, 0.999 * ALPHA_MAX)  # a fitted α outside: the law sits on a bound
 ALPHA_GRID = np.geomspace(1e-3, ALPHA_MAX, 100)  # starting points for the refinement
 
 
@@ -108,6 +109,23 @@ def fit_power_law(x: Sequence[float], y: Sequence[float], sigma: Sequence[float]
     return PowerLaw(E=float(params[0]), B=float(params[1]), alpha=float(params[2]), x0=x0,
                     errors=(float(errors[0]), float(errors[1]), float(errors[2])),
                     n=len(xs), floor=floor, chi2_dof=chi2)
+
+
+def try_fit(x: Sequence[float], y: Sequence[float], sigma: Sequence[float] | None = None,
+            floor: bool = True) -> PowerLaw | str:
+    """The law, or why there is none to read: the optimizer did not converge, or the losses
+    do not fall as a power law (B at 0, or α at a bound: flat, rising or a step)."""
+    try:
+        law = fit_power_law(x, y, sigma, floor)
+    except RuntimeError as error:  # curve_fit past max_nfev
+        return f"the fit did not converge ({error})"
+    low, high = ALPHA_BOUNDS
+    scale = law.B  # the loss above the floor at x0
+    if scale <= 1e-6 * max(abs(float(np.mean(y))), 1e-12) or not low < law.alpha < high:
+        losses = ", ".join(f"{v:.4g}" for v in y)
+        return (f"the losses ({losses}) do not fall as a power law (fitted α {law.alpha:.3g}, "
+                f"B {law.B:.2g}; allowed: {low:g} < α < {high:g}, B > 0)")
+    return law
 
 
 def _with_floor(z: np.ndarray, e: float, b: float, alpha: float) -> np.ndarray:

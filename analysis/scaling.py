@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from .budgets import baseline_variant, best_sets
-from .fits import PowerLaw, fit_power_law, min_points
+from .fits import PowerLaw, min_points, try_fit
 from .format import cell
 from .speedup import BASELINE
 
@@ -60,8 +60,11 @@ def scaling(trials: pd.DataFrame, baseline: str = BASELINE) -> Scaling:
             result.missing.append(f"{variant}: no fit: 1 model size ({own['model'].iloc[0]}); "
                                   f"a power law in N needs {min_points(False)}.")
             continue
-        result.fits[str(variant)] = fit_power_law(own["params"], own["mean"], floor=floor,
-                                                  sigma=own["sem"].to_numpy(dtype=float))
+        law = try_fit(own["params"], own["mean"], own["sem"].to_numpy(dtype=float), floor)
+        if isinstance(law, str):
+            result.missing.append(f"{variant}: no fit: {law}.")
+            continue
+        result.fits[str(variant)] = law
     return result
 
 

@@ -1,7 +1,7 @@
 """Speedup over tuned AdamW, as marin's "Fantastic Pretraining Optimizers" measures it.
 
 Per model, AdamW's best final loss at each token budget is fitted with L(D) = E + A·D^−α
-(`fits.fit_power_law`; weighted by the seeds' standard errors where every budget has two or
+(`fits.try_fit`; weighted by the seeds' standard errors where every budget has two or
 more seeds). A method reaching loss L_m with D_m tokens has speedup D_AdamW(L_m) / D_m, where
 D_AdamW(L) = (A/(L − E))^(1/α) is the tokens AdamW would need: 2 means AdamW needs twice the
 tokens for the same loss. Its interval is the 95% Student-t interval of the method's seed-mean
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from .budgets import baseline_variant, best_sets
-from .fits import PowerLaw, fit_power_law, min_points
+from .fits import PowerLaw, min_points, try_fit
 from .format import cell
 
 BASELINE = "full"  # the method label standing for AdamW
@@ -51,8 +51,10 @@ def speedups(trials: pd.DataFrame, baseline: str = BASELINE) -> Speedups:
         if len(base) < need:
             result.missing.append(_missing_line(str(model), baseline, base))
             continue
-        sem = base["sem"].to_numpy(dtype=float)
-        law = fit_power_law(base["tokens"], base["mean"], sigma=sem)
+        law = try_fit(base["tokens"], base["mean"], sigma=base["sem"].to_numpy(dtype=float))
+        if isinstance(law, str):
+            result.missing.append(f"{model}: no speedup: AdamW (`{baseline}`): {law}.")
+            continue
         result.fits[str(model)] = law
         span = result.spans[str(model)] = (float(base["tokens"].min()),
                                            float(base["tokens"].max()))

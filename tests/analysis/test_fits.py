@@ -135,6 +135,29 @@ def test_a_loss_below_adamws_floor_gets_no_number() -> None:
     assert (floor["speedup"] == "").all() and (floor["AdamW tokens"] == "").all()
 
 
+def test_an_interval_reaching_the_floor_is_open_above() -> None:
+    # Seeds 2.05 ± 0.01 at 1M tokens: speedup (1000/0.05)²/1M = 400; the lower loss bound
+    # 2.05 − 12.7062·0.01 is below E = 2, so the interval is [(1000/0.177062)²/1M, ∞).
+    trials = pd.DataFrame([_trial("full", D, _adamw(D)) for D in BUDGETS]
+                          + [_trial("near", 1e6, 2.04), _trial("near", 1e6, 2.06, seed=1)])
+    result = speedups(trials)
+    row = result.points.set_index("variant").loc["near"]
+    assert row["speedup"] == pytest.approx(400.0, rel=1e-6)
+    assert row["high"] == math.inf
+    assert row["low"] == pytest.approx((1000 / (0.05 + T_975_1 * 0.01)) ** 2 / 1e6, rel=1e-6)
+    cells = speedup_table(result).set_index("method").loc["near"]
+    assert cells["95% interval"] == "[31.90, ∞)" and cells["speedup"] == "400.00"
+
+
+def test_losses_that_do_not_fall_get_a_line_not_a_law() -> None:
+    trials = pd.DataFrame([_trial("full", D, 3.0 + D / 1e8) for D in BUDGETS])
+    result = speedups(trials)
+    assert result.fits == {} and result.points.empty
+    assert result.missing[0].startswith(
+        "tiny: no speedup: AdamW (`full`): the losses (3.01, 3.02, 3.04, 3.08) do not fall as "
+        "a power law")
+
+
 def test_too_few_budgets_is_one_line_naming_what_is_missing() -> None:
     result = speedups(_sweep(BUDGETS[:2]))
     assert result.fits == {} and result.points.empty
