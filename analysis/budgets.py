@@ -21,7 +21,8 @@ BUDGET_COLUMN = "budget_tokens"
 LOSS = "final_loss"
 KEYS = ["model", "budget", "variant"]
 SET_COLUMNS = [*KEYS, "method", "lr", "mean", "ci", "n", "sem", "losses", "tokens",
-               "total_params"]
+               "chinchilla", "total_params"]
+CHINCHILLA_COLUMN = "chinchilla"  # the budget's Chinchilla multiple, where the sweep gave one
 
 
 def budget_tokens(trials: pd.DataFrame) -> pd.Series:
@@ -56,7 +57,8 @@ def best_sets(trials: pd.DataFrame) -> pd.DataFrame:
     """One row per (model, budget, variant) with a finished trial: the best LR, the seed-mean
     final loss with its 95% t half-width (`ci`), n, the standard error of the mean (`sem`), the
     seeds' losses, the tokens they trained on (D: whole steps within the budget, the budget
-    itself where a summary counts none) and the largest parameter count recorded."""
+    itself where a summary counts none), the budget's Chinchilla multiple (NaN for a budget
+    in tokens) and the largest parameter count recorded."""
     ready = with_budgets(trials)
     ready = ready[ready["budget"].notna() & ready["model"].notna()]
     picks = best_lr(ready, KEYS, metric=LOSS)
@@ -73,10 +75,12 @@ def best_sets(trials: pd.DataFrame) -> pd.DataFrame:
             if "total_params" in at else math.nan
         tokens = pd.to_numeric(at["tokens"], errors="coerce").mean() if "tokens" in at \
             else math.nan
+        multiple = pd.to_numeric(at[CHINCHILLA_COLUMN], errors="coerce").max() \
+            if CHINCHILLA_COLUMN in at else math.nan
         rows.append({**pick[[*KEYS, "lr", "mean", "ci", "n"]].to_dict(),
                      "method": str(at["method"].iloc[0]), "sem": sem, "losses": losses,
                      "tokens": pick["budget"] if pd.isna(tokens) else float(tokens),
-                     "total_params": float(params)})
+                     "chinchilla": float(multiple), "total_params": float(params)})
     return pd.DataFrame(rows, columns=SET_COLUMNS)
 
 

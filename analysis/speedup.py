@@ -23,8 +23,9 @@ from .format import cell
 
 BASELINE = "full"  # the method label standing for AdamW
 FLOOR_NOTE = "beyond AdamW's fitted floor"
-POINT_COLUMNS = ["model", "budget", "tokens", "variant", "method", "lr", "mean", "ci", "n",
-                 "tokens_adamw", "speedup", "low", "high", "note"]
+SET_COLUMNS = ["model", "budget", "tokens", "chinchilla", "variant", "method", "lr", "mean",
+               "ci", "n"]  # taken from the best trial sets as they are
+POINT_COLUMNS = [*SET_COLUMNS, "tokens_adamw", "speedup", "low", "high", "note"]
 
 
 @dataclass
@@ -85,7 +86,7 @@ def _point(row: pd.Series, law: PowerLaw, span: tuple[float, float]) -> dict:
         note = "extrapolated: below AdamW's smallest budget"
     else:
         note = ""
-    return {**row[POINT_COLUMNS[:9]].to_dict(),
+    return {**row[SET_COLUMNS].to_dict(),
             "tokens_adamw": tokens, "speedup": speedup, "low": low, "high": high, "note": note}
 
 
@@ -96,11 +97,14 @@ def _missing_line(model: str, baseline: str, base: pd.DataFrame) -> str:
 
 
 def speedup_table(result: Speedups) -> pd.DataFrame:
-    """The points as strings: model, tokens trained (D), method, best lr, final loss (mean ±
-    95% CI, n), the tokens AdamW needs for it, the speedup, its interval and the note."""
+    """The points as strings: model, budget (tokens, or its Chinchilla multiple), tokens
+    trained (D), method, best lr, final loss (mean ± 95% CI, n), the tokens AdamW needs for
+    it, the speedup, its interval and the note."""
     p = result.points
     return pd.DataFrame({
         "model": p["model"].astype(str),
+        "budget": [f"{c:g}× Chinchilla" if not math.isnan(c) else cell(b, ",.0f")
+                   for b, c in zip(p["budget"], p["chinchilla"].astype(float), strict=True)],
         "tokens": p["tokens"].map(lambda v: cell(v, ",.0f")),
         "method": p["variant"].astype(str),
         "best lr": p["lr"].map(lambda v: f"{v:g}"),

@@ -178,6 +178,16 @@ def test_a_recorded_budget_groups_trials_and_their_tokens_are_d() -> None:
     trials = pd.DataFrame([_trial("full", 960, 3.0), _trial("galore", 960, 3.1)])
     sets = best_sets(trials.assign(budget_tokens=1000))
     assert set(sets["budget"]) == {1000} and set(sets["tokens"]) == {960}
+    assert sets["chinchilla"].isna().all()  # a budget in tokens
+
+
+def test_a_chinchilla_budget_is_named_by_its_multiple() -> None:
+    sweep = _sweep()
+    multiple = {1e6: 1, 2e6: 2, 4e6: 4, 8e6: 8}
+    multiples = sweep.assign(chinchilla=sweep["tokens"].map(multiple))
+    table = speedup_table(speedups(multiples)).set_index(["method", "tokens"])
+    assert table.loc[("fast", "2,000,000"), "budget"] == "2× Chinchilla"
+    assert table.loc[("fast", "2,000,000"), "speedup"] == "2.00"
 
 
 # Scaling: AdamW on L(N) = 1.5 + 300·N^−0.25 at four sizes; `g` on 10·N^−0.05 at two.
