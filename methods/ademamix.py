@@ -21,6 +21,7 @@ from pydantic import Field
 from torch import Tensor
 
 from harness.config import Strict
+from harness.config.tuning import tunable
 from harness.methods.base import Groups, Method, Terms, register, unpaged
 from harness.modifiers.compensation import (
     ParamwiseOptimizer,
@@ -39,8 +40,10 @@ class AdEMAMixConfig(Strict):
     betas: tuple[float, float, float] = Field(
         (0.9, 0.999, 0.9999), description="β1 (fast EMA), β2 (second moment), β3 (slow EMA): "
         "the paper's LLM experiments, pytorch-optimizer's defaults")
-    alpha: float = Field(8.0, ge=0, description="weight of the slow EMA in the update: 8, the "
-                         "paper's LLM runs (it sweeps 4 to 10; pytorch-optimizer's default 5)")
+    alpha: float = tunable(
+        8.0, values=[4.0, 6.0, 8.0, 10.0], ge=0, description="weight of the slow EMA in the "
+        "update: 8, the paper's LLM runs (it sweeps 4 to 10; pytorch-optimizer's default 5)",
+        source="the paper's sweep of α, 4 to 10")
     eps: float = Field(1e-8, gt=0, description="added to the second moment's root")
     t_alpha_beta3: int | None = Field(
         None, ge=0, description="steps over which α rises from 0 and β3 from β1 (the paper's "

@@ -22,6 +22,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
+from harness.config.tuning import tunable
 from harness.methods.apollo_int8_optim import APOLLOInt8Optimizer
 from harness.methods.apollo_optim import APOLLOOptimizer
 from harness.methods.base import Groups, Terms, register
@@ -39,7 +40,10 @@ if TYPE_CHECKING:
 class APOLLOCommon(AdamConfig):
     """What APOLLO and APOLLO-Mini share."""
 
-    update_proj_gap: int = Field(200, ge=1, description="steps between projections (T)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="moment decay rates")
+    update_proj_gap: int = tunable(
+        200, values=[50, 100, 200, 500], ge=1, description="steps between projections (T)",
+        source="around APOLLO's T 200, arXiv 2412.05270, as GaLore's")
     proj: Literal["random", "svd"] = Field(
         "random", description="random: N(0, 1/r) from a seed, never stored; svd: GaLore's basis")
     limiter: bool = Field(True, description="Fira's norm-growth limiter on the scaled gradient")
@@ -80,7 +84,9 @@ class APOLLOCommon(AdamConfig):
 
 class APOLLOConfig(APOLLOCommon):
     rank: int = Field(256, ge=1, description="r: the auxiliary projection's rank")
-    scale: float = Field(1.0, gt=0, description="the update is multiplied by √scale (α²)")
+    scale: float = tunable(1.0, values=[0.25, 0.5, 1.0, 2.0, 4.0], gt=0,
+                           description="the update is multiplied by √scale (α²)",
+                           source="around APOLLO's α² 1 at rank 256, arXiv 2412.05270")
     scale_type: Literal["channel", "tensor"] = Field(
         "channel", description="one scaling factor per channel, or per matrix")
 

@@ -4,14 +4,15 @@ registry entry, because rank and granularity are what define it (they are not se
 
 from __future__ import annotations
 
-from pydantic import Field
-
+from harness.config.tuning import tunable
 from harness.methods.apollo import APOLLO, APOLLOCommon
 from harness.methods.base import register
 
 
 class APOLLOMiniConfig(APOLLOCommon):
-    scale: float = Field(128.0, gt=0, description="the update is multiplied by √scale (α²)")
+    scale: float = tunable(128.0, values=[32.0, 64.0, 128.0, 256.0], gt=0,
+                           description="the update is multiplied by √scale (α²)",
+                           source="around APOLLO-Mini's α² 128, arXiv 2412.05270")
 
     def projection(self) -> tuple[int, str]:
         return 1, "tensor"

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
+from harness.config.tuning import tunable
 from harness.methods.base import Groups, Terms, register, unpaged
 from harness.methods.galore import GaLore, ProjectionConfig
 from harness.methods.galore_optim import GaLoreOptimizer
@@ -47,8 +48,10 @@ class COAPConfig(ProjectionConfig):
     reproject_factor: int = Field(
         5, ge=1, description="every reproject_factor·T_u steps the basis is recomputed by the "
         "range finder (eq. 6); the scripts' --reproject_factor 5")
-    scale: float = Field(0.25, gt=0, description="α: multiplies the back-projected update "
-                         "(the LLaMA scripts' --coap_scale 0.25)")
+    scale: float = tunable(0.25, values=[0.125, 0.25, 0.5, 1.0], gt=0,
+                           description="α: multiplies the back-projected update (the LLaMA "
+                           "scripts' --coap_scale 0.25)",
+                           source="halves and doubles of the scripts' α, as GaLore's")
     proj_lr: float = Field(0.1, gt=0, description="the basis' gradient step on the "
                            "correlation-aware loss (MatrixCOAP.update_proj's lr 0.1)")
     seed: int = Field(3407, ge=0, description="the range finder's first test matrix's "

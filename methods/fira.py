@@ -24,6 +24,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from harness.config.tuning import tunable
 from harness.distributed.rows import Rows
 from harness.methods.base import Groups, Terms, register
 from harness.methods.galore import GaLore, ProjectionConfig
@@ -43,8 +44,10 @@ TINY = 1e-8  # the reference's guard in φ's and the limiter's denominators
 
 
 class FiraConfig(ProjectionConfig):
-    scale: float = Field(
-        0.25, gt=0, description="α: multiplies PN, and PR in the residual G − α·PR")
+    scale: float = tunable(
+        0.25, values=[0.0625, 0.125, 0.25, 0.5], gt=0,
+        description="α: multiplies PN, and PR in the residual G − α·PR",
+        source="Fira's scripts' α: 0.25, and 0.0625 at 1B")
     proj_type: Literal["std", "reverse_std", "left", "right"] = Field(
         "std", description="side projected: std = the smaller one (one side: φ is per column)")
     optimizer: Literal["adamw", "adam8bit"] = Field(

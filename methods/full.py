@@ -8,6 +8,7 @@ import torch
 from pydantic import Field
 
 from harness.config import Strict
+from harness.config.tuning import tunable
 from harness.methods.base import Groups, Method, Terms, register
 from harness.modifiers.compensation import pure_adamw
 from harness.modifiers.offload import repaged_on_load
@@ -17,7 +18,10 @@ if TYPE_CHECKING:
 
 
 class AdamConfig(Strict):
-    betas: tuple[float, float] = Field((0.9, 0.999), description="moment decay rates")
+    betas: tuple[float, float] = tunable(
+        (0.9, 0.999), values=[(0.9, 0.95), (0.9, 0.98), (0.9, 0.999)],
+        source="β2 as the 2025 studies tune AdamW's: arXiv 2509.02046, 2509.01440",
+        description="moment decay rates")
     eps: float = Field(1e-8, gt=0, description="added to the second moment's root")
 
 

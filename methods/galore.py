@@ -13,6 +13,7 @@ from pydantic import Field
 from torch import nn
 
 from harness.config import Strict
+from harness.config.tuning import tunable
 from harness.methods.base import Groups, Method, Terms, register, unpaged
 from harness.methods.full import AdamConfig
 from harness.methods.galore_optim import GaLoreOptimizer
@@ -29,8 +30,14 @@ class ProjectionConfig(AdamConfig):
     """What GaLore and Q-GaLore share: which weights are projected, how, and how often."""
 
     rank: int = Field(128, ge=1, description="r: the projected gradient's rank")
-    update_proj_gap: int = Field(200, ge=1, description="steps between SVDs (T)")
-    scale: float = Field(0.25, gt=0, description="α: multiplies the back-projected update")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="moment decay rates")
+    update_proj_gap: int = tunable(
+        200, values=[50, 100, 200, 500], ge=1, description="steps between SVDs (T)",
+        source="around GaLore's T 200, arXiv 2403.03507 Table 2; its ablation varies T")
+    scale: float = tunable(
+        0.25, values=[0.125, 0.25, 0.5, 1.0], gt=0,
+        description="α: multiplies the back-projected update",
+        source="halves and doubles of GaLore's α 0.25, arXiv 2403.03507 Table 2")
     proj_type: Literal["std", "reverse_std", "left", "right", "full"] = Field(
         "std", description="side projected: std = the smaller one, full = both")
     target_modules: list[str] = Field(

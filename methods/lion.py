@@ -19,10 +19,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import Field
 from torch import Tensor
 
 from harness.config import Strict
+from harness.config.tuning import tunable
 from harness.distributed.rows import Rows
 from harness.methods.base import Groups, Method, Terms, register, unpaged
 from harness.modifiers.compensation import ParamwiseOptimizer, add_update, own_optimizer_kwargs
@@ -32,10 +32,11 @@ if TYPE_CHECKING:
 
 
 class LionConfig(Strict):
-    betas: tuple[float, float] = Field(
-        (0.9, 0.99), description="β1: the update's interpolation, β2: the momentum's decay "
+    betas: tuple[float, float] = tunable(
+        (0.9, 0.99), values=[(0.9, 0.98), (0.9, 0.99), (0.95, 0.98)],
+        description="β1: the update's interpolation, β2: the momentum's decay "
         "(arXiv 2302.06675 §5's defaults, pytorch_optimizer.Lion's; §5 takes (0.95, 0.98) for "
-        "language models)")
+        "language models)", source="§5's defaults and its language-model betas")
 
 
 class LionOptimizer(ParamwiseOptimizer):

@@ -29,6 +29,7 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
+from harness.config.tuning import tunable
 from harness.distributed.rows import Rows
 from harness.methods.base import Groups, Method, Terms, register, unpaged
 from harness.methods.full import AdamConfig
@@ -47,8 +48,10 @@ class MarsConfig(AdamConfig):
     betas: tuple[float, float] = Field(
         (0.95, 0.99), description="β1, β2 of the matrices' moments (MARS/train_mars.py and "
         "config/train_gpt2_*_mars.py: beta1 0.95, beta2 0.99)")
-    gamma: float = Field(0.025, ge=0, description="γ: the strength of the gradient correction "
-                         "(config/train_gpt2_*_mars.py: gamma 0.025)")
+    gamma: float = tunable(0.025, values=[0.0125, 0.025, 0.05], ge=0,
+                           description="γ: the strength of the gradient correction "
+                           "(config/train_gpt2_*_mars.py: gamma 0.025)",
+                           source="halves and doubles of the configs' γ")
     optimize_1d: bool = Field(
         False, description="vectors take MARS too, not AdamW (MARS/optimizers/mars.py: "
         "optimize_1d=False)")

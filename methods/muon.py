@@ -30,6 +30,7 @@ from torch import Tensor, nn
 # Private to torch, but they are the arithmetic of its public torch.optim.Muon (module docstring).
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
+from harness.config.tuning import tunable
 from harness.distributed.rows import Rows
 from harness.methods.base import Groups, Method, Terms, register, unpaged
 from harness.methods.full import AdamConfig, adamw
@@ -47,7 +48,11 @@ NS_DTYPE = torch.bfloat16
 
 
 class MuonConfig(AdamConfig):
-    momentum: float = Field(0.95, ge=0, lt=1, description="μ: the momentum's decay")
+    betas: tuple[float, float] = Field(
+        (0.9, 0.999), description="moment decay rates (the AdamW-trained parameters')")
+    momentum: float = tunable(0.95, values=[0.9, 0.95, 0.98], ge=0, lt=1,
+                              description="μ: the momentum's decay",
+                              source="Muon's momentum, which arXiv 2509.02046 tunes")
     nesterov: bool = Field(True, description="the update is g + μ·buffer, not the buffer")
     ns_steps: int = Field(5, ge=1, lt=100, description="Newton–Schulz iterations")
     adjust_lr_fn: Literal["original", "match_rms_adamw"] = Field(

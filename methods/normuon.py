@@ -22,6 +22,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from harness.config.tuning import tunable
 from harness.distributed.rows import Rows
 from harness.methods.base import Groups, Terms, register, unpaged
 from harness.methods.muon import Muon, MuonConfig, MuonOptimizer
@@ -34,8 +35,10 @@ SECOND = "second_momentum_buffer"  # the row states' key (the official code's na
 
 
 class NorMuonConfig(MuonConfig):
-    beta2: float = Field(0.95, ge=0, lt=1, description=(
-        "β₂: the row second moment's decay (paper Algorithm 1; official normuon.py: 0.95)"))
+    beta2: float = tunable(
+        0.95, values=[0.9, 0.95, 0.99], ge=0, lt=1,
+        description="β₂: the row second moment's decay (paper Algorithm 1; official "
+        "normuon.py: 0.95)", source="around the official 0.95")
     norm_eps: float = Field(1e-10, gt=0, description=(
         "added to each row's root mean square and to the norm rescaled by (normuon.py: 1e-10)"))
     update_scale: Literal["match_rms", "preserve_norm"] = Field("match_rms", description=(

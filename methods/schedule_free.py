@@ -22,6 +22,7 @@ import torch
 from pydantic import Field
 
 from harness.config import Strict
+from harness.config.tuning import tunable
 from harness.methods.base import Groups, Method, Terms, register, unpaged
 
 if TYPE_CHECKING:
@@ -33,9 +34,11 @@ BF16_TRUE = ("its train/eval switch moves bfloat16 weights between y and x in pl
 
 
 class ScheduleFreeConfig(Strict):
-    betas: tuple[float, float] = Field(
-        (0.9, 0.999), description="β1 (where y sits between z and x: the momentum) and β2 (the "
-        "second moment): schedulefree adamw_schedulefree.py defaults, the paper's Algorithm 1")
+    betas: tuple[float, float] = tunable(
+        (0.9, 0.999), values=[(0.9, 0.999), (0.95, 0.999), (0.98, 0.999)],
+        description="β1 (where y sits between z and x: the momentum) and β2 (the second "
+        "moment): schedulefree adamw_schedulefree.py defaults, the paper's Algorithm 1",
+        source="β1, which the Schedule-Free paper finds wants raising at long runs")
     eps: float = Field(1e-8, gt=0, description="added to the second moment's root "
                        "(schedulefree's default)")
     r: float = Field(0.0, ge=0, description="x averages the z's weighted by step^r: 0, the "

@@ -30,6 +30,7 @@ from pydantic import Field
 from torch import Tensor
 
 from harness.config import Strict
+from harness.config.tuning import tunable
 from harness.methods.base import Groups, Method, Terms, decay_groups, register, unpaged
 from harness.modifiers.compensation import (
     KAHAN,
@@ -51,8 +52,10 @@ NOT_SHARDED = ("its preconditioners L = G·Gᵀ and R = Gᵀ·G, their eigenbase
 
 
 class SOAPConfig(Strict):
-    betas: tuple[float, float] = Field((0.95, 0.95), description=(
-        "Adam's moment decays in the eigenbasis (the authors' soap.py default; paper §4)"))
+    betas: tuple[float, float] = tunable(
+        (0.95, 0.95), values=[(0.95, 0.95), (0.95, 0.99)],
+        description="Adam's moment decays in the eigenbasis (the authors' soap.py default; "
+        "paper §4)", source="β2 as arXiv 2509.02046 tunes SOAP's")
     shampoo_beta: float | None = Field(None, ge=0, lt=1, description=(
         "L and R's decay (None: betas[1], as the authors' shampoo_beta=-1)"))
     eps: float = Field(1e-8, gt=0, description="added to the second moment's root (soap.py)")

@@ -11,6 +11,7 @@ from harness.config.launchers import AnyLauncher, LocalConfig, process_kinds
 from harness.config.objectives import Constraint, EvaluatedName, Objective
 from harness.config.run import Common, Strict
 from harness.config.space import check_distributions, check_space
+from harness.config.tuning import TuningConfig
 from harness.errors import UserError
 
 
@@ -94,6 +95,9 @@ class SweepConfig(Common):
     storage: str | None = Field(
         None, description="Optuna storage: a journal file path or a database URL"
     )
+    tuning: TuningConfig | None = Field(
+        None, description="the same tuning for every method: {procedure: grid|optuna|"
+        "coordinate, trials: N, lr: [...]} tunes each method's LR and its tunable settings")
     keep_models: Literal["best", "all", "none"] = Field(
         "best", description="as each run of the sweep ends: which trials that ended ok keep "
         "their final model (best: each method's best by the search metric per model and "
@@ -110,6 +114,29 @@ class SweepConfig(Common):
                 raise UserError(f"methods.{label}.method: {name!r} is not a method name (a "
                                 "registered method; see `harness methods`)")
         return methods
+
+    @model_validator(mode="after")
+    def _tuning_owns_spaces(self) -> SweepConfig:
+        """`tuning:` makes each method's space: a space or sampler of the file's own would be
+        a second, different tuning."""
+        if self.tuning is None:
+            return self
+        s = self.search
+        extra = (["search.space"] * bool(s.space) + ["search.sampler"] * (s.sampler != "grid")
+                 + [f"methods.{label}.space" for label, entry in self.methods.items()
+                    if isinstance(entry, dict) and entry.get("space")])
+        if extra:
+            raise UserError(f"{extra[0]}: not allowed with tuning:, which makes every method's "
+                            "space from tuning.lr and the method's tunable settings (remove "
+                            f"{extra[0]}, or tuning:)")
+        if len(s.goals) > 1:
+            raise UserError("search.objectives: tuning: minimizes one metric (allowed: "
+                            "search.metric and search.direction)")
+        if self.tuning.procedure == "coordinate" and self.launcher.kind != "local":
+            raise UserError(f"launcher.kind: {self.launcher.kind!r} with tuning.procedure "
+                            "coordinate, whose proposals wait on results in the sweep process "
+                            "(allowed: local; or procedure grid or optuna)")
+        return self
 
     @model_validator(mode="after")
     def _launcher_fits(self) -> SweepConfig:
