@@ -43,6 +43,7 @@ from .plots import PER_TRIAL, curves_plot, memory_chart, save_png
 from .protocol import protocol_sections
 from .stats import at_best_lr
 from .tables import write_tables
+from .tuning import tuning_section
 from .unreadable import unreadable_note, with_mark
 
 PICKED_BY = "eval_ppl"  # the metric whose seed-mean picks each method's best LR
@@ -103,6 +104,8 @@ def write_report(paths: Paths, out: PathArg | None = None) -> str:
         terminal += [cost_text] if cost_text else []
         fit_blocks, fit_texts = protocol_sections(pretraining, name, out)  # speedup, scaling
         blocks, terminal = [*blocks, *fit_blocks], [*terminal, *fit_texts]
+        tune_blocks, tune_texts = tuning_section(pretraining, sweep)  # tuned values
+        blocks, terminal = [*blocks, *tune_blocks], [*terminal, *tune_texts]
         eval_blocks, eval_texts = downstream_section(pretraining, out)  # `harness eval` scores
         blocks, terminal = [*blocks, *eval_blocks], [*terminal, *eval_texts]
     for title, note, table in write_tables(trials, out, order):
