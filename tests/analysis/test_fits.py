@@ -4,6 +4,7 @@ whose answers are known by hand."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -12,6 +13,8 @@ import pytest
 from harness.analysis.budgets import best_sets
 from harness.analysis.fit_figures import scaling_figure
 from harness.analysis.fits import fit_power_law
+from harness.analysis.html import Paragraph
+from harness.analysis.protocol import protocol_sections
 from harness.analysis.scaling import gap_at_7b, scaling, scaling_table
 from harness.analysis.speedup import FLOOR_NOTE, speedup_table, speedups
 from harness.errors import UserError
@@ -237,3 +240,12 @@ def test_one_model_size_gets_no_scaling_fit() -> None:
     result = scaling(_sweep())
     assert result.fits == {}
     assert result.missing[0] == "full: no fit: 1 model size (tiny); a power law in N needs 2."
+
+
+def test_one_model_size_is_one_line_in_the_report(tmp_path: Path) -> None:
+    blocks, texts = protocol_sections(_sweep(), "demo", tmp_path)
+    assert texts[-1] == (
+        "Scaling across model sizes: not fitted. A power law in parameters needs at least 2 "
+        "model sizes with a finished trial of one method; this sweep has 1 (tiny).")
+    assert blocks[-1] == Paragraph(texts[-1])  # the page says it too, with no table
+    assert (tmp_path / "speedup.csv").exists() and not (tmp_path / "scaling.csv").exists()
