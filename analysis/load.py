@@ -34,6 +34,8 @@ CONFIG_FALLBACKS = {
     "steps": ("train.steps",),
 }
 STEP_COLUMNS = ("run_dir", "trial", "method", "kind", "step", "tokens")
+# The token budget a trial belongs to (a sweep's `budget:`), None for one from a sweep without.
+BUDGET_COLUMNS = {"budget_tokens": "train.budget.tokens", "chinchilla": "train.budget.chinchilla"}
 
 
 def load_runs(paths: Paths) -> pd.DataFrame:
@@ -124,6 +126,7 @@ def _trial_row(run_dir: Path, trial_dir: TrialDir) -> dict[str, Any]:
     for field, keys in CONFIG_FALLBACKS.items():
         if row[field] is None:
             row[field] = next((config[k] for k in keys if config.get(k) is not None), None)
+    row.update({column: config.get(key) for column, key in BUDGET_COLUMNS.items()})
     return row
 
 

@@ -76,11 +76,24 @@ def shards_of(train: TrainConfig, world: int, world_from: str = "WORLD_SIZE",
 
 
 def lr_factor(step: int, t: TrainConfig) -> float:
-    """Linear warmup, then cosine (or linear) decay to `min_lr_ratio`; `step` counts from 0."""
+    """Linear warmup, then cosine (or linear) decay to `min_lr_ratio`, constant, or wsd's
+    stable phase and decay; `step` counts from 0."""
     if step < t.warmup_steps:
         return (step + 1) / t.warmup_steps
     if t.schedule == "constant":
         return 1.0
+    if t.schedule == "wsd":
+        return wsd_factor(step, t)
     progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
     decay = 0.5 * (1 + math.cos(math.pi * progress)) if t.schedule == "cosine" else 1 - progress
     return t.min_lr_ratio + (1 - t.min_lr_ratio) * decay
+
+
+def wsd_factor(step: int, t: TrainConfig) -> float:
+    """Warmup-stable-decay after the warmup: 1 until the last `decay_fraction` of the steps
+    (rounded half up, at least one, never into the warmup), then linear to `min_lr_ratio`,
+    reached at step `steps` as cosine's is."""
+    decay = max(1, int(t.decay_fraction * t.steps + 0.5))
+    start = max(t.warmup_steps, t.steps - decay)
+    progress = min(1.0, max(0, step - start) / max(1, t.steps - start))
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * (1 - progress)

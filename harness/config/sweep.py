@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from harness.config.budget import BudgetConfig, check_budget_sweep
 from harness.config.launchers import AnyLauncher, LocalConfig, process_kinds
 from harness.config.objectives import Constraint, EvaluatedName, Objective
 from harness.config.run import Common, Strict
@@ -103,6 +104,17 @@ class SweepConfig(Common):
         "their final model (best: each method's best by the search metric per model and "
         "budget; all; none)"
     )
+    budget: BudgetConfig | None = Field(
+        None, description="token budgets, each trained for by every method: {tokens: [...]} or "
+        "{chinchilla: [...], params: all|non_embedding}; steps and warmup follow each")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _budget_sets_steps(cls, data: Any) -> Any:
+        """A budget decides each trial's steps and warmup: the file may not set them too."""
+        if isinstance(data, dict) and data.get("budget") is not None:
+            check_budget_sweep(data)
+        return data
 
     @field_validator("methods")
     @classmethod

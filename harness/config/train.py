@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from harness.config.budget import BudgetMark
 from harness.config.strict import Strict
 
 
@@ -27,7 +28,8 @@ PURE_BF16_KEYS = {"state_dtype": "float32", "update_compensation": "none"}  # ke
 # is what those trials did, so that earlier sweeps' finished trials stay finished.
 LATER_TRAIN_KEYS = {**PURE_BF16_KEYS, "parallel": "ddp", "reshard_after_forward": True,
                     "fsdp_reduce": "every",  # the same sums as "last", reduced in another order
-                    "update_chunk": None, "loss_chunk": 0, "tf32": False, "shard_group": None}
+                    "update_chunk": None, "loss_chunk": 0, "tf32": False, "shard_group": None,
+                    "decay_fraction": 0.2, "budget": None}
 SHARDED = ("fsdp", "hsdp")  # the strategies that shard weights, gradients and states
 
 class TrainConfig(Strict):
@@ -39,8 +41,17 @@ class TrainConfig(Strict):
     batch_size: int = Field(8, ge=1, description="micro-batch (sequences per forward)")
     total_batch_size: int | None = Field(None, ge=1, description="sequences per optimizer step")
     warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="after linear warmup: cosine or linear decay to min_lr_ratio over "
+        "the remaining steps, constant, or wsd (warmup-stable-decay: constant, then a linear "
+        "decay to min_lr_ratio over the last decay_fraction of the steps)")
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="wsd: the fraction of steps, at the end, over which the LR "
+        "decays (0.2: Hägele et al. 2024's cooldown that matches cosine)")
+    budget: BudgetMark | None = Field(
+        None, description="written by a sweep's budget: the token budget this trial belongs "
+        "to (its steps are train.steps); the report groups trials by it")
     weight_decay: float = Field(0.0, ge=0)
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"] = Field(
         "32-true", description="bf16-mixed/16-mixed: autocast over fp32 weights (16-mixed "
@@ -146,6 +157,13 @@ class TrainConfig(Strict):
                 if getattr(self, key) != default:
                     raise ValueError(f"{key} applies to precision bf16-true only (this run is "
                                      f"{self.precision}); remove it or use bf16-true")
+        return self
+
+    @model_validator(mode="after")
+    def _decay_fraction_fits(self) -> TrainConfig:
+        if self.decay_fraction != LATER_TRAIN_KEYS["decay_fraction"] and self.schedule != "wsd":
+            raise ValueError(f"decay_fraction applies to schedule wsd only (this run's is "
+                             f"{self.schedule}); remove it or use schedule: wsd")
         return self
 
     @model_validator(mode="after")

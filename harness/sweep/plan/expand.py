@@ -20,10 +20,11 @@ from harness.config import (
     set_dotted,
     validate,
 )
+from harness.config.budget import Budget, BudgetMark
 from harness.config.launchers import with_profile
 from harness.config.space import check_space
 from harness.config.steps import Steps
-from harness.cost.estimate import estimate_run
+from harness.cost.estimate import estimate_run, run_shapes
 from harness.distributed import pick_device
 from harness.errors import UserError
 from harness.methods.base import changed_params
@@ -46,9 +47,20 @@ class Trial:
         return t.steps * Steps.of(t, self.run.task.seq_len).tokens
 
     @property
-    def budget(self) -> str:
+    def length(self) -> str:
         t = self.run.train
         return f"{t.epochs} epochs" if t.epochs else str(t.steps)
+
+    @property
+    def budget(self) -> BudgetMark | None:
+        """The token budget this trial belongs to (the sweep's `budget:`), None without one."""
+        return self.run.train.budget
+
+
+def budgets(sweep: SweepConfig) -> list[Budget | None]:
+    """The sweep's budgets in its file's order; [None] for a sweep without `budget:` (its
+    trials' steps are train.steps)."""
+    return list(sweep.budget.entries) if sweep.budget else [None]
 
 
 def load_sweep(path: str | Path, overrides: dict[str, Any]) -> SweepConfig:
@@ -81,8 +93,11 @@ def method_entry(sweep: SweepConfig, label: str) -> tuple[str, dict[str, Any], d
     return name, entry, space
 
 
-def make_trial(sweep: SweepConfig, label: str, point: dict[str, Any], seed: int) -> Trial:
-    """The resolved run for one point of a method's space; its id hashes the resolved config."""
+def make_trial(sweep: SweepConfig, label: str, point: dict[str, Any], seed: int,
+               budget: Budget | None = None) -> Trial:
+    """The resolved run for one point of a method's space, trained for `budget` (one of
+    `budgets(sweep)`: required where the sweep has `budget:`); its id hashes the resolved
+    config."""
     name, entry, _ = method_entry(sweep, label)
     data = {
         **sweep.model_dump(include=set(Common.model_fields), exclude_unset=True, by_alias=True),
@@ -99,11 +114,35 @@ def make_trial(sweep: SweepConfig, label: str, point: dict[str, Any], seed: int)
         data[section] = {**data.get(section, {}), **own}
     for key, value in point.items():
         set_dotted(data, key, value)
+    if (budget is None) != (sweep.budget is None):
+        raise ValueError(f"{sweep.name}: a trial's budget is one of budgets(sweep), got {budget}")
     try:
+        if budget is not None:
+            data["train"] |= budget_keys(sweep, budget, data)
         run = load_run(data)
     except UserError as e:
         raise UserError(f"methods.{label} with {point}: {e}") from None
     return Trial(f"{label}-{run.identity()}", label, run, point)
+
+
+def budget_keys(sweep: SweepConfig, budget: Budget, data: dict[str, Any]) -> dict[str, Any]:
+    """The train keys `budget` sets in the trial `data` describes: its steps follow the trial's
+    tokens per step (its batch and sequence length), a Chinchilla budget its model's size."""
+    run = validate(RunConfig, data)
+    params = counted_params(run, budget.params) if budget.chinchilla is not None else 0
+    tokens_per_step = Steps.of(run.train, run.task.seq_len).tokens
+    return budget.train_keys(params, tokens_per_step, sweep.budget.warmup)
+
+
+def counted_params(run: RunConfig, which: str) -> int:
+    """The parameters of the model `run` builds (before a method's adapters): all of them, or
+    without the input embedding and the output head (`non_embedding`)."""
+    shapes = run_shapes(run)
+    total = sum(shape.numel() for shape in shapes.values())
+    if which == "all":
+        return total
+    vocab = ("model.embed_tokens.weight", "lm_head.weight")  # lm_head absent when tied
+    return total - sum(shapes[k].numel() for k in vocab if k in shapes)
 
 
 def expand(sweep: SweepConfig) -> list[Trial]:
@@ -115,26 +154,30 @@ def expand(sweep: SweepConfig) -> list[Trial]:
             space = {**sweep.search.space, **check_space(own, f"methods.{label}.space")}
         else:
             space = {}
-        for values in itertools.product(*space.values()):
+        for budget, values in itertools.product(budgets(sweep), itertools.product(
+                *space.values())):
             point = dict(zip(space, values, strict=True))
             for seed in sweep.seeds:
-                trial = make_trial(sweep, label, point, seed)
+                trial = make_trial(sweep, label, point, seed, budget)
                 trials.setdefault(trial.id, trial)
     return list(trials.values())
 
 
 def plan_table(trials: list[Trial], more: dict[str, list[str]] | None = None) -> str:
-    """One row per trial; `more`: further columns, header -> a cell per trial."""
-    rows = []
+    """One row per trial; `more`: further columns, header -> a cell per trial. A budget column
+    where trials belong to budgets."""
+    rows, budgeted = [], any(t.budget for t in trials)
     for i, t in enumerate(trials):
         changed = changed_params(t.run.method_name, t.run.method_params)
         params = {**changed, **t.point, "seed": t.run.seed}
         hp = ", ".join(f"{k}={v}" for k, v in params.items())
         memory = memory_label(t.run.memory.model_dump())
         tokens = "" if t.run.train.epochs else f"{t.tokens:,}"
-        rows.append([t.id, t.label, hp, memory, t.budget, tokens,
+        budget = [t.budget.describe() if t.budget else ""] if budgeted else []
+        rows.append([t.id, t.label, hp, memory, *budget, t.length, tokens,
                      *(cells[i] for cells in (more or {}).values())])
-    headers = ["trial", "method", "hyperparameters", "memory", "steps", "tokens", *(more or {})]
+    headers = ["trial", "method", "hyperparameters", "memory", *["budget"] * budgeted, "steps",
+               "tokens", *(more or {})]
     return tabulate(rows, headers=headers, disable_numparse=True)
 
 
