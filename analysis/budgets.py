@@ -64,10 +64,10 @@ def best_sets(trials: pd.DataFrame) -> pd.DataFrame:
     picks = best_lr(ready, KEYS, metric=LOSS)
     if picks.empty:
         return pd.DataFrame(columns=SET_COLUMNS)
-    done = finished(ready, LOSS)
+    groups = finished(ready, LOSS).groupby([*KEYS, "lr"], sort=False)
     rows = []
     for _, pick in picks.iterrows():
-        at = done[(done[KEYS] == pick[KEYS]).all(axis=1) & (done["lr"] == pick["lr"])]
+        at = groups.get_group(tuple(pick[[*KEYS, "lr"]]))
         losses = tuple(float(v) for v in at[LOSS])
         sem = float(np.std(losses, ddof=1) / math.sqrt(len(losses))) if len(losses) > 1 \
             else math.nan
