@@ -12,7 +12,9 @@ compared where it matches a paper's setting:
 - method (`method_name`, with `method.optimizer`): full → Full-rank / Full / AdamW,
   galore (AdamW inside) → GaLore, galore with adam8bit inside → 8-bit GaLore, lowrank →
   Low-rank, lora → LoRA, relora → ReLoRA, qgalore → Q-GaLore, adam8bit → 8-bit Adam / Adam8bit,
-  apollo → APOLLO, apollo_mini → APOLLO-Mini, fira → Fira, adam_mini → Adam-mini.
+  apollo → APOLLO, apollo_mini → APOLLO-Mini, fira → Fira, adam_mini → Adam-mini; for the
+  2025 studies (anchors.py) also muon → Muon, soap → SOAP, lion → Lion, came → CAME and
+  mars → MARS-AdamW.
   GLUE rows also need `method.rank` to equal the paper's (GaLore and LoRA at 4 and 8).
 - steps: only where the paper gives them per column (the 7B tables, Q-GaLore's 7B line); sizes
   60M–1B are matched whatever the steps, so `steps` is in the output for the reader to judge.
@@ -52,6 +54,11 @@ PAPER_ROWS = {
     "apollo_mini": ("APOLLO-Mini",),
     "fira": ("Fira",),
     "adam_mini": ("Adam-mini",),
+    "muon": ("Muon",),
+    "soap": ("SOAP",),
+    "lion": ("Lion",),
+    "came": ("CAME",),
+    "mars": ("MARS-AdamW",),
 }
 PRETRAIN_TABLES = ("galore_table2", "galore_table3", "qgalore_table1", "relora_table",
                    "apollo_table2", "apollo_table3", "fira_table3", "adam_mini_table")
@@ -96,26 +103,28 @@ def layerwise(trials: pd.DataFrame) -> pd.Series:
     return trials["memory.layerwise"].map(lambda v: bool(v) and not pd.isna(v))
 
 
-def compare_pretrain(trials: pd.DataFrame) -> pd.DataFrame:
-    """Eval perplexity at each configuration's best LR next to every pretraining table's
-    number for the same method and model size (and steps, where the paper gives them)."""
+def compare_pretrain(trials: pd.DataFrame,
+                     tables: tuple[str, ...] = PRETRAIN_TABLES) -> pd.DataFrame:
+    """Eval perplexity at each configuration's best LR next to every one of `tables`' numbers
+    for the same method and model size (and steps, where the paper gives them)."""
     ours = variants(trials)
     ours = ours[(task_kind(ours) == "pretrain") & ours["model"].isin(list(SIZES))]
     keys = [*VARIANT, "steps", "key"]
     picks = best_lr(ours[ours["key"].notna()], keys)
-    papers = pd.concat([load_paper(name).assign(table=name) for name in PRETRAIN_TABLES],
+    papers = pd.concat([load_paper(name).assign(table=name) for name in tables],
                        ignore_index=True)
+    steps = papers.get("steps", pd.Series(math.nan, index=papers.index))
     rows = []
     for pick in picks.to_dict("records"):
         same = papers[papers["method"].isin(PAPER_ROWS[pick["key"]])
                       & (papers["model"] == SIZES[pick["model"]])
-                      & (papers["steps"].isna() | (papers["steps"] == pick["steps"]))]
-        members = _members(ours, pick, keys)
+                      & (steps.isna() | (steps == pick["steps"]))]
+        group = members(ours, pick, keys)
         for ref in same.to_dict("records"):
-            checked = departures(members, recipe(ref["table"], ref["method"], ref["model"]))
-            rows.append(_row(pick, _setting(ref), "perplexity", ref["perplexity"], ref["source"],
-                             checked))
-    return _frame(rows)
+            checked = departures(group, recipe(ref["table"], ref["method"], ref["model"]))
+            rows.append(compare_row(pick, _setting(ref), "perplexity", ref["perplexity"],
+                                    ref["source"], checked))
+    return compare_frame(rows)
 
 
 def compare_glue(trials: pd.DataFrame) -> pd.DataFrame:
@@ -124,7 +133,7 @@ def compare_glue(trials: pd.DataFrame) -> pd.DataFrame:
     ours = variants(trials)
     ours = ours[task_kind(ours) == "glue"]
     if ours.empty or "task.glue_task" not in ours:
-        return _frame([])
+        return compare_frame([])
     rank = ours.get("method.rank", pd.Series(math.nan, index=ours.index))
     ours = ours.assign(score=_score(ours), rank=pd.to_numeric(rank, errors="coerce"),
                        task=ours["task.glue_task"], steps=math.nan)
@@ -137,12 +146,12 @@ def compare_glue(trials: pd.DataFrame) -> pd.DataFrame:
         ranks = paper["rank"].isna() if pick["key"] == "full" else paper["rank"] == pick["rank"]
         same = paper[paper["method"].isin(PAPER_ROWS[pick["key"]]) & ranks
                      & (names == pick["task"])]
-        members = _members(ours, pick, keys)
+        group = members(ours, pick, keys)
         for ref in same.to_dict("records"):
             wanted = recipe("galore_table4", ref["method"], ref["task"], ref["rank"])
-            rows.append(_row(pick, ref["task"], "score", ref["score"], ref["source"],
-                             departures(members, wanted)))
-    return _frame(rows)
+            rows.append(compare_row(pick, ref["task"], "score", ref["score"], ref["source"],
+                                    departures(group, wanted)))
+    return compare_frame(rows)
 
 
 def compare_throughput(trials: pd.DataFrame) -> pd.DataFrame:
@@ -161,19 +170,20 @@ def compare_throughput(trials: pd.DataFrame) -> pd.DataFrame:
         same = paper[paper["method"].isin(PAPER_ROWS[pick["key"]])
                      & (paper["layerwise"] == pick["layerwise"])]
         setting = "1B, layer-wise" if pick["layerwise"] else "1B"
-        members = _members(ours, pick, keys)
+        group = members(ours, pick, keys)
         for ref in same.to_dict("records"):
-            checked = departures(members, recipe("galore_table11", ref["method"], ref["model"]))
+            checked = departures(group, recipe("galore_table11", ref["method"], ref["model"]))
             for metric, column, value in (("memory (GB)", "memory_gb", memory[i]),
                                           ("tok/s", "tokens_per_s", speed[i])):
                 stat = {**pick, "mean": value, "ci": math.nan}
-                rows.append(_row(stat, setting, metric, ref[column], ref["source"], checked))
-    return _frame(rows)
+                rows.append(compare_row(stat, setting, metric, ref[column], ref["source"],
+                                        checked))
+    return compare_frame(rows)
 
 
 def _setting(ref: dict) -> str:
     """The paper's column: "60M", or "7B, 40K steps" where the paper reports several."""
-    steps = ref["steps"]
+    steps = ref.get("steps", math.nan)
     return ref["model"] if pd.isna(steps) else f"{ref['model']}, {steps / 1000:g}K steps"
 
 
@@ -186,7 +196,7 @@ def _score(trials: pd.DataFrame) -> pd.Series:
     return column("best_eval_score").fillna(column("eval_score"))
 
 
-def _members(ours: pd.DataFrame, pick: dict, keys: list[str]) -> pd.DataFrame:
+def members(ours: pd.DataFrame, pick: dict, keys: list[str]) -> pd.DataFrame:
     """The trials of one pick (its configuration at its chosen LR), whose config the paper's
     recipe is checked against; a missing key value (NaN) matches a missing one."""
     same = pd.Series(True, index=ours.index)
@@ -196,13 +206,15 @@ def _members(ours: pd.DataFrame, pick: dict, keys: list[str]) -> pd.DataFrame:
     return ours[same]
 
 
-def _row(pick: dict, setting: str, metric: str, paper: float, source: str,
-         checked: tuple[str, str]) -> dict:
+def compare_row(pick: dict, setting: str, metric: str, paper: float, source: str,
+                checked: tuple[str, str]) -> dict:
+    """One compared pair: ours (a pick's mean, CI, n) beside the paper's number."""
     return {**{k: pick[k] for k in COMPARE_COLUMNS[:6]}, "setting": setting, "metric": metric,
             "paper": paper, "ours": pick["mean"], "ci": pick["ci"], "n": pick["n"],
             "difference": pick["mean"] - paper, "differs": checked[0], "unknown": checked[1],
             "source": source}
 
 
-def _frame(rows: list[dict]) -> pd.DataFrame:
+def compare_frame(rows: list[dict]) -> pd.DataFrame:
+    """Compared pairs in COMPARE_COLUMNS' order (no rows: an empty frame with them)."""
     return pd.DataFrame(rows, columns=COMPARE_COLUMNS)

@@ -11,6 +11,7 @@ import pandas as pd
 
 from harness.trials import atomic_write
 
+from .anchors import marin_column
 from .fit_figures import scaling_figure, speedup_figure
 from .format import text_table
 from .html import Block, Heading, Image, Paragraph, Table
@@ -19,6 +20,7 @@ from .scaling import fit_note, scaling, scaling_table
 from .speedup import BASELINE, fit_lines, speedup_table, speedups
 
 SPEEDUP_TITLE = "Speedup over tuned AdamW"
+MARIN_COLUMN = "marin (arXiv:2509.02046)"  # its stated speedup for the method and size
 SCALING_TITLE = "Scaling across model sizes"
 SPEEDUP_NOTE = (
     "Per model and token budget, each method at its best LR (lowest seed-mean final eval loss). "
@@ -45,7 +47,7 @@ def _speedup_section(trials: pd.DataFrame, name: str, out: Path,
         why = " ".join(lines) or "no trial finished with a final eval loss."
         line = f"{SPEEDUP_TITLE}: not computed. {why}"
         return [Paragraph(line)], [line]
-    table = speedup_table(result)
+    table = speedup_table(result).assign(**{MARIN_COLUMN: marin_column(result.points)})
     _write(out, "speedup", SPEEDUP_TITLE, " ".join([SPEEDUP_NOTE, *lines]), table)
     image = Image(out / "speedup.png", save_png(*speedup_figure(result, name),
                                                 out / "speedup.png"))

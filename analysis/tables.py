@@ -17,6 +17,7 @@ import pandas as pd
 from harness.config.metrics import METRICS
 from harness.trials import atomic_write
 
+from .anchors import compare_anchors
 from .caveats import SHARED, shared
 from .format import cell, text_table
 from .glue import GLUE_NOTE, GLUE_TITLE, glue_table, has_glue
@@ -147,6 +148,8 @@ TABLES: tuple[tuple[str, str, str, Builder], ...] = (
      lambda trials, _: comparison_table(compare_glue(trials))),
     ("paper_throughput", "Ours vs published: LLaMA-1B throughput (GaLore Table 11)",
      COMPARE_NOTE, lambda trials, _: comparison_table(compare_throughput(trials))),
+    ("paper_anchors", "Ours vs published: Scaling for Scaling (perplexity, optimizer state)",
+     COMPARE_NOTE, lambda trials, _: comparison_table(compare_anchors(trials))),
 )  # fmt: skip
 
 

@@ -219,8 +219,9 @@ def test_write_tables_writes_csv_and_markdown(runs: pd.DataFrame, tmp_path: Path
     assert [title for title, _, _ in written] == [
         "Pretraining (GaLore Table 2 format)", "Throughput (GaLore Table 11 format)",
         "GLUE (GaLore Table 4 format)", "Ours vs published: pretraining perplexity",
-        "Ours vs published: GLUE (GaLore Table 4)"]
-    slugs = ("pretrain", "throughput", "glue", "paper_pretrain", "paper_glue")
+        "Ours vs published: GLUE (GaLore Table 4)",
+        "Ours vs published: Scaling for Scaling (perplexity, optimizer state)"]
+    slugs = ("pretrain", "throughput", "glue", "paper_pretrain", "paper_glue", "paper_anchors")
     assert sorted(p.name for p in out.iterdir()) == sorted(
         f"{slug}.{ext}" for slug in slugs for ext in ("csv", "md"))
     csv = pd.read_csv(out / "pretrain.csv", dtype=str, keep_default_na=False)
