@@ -1,8 +1,8 @@
 """Issue 70, item 6: a sweep keeps the final model of each method's best trial per model and
 token budget (`keep_models: best`), all of them, or none; a trial that has not ended ok is
-never touched, a later run decides again, and a dropped model is said to be dropped by
-`harness status`, `harness export` and a finished trial run again. Fake trial folders: no
-trial trains here."""
+never touched, a later run decides again, a dropped model is said to be dropped by `harness
+status`, `harness export` and a finished trial run again, and the dry run counts what is
+kept. Fake trial folders: no trial trains here."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from harness.analysis.status import status_table
 from harness.cli_sweep import load_trials
 from harness.errors import UserError
 from harness.methods.resolve import load_run
-from harness.sweep.plan.expand import load_sweep
+from harness.sweep.plan.expand import expand, load_sweep
+from harness.sweep.plan.forecast import kept_after
 from harness.sweep.run.driver import run_sweep
 from harness.sweep.run.keep import keep_models
 from harness.sweep.search.open import open_search
@@ -182,3 +183,13 @@ def test_a_sweep_drops_the_models_as_its_run_ends(tmp_path):
         trial(out, t.name, eval_ppl=ppl)
     assert run_sweep(sweep, out) == 0
     assert kept(dirs) == [dirs[1].name, dirs[2].name]
+
+
+@pytest.mark.parametrize(("keep", "want"), [("best", ("best", 2 * 100 + 4 * 7)),
+                                            ("none", ("none", 4 * 7)), ("all", None)])
+def test_the_dry_run_counts_what_keep_models_leaves(tmp_path, keep, want):
+    """Four trials of 100-byte models beside 7 bytes of checkpoints each: best keeps one model
+    of full's two LRs and one of lora's, none keeps the checkpoints alone, all drops nothing."""
+    sweep = sweep_of(tmp_path, keep)
+    records = [{"final_model_bytes": 100, "disk_kept_bytes": 107}] * 4
+    assert kept_after(sweep, expand(sweep), records) == want

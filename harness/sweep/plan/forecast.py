@@ -23,6 +23,7 @@ from harness.cost.estimate import estimate_run, human_bytes
 from harness.cost.plan import DEVICE, step_work
 from harness.errors import UserError
 from harness.sweep.plan.expand import Trial, plan_table
+from harness.sweep.run.keep import Group, key_of
 from harness.trials import RunsDir, Status
 from harness.trials.writable import check_writable
 
@@ -67,8 +68,26 @@ def plan_text(sweep: SweepConfig, trials: list[Trial], out: Path) -> str:
         return f"{plan_table(trials)}\n{len(trials)} trials"
     tokens = sum(t.tokens for t in trials if not t.run.train.epochs)
     records = forecast(sweep, trials, out)
+    after = kept_after(sweep, trials, records)
     return (f"{plan_table(trials, forecast_columns(records))}\n"
-            f"{forecast_totals(records, tokens, sweep.launcher.at_once)}")
+            f"{forecast_totals(records, tokens, sweep.launcher.at_once, after)}")
+
+
+def kept_after(sweep: SweepConfig, trials: list[Trial], records: list[dict[str, Any]]
+               ) -> tuple[str, int] | None:
+    """The sweep's `keep_models` and the bytes its trials keep once it has dropped their final
+    models (best: one per method, model and budget, the largest); None where it drops none."""
+    models = [r["final_model_bytes"] for r in records]
+    rest = sum(r["disk_kept_bytes"] for r in records) - sum(models)
+    if sweep.keep_models == "all":
+        return None
+    kept: dict[Group, int] = {}
+    if sweep.keep_models == "best":
+        for t, model in zip(trials, models, strict=True):
+            key = key_of(t.label, t.run.model_dump(by_alias=True))
+            kept[key] = max(kept.get(key, 0), model)
+    after = rest + sum(kept.values())
+    return (sweep.keep_models, after) if after < rest + sum(models) else None
 
 
 def device_time(hours: float) -> str:
@@ -88,10 +107,15 @@ def forecast_columns(records: list[dict[str, Any]]) -> dict[str, list[str]]:
     }
 
 
-def forecast_totals(records: list[dict[str, Any]], tokens: int, at_once: int) -> str:
-    """The sweep's totals; `at_once`: the trials its launcher runs together."""
+def forecast_totals(records: list[dict[str, Any]], tokens: int, at_once: int,
+                    after: tuple[str, int] | None = None) -> str:
+    """The sweep's totals; `at_once`: the trials its launcher runs together; `after`: the
+    sweep's keep_models and what stays once it has dropped final models (kept_after)."""
     hours = sum(r["device_hours"] for r in records)
     kept, needed = sum(r["disk_kept_bytes"] for r in records), disk_needed(records, at_once)
+    dropped = (f"{human_bytes(after[1])} kept on disk once keep_models: {after[0]} has "
+               f"dropped final models ({human_bytes(kept)} as the trials end, "
+               if after else f"{human_bytes(kept)} kept on disk (")
     modelled = sum(r["speed"] == "model" for r in records)
     device = (f"{modelled} of them on the plan's compute model: an H100 at "
               f"{DEVICE.bf16_flops / 1e12:.0f} TFLOP/s bf16, {DEVICE.fp32_flops / 1e12:.0f} fp32"
@@ -99,7 +123,7 @@ def forecast_totals(records: list[dict[str, Any]], tokens: int, at_once: int) ->
     largest = human_bytes(max(r["peak_bytes"] for r in records))
     trials = f"{len(records)} trial{'s' if len(records) != 1 else ''}"
     return (f"{trials}, {tokens:,} tokens in all; predicted: {device_time(hours)} of device "
-            f"time ({device}); {human_bytes(kept)} kept on disk ({human_bytes(needed)} at most "
+            f"time ({device}); {dropped}{human_bytes(needed)} at most "
             f"while {at_once} run at once); the largest peak {largest} a process")
 
 

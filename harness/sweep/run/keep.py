@@ -69,9 +69,14 @@ def group_of(trial: TrialDir, summary: Summary) -> Group:
     """(method label, model, token budget) of a trial, from its config (its summary where the
     config is not there)."""
     config = trial.read_config()
-    model = config.get("model", summary.get("model"))
     label = config.get("label") or summary.get("method") or trial.name.rsplit("-", 1)[0]
-    return (str(label), model if isinstance(model, str) else json.dumps(model, sort_keys=True),
+    return key_of(str(label), {"model": summary.get("model"), **config})
+
+
+def key_of(label: str, config: dict[str, Any]) -> Group:
+    """The group of a trial of method `label` whose resolved config is `config`."""
+    model = config.get("model")
+    return (label, model if isinstance(model, str) else json.dumps(model, sort_keys=True),
             budget_of(config))
 
 
