@@ -139,15 +139,27 @@ def score(trial: TrialDir, names: Sequence[str], manager: Any, limit: int | None
     return written
 
 
+def device_of(name: str | None) -> str:
+    """`--device`, checked: default CUDA where there is one, else the CPU."""
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(name).type
+    except RuntimeError:
+        raise UserError(f"--device {name}: not a device (allowed: cpu, cuda, cuda:N)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: no CUDA device is visible (allowed here: cpu)")
+    return name
+
+
 def evaluate(path: Path, names: Sequence[str], limit: int | None, batch_size: BatchSize,
              device: str | None, say: Say) -> dict[str, dict[str, dict[str, Any]]]:
     """`harness eval PATH`: every target's scores on the tasks whose data can be had; per
-    trial folder, the entries written. `device`: default CUDA where there is one. UserError
-    when none of the tasks can be run."""
-    import torch
-
+    trial folder, the entries written. UserError when none of the tasks can be run."""
     lm_eval_module()
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device_of(device)
     manager = task_manager(names)
     found = targets(path, say)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notices on a model object

@@ -198,3 +198,13 @@ def test_without_lm_eval_the_line_says_how_to_install(tmp_path, monkeypatch):
     assert done.returncode == 2
     assert done.stderr.strip() == ("error: harness eval needs lm-evaluation-harness, which is "
                                    "not installed: pip install -e '.[eval]' (lm-eval 0.4.13)")
+
+
+def test_a_device_that_is_none_is_one_line(tmp_path):
+    trial, _, _ = exported(tmp_path, "full-1")
+    done = harness_here("eval", str(trial.path), "--tasks", "c4_sample_choice",
+                        "--device", "gpu0")
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("error: --device gpu0: not a device (allowed: cpu, cuda, "
+                                   "cuda:N)")
+    assert not trial.downstream.exists()
