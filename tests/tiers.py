@@ -85,6 +85,7 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_a_tests_part_cut_off_at_its_cap_keeps_the_outcomes_it_had",
     "test_parts_and_cap_choose_what_runs_and_how_long",
     "test_the_lease_script_runs_its_parts_each_in_its_folder",
+    "test_the_mfu_part_times_each_lever_then_the_ones_that_helped_together",  # a benchmark
     "test_bench_report_times_the_report_and_says_met_or_missed",  # `harness report` in a child
     "test_the_script_prepares_the_locked_kit",  # scripts/gpu_wheels.sh through pip
     # a benchmark in one test: a sweep's worth of training

@@ -9,12 +9,13 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from conftest import REPO, harness
 
-from harness.bench import gpu_parts
+from harness.bench import gpu_mfu, gpu_parts, gpu_settings
 from harness.bench.gpu import CAPS, load_state, run_part
 from harness.bench.gpu_mfu import gemm_shapes
 from harness.bench.gpu_parts import _junit
@@ -22,6 +23,10 @@ from harness.bench.gpu_report import render
 from harness.bench.memory import METHODS
 from harness.errors import UserError
 from harness.trials import read_json, write_json
+
+# Every part but mfu, whose smoke compiles llama_micro cold (most of the kit's CPU time):
+# its code runs in process below, with each run's speed dictated.
+SMOKE_PARTS = ["tests", "estimate", "table11", "loop", "llama7b"]
 
 
 def test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left(tmp_path):
@@ -34,12 +39,13 @@ def test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left(t
     assert read_json(out / "gpu.json")["parts"] == {}
 
     start = time.monotonic()
-    done = harness("bench", "gpu", "--out", str(out), "--smoke", cwd=REPO)
+    done = harness("bench", "gpu", "--out", str(out), "--smoke", "--parts",
+                   ",".join(SMOKE_PARTS), cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
     smoke_s = time.monotonic() - start
     state = read_json(out / "gpu.json")
     parts = state["parts"]
-    assert list(parts) == ["tests", "estimate", "table11", "mfu", "loop", "llama7b"]
+    assert list(parts) == SMOKE_PARTS
     assert all(p["status"] == "ok" for p in parts.values()), {n: p.get("error") for n, p
                                                               in parts.items()}
     env = state["environment"]
@@ -61,48 +67,92 @@ def test_smoke_runs_every_part_once_and_a_second_run_goes_on_with_what_is_left(t
     assert table11["galore_8bit_layerwise"]["paper_gb"] == 5.63  # GaLore Table 11, by hand
     assert table11["full"]["paper_tokens_per_s"] == 1256.98
     assert table11.keys() == {"full", "galore_8bit_layerwise"}
-    mfu = {r["name"].split("/", 3)[3]: r for r in parts["mfu"]["records"]}
-    # llama_micro (hidden 64, MLP 176, the sample's 8,192 tokens): q/k/v/o 64 × 64, gate and
-    # up 176 × 64, down 64 × 176, the head 8192 × 64; the MLP's 176 rounded up to 192
-    gemms = {"64x64", "176x64", "64x176", "8192x64", "192x64", "64x192"}
-    levers = ["multi_tensor", "compile", "loss_chunk", "liger", "mlp_64"]
-    runs = {"full/baseline", *(f"full/{n}" for n in levers), "full/best", "full/best_padded",
-            "galore/best", "adam8bit/best", "apollo/best", "full/32-true", "full/32-true_tf32"}
-    assert mfu.keys() == runs | {f"gemm/{g}" for g in gemms}
-    assert mfu["gemm/192x64"]["padded_from"] == [176, 64]
-    assert mfu["gemm/64x64"]["tokens"] == 2 * 32  # the smoke's micro-batch of 2 × 32 tokens
-    assert all(0 < t < 1e3 for g in gemms for t in mfu[f"gemm/{g}"]["tflops"].values())
-    liger = mfu["full/liger"]  # a CPU has no Triton: refused in the harness's one line
-    assert liger["status"] == "refused" and "liger" in liger["error"], liger
-    ok = {k: mfu[k] for k in runs - {"full/liger"}}
-    assert all(r["status"] == "ok" for r in ok.values()), ok
-    for r in ok.values():  # 64 tokens a step
-        assert r["ms_per_step"] == pytest.approx(1e3 * 64 / r["tokens_per_s"])
-    base = mfu["full/baseline"]["tokens_per_s"]
-    helped = [n for n in levers if n not in ("liger", "mlp_64")
-              and mfu[f"full/{n}"]["tokens_per_s"] > base]
-    assert mfu["full/best"]["levers"] == helped
-    assert mfu["full/best_padded"]["levers"] == [*helped, "mlp_64"]
-    assert (mfu["full/best"]["target"], mfu["full/best_padded"]["target"]) == (0.4, 0.45)
-    assert mfu["full/best"]["met"] is None  # a CPU has no peak FLOP/s: no MFU, no verdict
-    # the padded MLP is a bigger model: 2 layers × 3 × 64 × 16 more weights, and their states
-    assert mfu["full/mlp_64"]["peak_bytes"] > mfu["full/baseline"]["peak_bytes"]
-    assert mfu["galore/best"]["ratio_to_full"] == pytest.approx(
-        mfu["galore/best"]["tokens_per_s"] / mfu["full/best"]["tokens_per_s"])
-    assert mfu["full/32-true_tf32"]["levers"] == ["tf32"]
     (loop,) = parts["loop"]["records"]
     assert len(loop["rounds"]) == 1 and loop["value"] == loop["rounds"][0]["ratio"]
     big = {r["name"].rsplit("/", 1)[1]: r["paper_gb"] for r in parts["llama7b"]["records"]}
     assert big == {"galore_8bit_layerwise": 22.0, "qgalore": 15.08,
                    "apollo_mini_int8_layerwise": 12.0}
     page = (out / "gpu.md").read_text()
-    assert "Not run yet" not in page and page.count("\n## ") == 6
+    assert page.count("Not run yet") == 1 and page.count("\n## ") == 6  # mfu's, not yet run
     assert "| llama_micro/full/param_bytes | 4,596,992 | 4,596,992 |" in page
     print(f"smoke run: {smoke_s:.0f} s")
 
-    again = harness("bench", "gpu", "--out", str(out), "--smoke", cwd=REPO)
-    assert again.returncode == 0 and again.stdout.count("done before (ok)") == 6
-    assert read_json(out / "gpu.json")["parts"] == parts  # nothing measured twice
+    # the part left (mfu) runs, cut off at a 3-second cap; the five done are not run again
+    again = harness("bench", "gpu", "--out", str(out), "--smoke", "--cap-min", "0.05",
+                    cwd=REPO)
+    assert again.returncode == 0 and again.stdout.count("done before (ok)") == 5, again.stdout
+    assert "mfu: timeout" in again.stdout
+    state = read_json(out / "gpu.json")
+    assert {n: p for n, p in state["parts"].items() if n != "mfu"} == parts  # none twice
+    assert state["parts"]["mfu"]["status"] == "timeout"
+    assert sorted(p.name for p in out.iterdir()) == ["gpu.json", "gpu.md"]
+    page = (out / "gpu.md").read_text()
+    assert "Not run yet" not in page and page.count("\n## ") == 6
+
+
+def dictated(speeds: dict[str, float], runs: list[Any]) -> Callable[[Any], dict[str, Any]]:
+    """gpu_mfu's `measured`: each run trained here (but a compiled one: inductor's cold build
+    is tests/train/test_compile.py's), its status and peak kept, its tok/s the next of `speeds`
+    (a CPU's would be noise, so which lever helps is known); the runs kept in `runs`."""
+    order = iter(speeds.values())
+
+    def measure(run: Any) -> dict[str, Any]:
+        runs.append(run)
+        record = ({"status": "ok", "peak_bytes": 0, "mfu": None} if run.train.compile
+                  else gpu_settings.measured(run))
+        return {**record, "tokens_per_s": next(order)}
+
+    return measure
+
+
+def test_the_mfu_part_times_each_lever_then_the_ones_that_helped_together(monkeypatch,
+                                                                           tmp_path):
+    """The kit's mfu part on the CPU at the smoke's sizes, in process: the GEMM probe, the
+    baseline, each lever alone (liger refused), the helpful ones together at the paper's MLP
+    width and padded, each method with them, 32-true with and without TF32. Speeds dictated:
+    multi_tensor and compile help, loss_chunk does not, the padded MLP is never chosen."""
+    speeds = {"full/baseline": 1000.0, "full/multi_tensor": 1100.0, "full/compile": 1500.0,
+              "full/loss_chunk": 990.0, "full/mlp_64": 1200.0, "full/best": 1600.0,
+              "full/best_padded": 1800.0, "galore/best": 800.0, "adam8bit/best": 1700.0,
+              "apollo/best": 1200.0, "full/32-true": 500.0, "full/32-true_tf32": 600.0}
+    runs: list[Any] = []
+    monkeypatch.setattr(gpu_mfu, "measured", dictated(speeds, runs))
+    mfu = {r["name"].split("/", 3)[3]: r for r in gpu_mfu.mfu(gpu_settings.SMOKE, tmp_path)}
+    # llama_micro (hidden 64, MLP 176, the sample's 8,192 tokens): q/k/v/o 64 × 64, gate and
+    # up 176 × 64, down 64 × 176, the head 8192 × 64; the MLP's 176 rounded up to 192
+    gemms = {"64x64", "176x64", "64x176", "8192x64", "192x64", "64x192"}
+    assert mfu.keys() == {*speeds, "full/liger"} | {f"gemm/{g}" for g in gemms}
+    assert mfu["gemm/192x64"]["padded_from"] == (176, 64)
+    assert mfu["gemm/64x64"]["tokens"] == 2 * 32  # the smoke's micro-batch of 2 × 32 tokens
+    assert all(0 < t < 1e3 for g in gemms for t in mfu[f"gemm/{g}"]["tflops"].values())
+    liger = mfu["full/liger"]  # a CPU has no Triton: refused in the harness's one line
+    assert liger["status"] == "refused" and "liger" in liger["error"], liger
+    assert all(mfu[k]["status"] == "ok" for k in speeds), {k: mfu[k] for k in speeds}
+    for k, tok_s in speeds.items():  # 64 tokens a step
+        assert mfu[k]["tokens_per_s"] == tok_s and mfu[k]["batch"] == 2
+        assert mfu[k]["ms_per_step"] == pytest.approx(1e3 * 64 / tok_s)
+    assert mfu["full/compile"]["speedup"] == 1.5 and mfu["full/loss_chunk"]["speedup"] == 0.99
+    assert mfu["full/best"]["levers"] == ["multi_tensor", "compile"]
+    assert mfu["full/best_padded"]["levers"] == ["multi_tensor", "compile", "mlp_64"]
+    assert (mfu["full/best"]["target"], mfu["full/best_padded"]["target"]) == (0.4, 0.45)
+    assert mfu["full/best"]["met"] is None  # a CPU has no peak FLOP/s: no MFU, no verdict
+    # the padded MLP is a bigger model: 2 layers × 3 × 64 × 16 more weights, and their states
+    assert mfu["full/mlp_64"]["peak_bytes"] > mfu["full/baseline"]["peak_bytes"]
+    assert mfu["galore/best"]["ratio_to_full"] == 0.5  # 800 over full's best 1600
+    assert mfu["apollo/best"]["levers"] == ["multi_tensor", "compile"]
+    assert mfu["full/32-true_tf32"]["levers"] == ["tf32"]
+    # what each run was given: the lever's keys over the baseline's, each method's own
+    train = [(r.train.update_chunk, r.train.compile, r.train.loss_chunk,
+              r.model_options.mlp_multiple_of, r.train.precision) for r in runs]
+    chunk, bf16 = 1 << 24, "bf16-true"
+    assert train[:7] == [(0, False, 0, None, bf16), (chunk, False, 0, None, bf16),
+                         (0, True, 0, None, bf16), (0, False, 16, None, bf16),
+                         (0, False, 0, 64, bf16), (chunk, True, 0, None, bf16),
+                         (chunk, True, 0, 64, bf16)]
+    assert train[7:10] == [(chunk, True, 0, None, bf16)] * 3
+    assert [r.method["name"] for r in runs[7:10]] == ["galore", "adam8bit", "apollo"]
+    assert [r.train.precision for r in runs[10:]] == ["32-true"] * 2
+    assert [r.train.tf32 for r in runs[10:]] == [False, True]
 
 
 def test_the_estimate_part_measures_every_method_on_a_device_and_three_in_the_smoke(
