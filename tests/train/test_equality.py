@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import free_port, micro_run, write_yaml
 from equality_ranks import measure
-from method_matrix import METHODS
+from method_matrix import METHODS, MODEL_METHODS
 from ranks import Ranks
 
 from harness.errors import UserError
@@ -74,6 +74,9 @@ NORM_RTOL = {"32-true": 2e-4, "bf16-mixed": 2e-3}
 # case resets the moments whole; the prune is checked in 32-true.
 VARIANTS = {"galore_layerwise": ("galore", {}),
             "relora_reset": ("relora", {"optimizer_reset": "full"})}
+# Methods whose ddp run is not one process's optimizer on averaged gradients: those that change
+# the model (DDP wraps what their `prepare` made) or step inside backward (DDP's hooks).
+DDP_PATHS = {*MODEL_METHODS, "galore_layerwise"}
 
 
 def config(method: str, parallel: str, precision: str, accumulate: bool,
@@ -95,10 +98,18 @@ def config(method: str, parallel: str, precision: str, accumulate: bool,
 
 
 def diagonal(world: int) -> list[tuple[str, str, str, bool]]:
-    """Each method twice: under fsdp (ddp where fsdp refuses it) in one precision, with or
-    without accumulation, and under ddp in the other precision and the other accumulation,
-    the precisions and accumulations in turn over the methods (4 processes: a few methods);
-    2 processes: ReLoRA under fsdp in bf16-mixed too, its moments reset whole (VARIANTS)."""
+    """Each method under fsdp (ddp where fsdp refuses it) in one precision, with or without
+    accumulation, and under ddp in the other precision and the other accumulation, the
+    precisions and accumulations in turn over the methods (4 processes: a few methods);
+    2 processes: ReLoRA under fsdp in bf16-mixed too, its moments reset whole (VARIANTS).
+
+    On 2 processes, no ddp case for a method that keeps the model as built and steps after
+    backward (not in DDP_PATHS) where fsdp takes it: DDP hands its optimizer the gradients
+    averaged, whole, so it steps as in one process (its Rows are unsharded); that the average
+    is one process's gradient is each kept ddp case's (AdamW's and every model-changing
+    method's, both precisions, both accumulations: test_the_diagonal_keeps_ddp_on_every_path),
+    and the optimizer under gradients summed in another order is its own fsdp case's. The
+    whole matrix: scripts/equality_table.py."""
     methods = [*METHODS, "galore_layerwise"] if world == 2 else \
         ["full", "galore_layerwise", "adam8bit", "muon", "fira", "adam_mini"]
     cases = []
@@ -106,8 +117,27 @@ def diagonal(world: int) -> list[tuple[str, str, str, bool]]:
         precision, other = PRECISIONS[i % 2], PRECISIONS[1 - i % 2]
         accumulate = i // 2 % 2 == 0
         first = "fsdp" if config(method, "fsdp", precision, accumulate, world) else "ddp"
-        cases += [(method, first, precision, accumulate), (method, "ddp", other, not accumulate)]
+        cases.append((method, first, precision, accumulate))
+        if first == "ddp" or method in DDP_PATHS or world == 4:  # 4: ddp's accumulation
+            cases.append((method, "ddp", other, not accumulate))
     return cases + ([("relora_reset", "fsdp", "bf16-mixed", True)] if world == 2 else [])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_diagonal_keeps_ddp_on_every_path(world):
+    """Every method (and variant) trains on `world` processes; ddp and fsdp each in both
+    precisions, with and without accumulation; ddp with every method that changes the model
+    or steps in backward, and with every one fsdp refuses."""
+    cases = diagonal(world)
+    methods = [*METHODS, "galore_layerwise"] if world == 2 else ["full", "galore_layerwise"]
+    assert {m for m, *_ in cases} >= set(methods)
+    for parallel in ("ddp", "fsdp"):
+        assert {(x, a) for _, p, x, a in cases if p == parallel} == {
+            (x, a) for x in PRECISIONS for a in (True, False)}, parallel
+    on_ddp = {m for m, p, *_ in cases if p == "ddp"}
+    on_fsdp = {m for m, p, *_ in cases if p == "fsdp"}
+    assert on_ddp >= {m for m in DDP_PATHS if m in methods} | {
+        m for m, *_ in cases if m not in on_fsdp}
 
 
 def close(a: Any, b: Any, atol: float) -> None:
