@@ -82,10 +82,12 @@ def on_two_cpus() -> None:
 def test_the_quickstart_through_ray_gives_the_local_perplexities(tmp_path):
     """Three of the quickstart's entries (AdamW, LoRA and 8-bit layer-wise GaLore), as they are
     in sweeps/quickstart.yaml but at the first learning rate of each one's grid (another rate
-    runs the same code: three trials, two at once), run locally and on Ray: each trial's
-    process has one thread either way, so the eval perplexities are equal."""
+    runs the same code: three trials, two at once) and for 6 of its 30 steps, an eval at the
+    3rd (more steps run the same code), run locally and on Ray: each trial's process has one
+    thread either way, so the eval perplexities are equal."""
     data = yaml.safe_load((REPO / "sweeps" / "quickstart.yaml").read_text())
     data["methods"] = {k: data["methods"][k] for k in ("full", "lora", "galore_8bit_layerwise")}
+    data["train"]["steps"], data["eval"]["every"] = 6, 3
     for entry in (data, *data["methods"].values()):  # the sweep's grid and an entry's own
         space = (entry.get("search") or entry).get("space")
         if space:
