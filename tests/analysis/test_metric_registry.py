@@ -52,7 +52,7 @@ def test_status_json_and_table_show_each_status_metric(runs: Path, capfd):
     assert main(["status", str(runs), "--json"]) == 0
     records = json.loads(capfd.readouterr().out)
     shown = [m.name for m in REGISTRY if m.status]
-    assert all(list(r) == [*PROGRESS, *shown, "error"] for r in records)
+    assert all(list(r) == [*PROGRESS, *shown, "final_model_dropped", "error"] for r in records)
     t1 = next(r for r in records if r["trial"] == "t1")
     assert (t1["last_loss"], t1["eval_ppl"]) == (3.0, 25.0)
     assert t1["tokens_per_s"] == pytest.approx(1000 / 0.003, rel=1e-9)

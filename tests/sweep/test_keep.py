@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import micro_run, write_yaml
 
-from harness.analysis.status import status_table
+from harness.analysis.status import status_records, status_table
 from harness.cli_sweep import load_trials
 from harness.errors import UserError
 from harness.methods.resolve import load_run
@@ -158,8 +158,9 @@ def test_keep_models_accepts_best_all_none_and_refuses_others(tmp_path):
 
 
 def test_a_dropped_model_is_said_to_be_dropped(tmp_path):
-    """`harness status` shows it in its final-model column; `harness export` says so in one
-    line, naming the trial kept; the trial run again is finished, not trained again."""
+    """`harness status` shows it in its final-model column and its --json records; `harness
+    export` says so in one line, naming the trial kept; the trial run again is finished, not
+    trained again."""
     out = tmp_path / "runs"
     run = load_run(micro_run(steps=8))
     a = trial(out, "full-a", eval_ppl=30.0, identity=run.identity())
@@ -168,6 +169,9 @@ def test_a_dropped_model_is_said_to_be_dropped(tmp_path):
     rows = {line.split("|")[1].strip(): line
             for line in status_table(load_trials(str(out))).splitlines() if "|" in line}
     assert "| dropped (not best) |" in rows["full-a"] and "dropped" not in rows["full-b"]
+    records = {r["trial"]: r for r in json.loads(status_records(load_trials(str(out))))}
+    assert records["full-a"]["final_model_dropped"] == "not best"
+    assert records["full-b"]["final_model_dropped"] is None
     with pytest.raises(UserError, match=r"^[^\n]*full-a: its final model was dropped \(not "
                                         r"best\)[^\n]*full-b kept its model[^\n]*$"):
         export_trial(a.path, tmp_path / "export")
