@@ -6,8 +6,8 @@ and the length-normalized `acc_norm`).
 Built deterministically: each validation document is cut into windows of `CONTEXT` words
 followed by `ENDING` words, one window every `STRIDE` words; the wrong endings are those of the
 examples a quarter, a half and three quarters of the list away (other documents, mostly), and
-the right one's position cycles through the four. The examples are shipped as
-`tasks/c4_sample_choice.jsonl`, which `write_examples` rewrites (a test holds the two equal).
+the right one's position cycles through the four. Built when lm-eval loads the task, not
+shipped: the data file would count twice against a device call's carry (docs/gpu_kit.md).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from harness.data.c4 import SAMPLE
 
 TASKS = Path(__file__).parent / "tasks"  # the task YAMLs lm-eval reads, and their data
 NAME = "c4_sample_choice"
-EXAMPLES = TASKS / f"{NAME}.jsonl"
 VALIDATION = SAMPLE / "c4-validation.00000-of-00001.json.gz"
 CONTEXT, ENDING, STRIDE, CHOICES = 48, 12, 200, 4
 
@@ -47,19 +46,9 @@ def examples() -> list[dict[str, Any]]:
     return rows
 
 
-def write_examples(path: Path = EXAMPLES) -> int:
-    """The examples as JSON lines into `path`; how many."""
-    rows = examples()
-    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows),
-                    encoding="utf-8")
-    return len(rows)
-
-
 def dataset(**_: Any) -> Any:
-    """The shipped examples as lm-eval's `custom_dataset` gives them (its task metadata is
-    passed as keywords and not needed)."""
+    """The examples as lm-eval's `custom_dataset` gives them (its task metadata is passed as
+    keywords and not needed)."""
     import datasets
 
-    with EXAMPLES.open(encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f]
-    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(examples())})
