@@ -20,6 +20,7 @@ import pandas as pd
 from .budgets import baseline_variant, best_sets
 from .fits import PowerLaw, min_points, try_fit
 from .format import cell
+from .stats import format_ci
 
 BASELINE = "full"  # the method label standing for AdamW
 FLOOR_NOTE = "beyond AdamW's fitted floor"
@@ -108,8 +109,8 @@ def speedup_table(result: Speedups) -> pd.DataFrame:
         "tokens": p["tokens"].map(lambda v: cell(v, ",.0f")),
         "method": p["variant"].astype(str),
         "best lr": p["lr"].map(lambda v: f"{v:g}"),
-        "final loss": [_loss_cell(m, c, n) for m, c, n in zip(p["mean"], p["ci"], p["n"],
-                                                                strict=True)],
+        "final loss": [format_ci(m, c, int(n), digits=4)
+                       for m, c, n in zip(p["mean"], p["ci"], p["n"], strict=True)],
         "AdamW tokens": p["tokens_adamw"].map(lambda v: cell(v, ",.3g")),
         "speedup": p["speedup"].map(lambda v: cell(v, ".2f")),
         "95% interval": [_interval(lo, hi) for lo, hi in zip(p["low"], p["high"], strict=True)],
@@ -123,11 +124,6 @@ def fit_lines(result: Speedups) -> list[str]:
              f"A = {law.A:.3g}, D in tokens, L in nats per token."
              for model, law in result.fits.items()]
     return lines + result.missing
-
-
-def _loss_cell(mean: float, ci: float, n: int) -> str:
-    text = f"{mean:.4f}"
-    return text if n < 2 or math.isnan(ci) else f"{text} ± {ci:.4f} (n={int(n)})"
 
 
 def _interval(low: float, high: float) -> str:

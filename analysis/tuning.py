@@ -15,6 +15,7 @@ from harness.errors import UserError
 from harness.methods import get_method
 from harness.trials import Status
 
+from .budgets import budget_tokens
 from .format import text_table
 from .html import Block, Heading, Paragraph, Table
 from .stats import format_ci, mean_ci
@@ -28,14 +29,6 @@ NOTE = ("Each method's LR and the settings its config marks tunable (`harness me
         "configuration; at 0.5x / 2x lr: the same configuration at half and twice its LR "
         "(\"not run\" where the tuning never ran it); diverged: trials that ended nan or "
         "without a finite metric.")
-
-
-def budget_of(trials: pd.DataFrame) -> pd.Series:
-    """The token budget each trial belongs to: the sweep's `budget:`, else its trained tokens."""
-    trained = pd.to_numeric(trials.get("tokens"), errors="coerce")
-    if "budget_tokens" not in trials:
-        return trained
-    return pd.to_numeric(trials["budget_tokens"], errors="coerce").fillna(trained)
 
 
 def tuned_keys(method_name: str, trials: pd.DataFrame) -> list[str]:
@@ -112,7 +105,7 @@ def tuning_table(trials: pd.DataFrame, metric: str = "eval_loss") -> pd.DataFram
     """A row per model, budget and method (pretraining trials, `load_runs`' frame)."""
     if trials.empty or metric not in trials:
         return pd.DataFrame(columns=COLUMNS)
-    frame = trials.assign(_budget=budget_of(trials))
+    frame = trials.assign(_budget=budget_tokens(trials))
     rows = []
     for (model, budget, method), group in frame.groupby(["model", "_budget", "method"],
                                                          sort=False, dropna=False):
