@@ -89,3 +89,17 @@ def test_a_streamed_tied_model_writes_the_whole_saves_files_and_verifies(tmp_pat
     assert got.keys() == want.keys() and (len(want) > 3) == bool(shard)
     assert [n for n in want if got[n] != want[n]] == []
     assert "lm_head.weight" in lazy and not any(b"lm_head" in b for b in want.values())
+
+
+def test_a_model_another_worker_drops_at_the_same_time_is_dropped_without_error(
+        tmp_path, monkeypatch):
+    # Two workers of one sweep may drop the same model: the other removes a file after this
+    # one saw it was there and before its size is read (replayed: it is seen, then gone).
+    tensors = {"w": torch.zeros(2, 3)}
+    final_model.write(tmp_path / "model", saver(tensors), tensors, step=1)
+    listed = list((tmp_path / "model").rglob("*"))
+    (tmp_path / "model" / "model.safetensors").unlink()
+    monkeypatch.setattr(type(tmp_path), "rglob", lambda self, pattern: iter(listed))
+    monkeypatch.setattr(type(tmp_path), "is_file", lambda self: self in listed)
+    assert final_model.drop(tmp_path / "model") == len("{}")  # only config.json was left
+    assert list(tmp_path.iterdir()) == []
