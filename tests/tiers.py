@@ -88,6 +88,7 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_the_mfu_part_times_each_lever_then_the_ones_that_helped_together",  # a benchmark
     "test_bench_report_times_the_report_and_says_met_or_missed",  # `harness report` in a child
     "test_the_script_prepares_the_locked_kit",  # scripts/gpu_wheels.sh through pip
+    "test_the_kit_fits_in_one_device_call",  # the project wheel built by pip
     # a benchmark in one test: a sweep's worth of training
     "test_bench_syncs_json", "test_bench_memory_counts_what_it_estimates",
     "test_bench_loop_precision_trains_in_that_precision",
