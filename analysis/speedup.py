@@ -92,9 +92,12 @@ def _point(row: pd.Series, law: PowerLaw, span: tuple[float, float]) -> dict:
 
 
 def _missing_line(model: str, baseline: str, base: pd.DataFrame) -> str:
-    budgets = ", ".join(f"{b:,.0f}" for b in base["budget"]) or "none"
+    need = f"its fit L(D) = E + A·D^−α needs {min_points(True)}."
+    if base.empty:
+        return f"{model}: no speedup: AdamW (`{baseline}`) has no finished trial; {need}"
+    budgets = ", ".join(f"{b:,.0f}" for b in base["budget"])
     return (f"{model}: no speedup: AdamW (`{baseline}`) finished at {len(base)} token "
-            f"budget(s) ({budgets}); its fit L(D) = E + A·D^−α needs {min_points(True)}.")
+            f"budget(s) ({budgets}); {need}")
 
 
 def speedup_table(result: Speedups) -> pd.DataFrame:

@@ -171,7 +171,10 @@ def test_too_few_budgets_is_one_line_naming_what_is_missing() -> None:
 
 def test_the_baseline_is_a_parameter() -> None:
     sweep = _sweep().replace({"method": {"full": "adamw"}})
-    assert speedups(sweep).fits == {}  # no `full`: nothing to fit
+    result = speedups(sweep)
+    assert result.fits == {}  # no `full`: nothing to fit, and the line says there is none
+    assert result.missing == ["tiny: no speedup: AdamW (`full`) has no finished trial; "
+                              "its fit L(D) = E + A·D^−α needs 3."]
     points = speedups(sweep, baseline="adamw").points.set_index(["variant", "tokens"])
     assert points.loc[("fast", 2e6), "speedup"] == pytest.approx(2.0, rel=1e-6)
 
