@@ -2,15 +2,22 @@
 
 A trial is compared at its own end: its final eval loss (nats per token; ln of the eval
 perplexity for a summary without it). Per (model, budget, method setting) the best trial set
-is the seeds of the LR whose seed-mean final loss is lowest (`stats.best_lr`).
+is the seeds of the configuration (its LR and the values of the settings its method marks
+tunable) whose seed-mean final loss is lowest (`stats.best_lr` per tuned values).
 """
 
 from __future__ import annotations
 
+import ast
 import math
+from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from harness.config.tuning import tunables
+from harness.errors import UserError
+from harness.methods import get_method
 
 from .format import VARIANT_DEFAULTS, fill_variants, variant_label
 from .stats import best_lr, finished
@@ -20,7 +27,8 @@ from .stats import best_lr, finished
 BUDGET_COLUMN = "budget_tokens"
 LOSS = "final_loss"
 KEYS = ["model", "budget", "variant"]
-SET_COLUMNS = [*KEYS, "method", "lr", "mean", "ci", "n", "sem", "losses", "tokens",
+TUNED = "tuned"  # a trial's tunable settings besides its LR, as text ("" where none)
+SET_COLUMNS = [*KEYS, "method", "lr", TUNED, "mean", "ci", "n", "sem", "losses", "tokens",
                "chinchilla", "total_params"]
 CHINCHILLA_COLUMN = "chinchilla"  # the budget's Chinchilla multiple, where the sweep gave one
 
@@ -43,14 +51,46 @@ def final_loss(trials: pd.DataFrame) -> pd.Series:
     return loss.fillna(np.log(ppl.where(ppl > 0)))
 
 
+def tuned_keys(method_name: str, trials: pd.DataFrame) -> list[str]:
+    """The config columns of the method's tunable settings that its trials record."""
+    try:
+        marked = tunables(get_method(method_name).Config)
+    except UserError:  # a method this install no longer registers: its LR alone
+        return []
+    return [f"method.{name}" for name in marked if f"method.{name}" in trials]
+
+
+def plain(value: Any) -> Any:
+    """A setting as a hashable cell: a tuple comes back from the config as a list, which
+    `load_runs` gives as its text."""
+    if isinstance(value, str) and value.startswith("["):
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            return value
+    return tuple(value) if isinstance(value, list) else value
+
+
+def tuned_values(trials: pd.DataFrame) -> pd.Series:
+    """Each trial's tunable settings besides its LR, as "name=value, ..." ("" for none)."""
+    names = trials.get("method_name", trials.get("method", pd.Series("", index=trials.index)))
+    out = pd.Series("", index=trials.index, dtype=object)
+    for name, group in trials.groupby(names.astype(str), sort=False):
+        keys = tuned_keys(name, group)
+        out[group.index] = [", ".join(f"{k.removeprefix('method.')}={plain(v)}"
+                                      for k, v in zip(keys, row, strict=True))
+                            for row in group[keys].itertuples(index=False)]
+    return out
+
+
 def with_budgets(trials: pd.DataFrame) -> pd.DataFrame:
-    """The trials with `budget`, `final_loss` and `variant` (method plus any memory modifiers
-    and precision, as the summary table names it)."""
+    """The trials with `budget`, `final_loss`, `variant` (method plus any memory modifiers
+    and precision, as the summary table names it) and `tuned` (its tunable settings)."""
     filled = fill_variants(trials)
     labels = [variant_label(*row) for row in
               filled[list(VARIANT_DEFAULTS)].astype(str).itertuples(index=False)]
     return filled.assign(budget=budget_tokens(filled), **{LOSS: final_loss(filled)},
-                         variant=labels)
+                         variant=labels, **{TUNED: tuned_values(filled)})
 
 
 def best_sets(trials: pd.DataFrame) -> pd.DataFrame:
@@ -61,13 +101,15 @@ def best_sets(trials: pd.DataFrame) -> pd.DataFrame:
     in tokens) and the largest parameter count recorded."""
     ready = with_budgets(trials)
     ready = ready[ready["budget"].notna() & ready["model"].notna()]
-    picks = best_lr(ready, KEYS, metric=LOSS)
+    picks = best_lr(ready, [*KEYS, TUNED], metric=LOSS)
     if picks.empty:
         return pd.DataFrame(columns=SET_COLUMNS)
-    groups = finished(ready, LOSS).groupby([*KEYS, "lr"], sort=False)
+    # the best LR of each tuned configuration, then the best configuration (first of equals)
+    picks = picks.loc[picks.groupby(KEYS, sort=False)["mean"].idxmin()]
+    groups = finished(ready, LOSS).groupby([*KEYS, TUNED, "lr"], sort=False)
     rows = []
     for _, pick in picks.iterrows():
-        at = groups.get_group(tuple(pick[[*KEYS, "lr"]]))
+        at = groups.get_group(tuple(pick[[*KEYS, TUNED, "lr"]]))
         losses = tuple(float(v) for v in at[LOSS])
         sem = float(np.std(losses, ddof=1) / math.sqrt(len(losses))) if len(losses) > 1 \
             else math.nan
@@ -77,7 +119,7 @@ def best_sets(trials: pd.DataFrame) -> pd.DataFrame:
             else math.nan
         multiple = pd.to_numeric(at[CHINCHILLA_COLUMN], errors="coerce").max() \
             if CHINCHILLA_COLUMN in at else math.nan
-        rows.append({**pick[[*KEYS, "lr", "mean", "ci", "n"]].to_dict(),
+        rows.append({**pick[[*KEYS, "lr", TUNED, "mean", "ci", "n"]].to_dict(),
                      "method": str(at["method"].iloc[0]), "sem": sem, "losses": losses,
                      "tokens": pick["budget"] if pd.isna(tokens) else float(tokens),
                      "chinchilla": float(multiple), "total_params": float(params)})

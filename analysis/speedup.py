@@ -24,8 +24,8 @@ from .stats import format_ci
 
 BASELINE = "full"  # the method label standing for AdamW
 FLOOR_NOTE = "beyond AdamW's fitted floor"
-SET_COLUMNS = ["model", "budget", "tokens", "chinchilla", "variant", "method", "lr", "mean",
-               "ci", "n"]  # taken from the best trial sets as they are
+SET_COLUMNS = ["model", "budget", "tokens", "chinchilla", "variant", "method", "lr", "tuned",
+               "mean", "ci", "n"]  # taken from the best trial sets as they are
 POINT_COLUMNS = [*SET_COLUMNS, "tokens_adamw", "speedup", "low", "high", "note"]
 
 
@@ -60,7 +60,10 @@ def speedups(trials: pd.DataFrame, baseline: str = BASELINE) -> Speedups:
         result.fits[str(model)] = law
         span = result.spans[str(model)] = (float(base["tokens"].min()),
                                            float(base["tokens"].max()))
-        rows += [_point(row, law, span) for _, row in own.iterrows()]
+        order = {v: i for i, v in enumerate(dict.fromkeys([variant, *own["variant"]]))}
+        own = own.sort_values(["variant", "budget"], key=lambda c: c.map(order)
+                              if c.name == "variant" else c)  # AdamW first, budgets rising
+        rows += [_point(row, law, span, row["variant"] == variant) for _, row in own.iterrows()]
     if rows:
         result.points = pd.DataFrame(rows, columns=POINT_COLUMNS)
     return result
@@ -71,9 +74,10 @@ def tokens_ratio(law: PowerLaw, loss: float, tokens: float) -> float:
     return law.inverse(loss) / tokens
 
 
-def _point(row: pd.Series, law: PowerLaw, span: tuple[float, float]) -> dict:
+def _point(row: pd.Series, law: PowerLaw, span: tuple[float, float], baseline: bool) -> dict:
     """One method setting at one budget: its speedup, the interval from its seeds, and a note
-    where the number is no plain reading of the fit."""
+    where the number is no plain reading of the fit (none on AdamW's own points, which only
+    show how far they lie off its law)."""
     budget, mean, ci = float(row["tokens"]), float(row["mean"]), float(row["ci"])
     speedup, low, high = (tokens_ratio(law, mean, budget), math.nan, math.nan)
     if not math.isnan(ci):
@@ -81,6 +85,8 @@ def _point(row: pd.Series, law: PowerLaw, span: tuple[float, float]) -> dict:
     tokens = law.inverse(mean)
     if math.isinf(speedup):
         note, speedup, tokens = FLOOR_NOTE, math.nan, math.nan
+    elif baseline:
+        note = ""
     elif tokens > span[1] * (1 + 1e-9):
         note = "extrapolated: past AdamW's largest budget"
     elif tokens < span[0] * (1 - 1e-9):
@@ -102,8 +108,8 @@ def _missing_line(model: str, baseline: str, base: pd.DataFrame) -> str:
 
 def speedup_table(result: Speedups) -> pd.DataFrame:
     """The points as strings: model, budget (tokens, or its Chinchilla multiple), tokens
-    trained (D), method, best lr, final loss (mean ± 95% CI, n), the tokens AdamW needs for
-    it, the speedup, its interval and the note."""
+    trained (D), method, best lr, its other tuned settings, final loss (mean ± 95% CI, n), the
+    tokens AdamW needs for it, the speedup, its interval and the note."""
     p = result.points
     return pd.DataFrame({
         "model": p["model"].astype(str),
@@ -112,6 +118,7 @@ def speedup_table(result: Speedups) -> pd.DataFrame:
         "tokens": p["tokens"].map(lambda v: cell(v, ",.0f")),
         "method": p["variant"].astype(str),
         "best lr": p["lr"].map(lambda v: f"{v:g}"),
+        "tuned": p["tuned"].astype(str),
         "final loss": [format_ci(m, c, int(n), digits=4)
                        for m, c, n in zip(p["mean"], p["ci"], p["n"], strict=True)],
         "AdamW tokens": p["tokens_adamw"].map(lambda v: cell(v, ",.3g")),

@@ -4,18 +4,14 @@ its other settings as tuned) and how many of its trials diverged."""
 
 from __future__ import annotations
 
-import ast
 import math
 from typing import Any
 
 import pandas as pd
 
-from harness.config.tuning import tunables
-from harness.errors import UserError
-from harness.methods import get_method
 from harness.trials import Status
 
-from .budgets import budget_tokens
+from .budgets import budget_tokens, plain, tuned_keys
 from .format import text_table
 from .html import Block, Heading, Paragraph, Table
 from .stats import format_ci, mean_ci
@@ -29,26 +25,6 @@ NOTE = ("Each method's LR and the settings its config marks tunable (`harness me
         "configuration; at 0.5x / 2x lr: the same configuration at half and twice its LR "
         "(\"not run\" where the tuning never ran it); diverged: trials that ended nan or "
         "without a finite metric.")
-
-
-def tuned_keys(method_name: str, trials: pd.DataFrame) -> list[str]:
-    """The config columns of the method's tunable settings that its trials record."""
-    try:
-        marked = tunables(get_method(method_name).Config)
-    except UserError:  # a method this install no longer registers: its LR alone
-        return []
-    return [f"method.{name}" for name in marked if f"method.{name}" in trials]
-
-
-def plain(value: Any) -> Any:
-    """A setting as a hashable cell: a tuple comes back from the config as a list, which
-    `load_runs` gives as its text."""
-    if isinstance(value, str) and value.startswith("["):
-        try:
-            value = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            return value
-    return tuple(value) if isinstance(value, list) else value
 
 
 def diverged(trials: pd.DataFrame, metric: str) -> pd.Series:

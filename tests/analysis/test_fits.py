@@ -252,3 +252,28 @@ def test_one_model_size_is_one_line_in_the_report(tmp_path: Path) -> None:
         "model sizes with a finished trial of one method; this sweep has 1 (tiny).")
     assert blocks[-1] == Paragraph(texts[-1])  # the page says it too, with no table
     assert (tmp_path / "speedup.csv").exists() and not (tmp_path / "scaling.csv").exists()
+
+
+def test_the_best_set_is_one_tuned_configuration_not_every_one_at_its_lr() -> None:
+    # AdamW tuned over betas: at lr 1e-3, betas (0.9, 0.95) mean 3.1 and (0.9, 0.999) mean 3.3
+    # (pooled at that LR: 3.2 over 4 trials); (0.9, 0.999) at 2e-3: 3.2. Best: the first, n=2.
+    def tuned(loss: float, lr: float, betas: list[float], seed: int) -> dict:
+        return {**_trial("full", 1e6, loss, lr=lr, seed=seed), "method.betas": betas}
+    sweep = pd.DataFrame([tuned(3.0, 1e-3, [0.9, 0.95], 0), tuned(3.2, 1e-3, [0.9, 0.95], 1),
+                          tuned(3.25, 1e-3, [0.9, 0.999], 0), tuned(3.35, 1e-3, [0.9, 0.999], 1),
+                          tuned(3.15, 2e-3, [0.9, 0.999], 0), tuned(3.25, 2e-3, [0.9, 0.999], 1)])
+    (best,) = best_sets(sweep).to_dict("records")
+    assert (best["lr"], best["tuned"], best["n"]) == (1e-3, "betas=(0.9, 0.95)", 2)
+    assert best["mean"] == pytest.approx(3.1) and best["losses"] == (3.0, 3.2)
+
+
+def test_adamws_rows_come_first_budgets_rising_and_carry_no_extrapolation_note() -> None:
+    # the trials given in falling budgets and `fast` first; AdamW's 8M point put 0.001 below
+    # its law, so D_AdamW there lies past its largest budget (a method's point would say so)
+    rows = [_trial(m, D, _adamw(D) - (0.001 if (m, D) == ("full", 8e6) else 0))
+            for m in ("fast", "full") for D in reversed(BUDGETS)]
+    points = speedups(pd.DataFrame(rows)).points
+    assert list(zip(points["variant"], points["tokens"], strict=True)) == [
+        ("full", D) for D in BUDGETS] + [("fast", D) for D in BUDGETS]
+    full = points[points["variant"] == "full"]
+    assert full["tokens_adamw"].iloc[-1] > 8e6 and set(full["note"]) == {""}
