@@ -78,13 +78,17 @@ def at_lr(frame: pd.DataFrame, at: dict[str, Any], factor: float, metric: str,
 
 
 def tuning_table(trials: pd.DataFrame, metric: str = "eval_loss") -> pd.DataFrame:
-    """A row per model, budget and method (pretraining trials, `load_runs`' frame)."""
+    """A row per model, method and budget (pretraining trials, `load_runs`' frame): models
+    and methods in the order they came, budgets rising."""
     if trials.empty or metric not in trials:
         return pd.DataFrame(columns=COLUMNS)
     frame = trials.assign(_budget=budget_tokens(trials))
+    frame = frame.sort_values("_budget", kind="stable")  # groups below: first seen, in budgets
+    order = {k: {v: i for i, v in enumerate(dict.fromkeys(trials[k]))} for k in ("model", "method")}
+    groups = sorted(frame.groupby(["model", "method", "_budget"], sort=False, dropna=False),
+                    key=lambda kg: (order["model"][kg[0][0]], order["method"][kg[0][1]]))
     rows = []
-    for (model, budget, method), group in frame.groupby(["model", "_budget", "method"],
-                                                         sort=False, dropna=False):
+    for (model, method, budget), group in groups:
         tokens = "" if pd.isna(budget) else f"{int(budget):,} tokens"
         rows.append({"model": model, "budget": tokens, "method": method,
                      **method_row(group, metric)})

@@ -73,3 +73,15 @@ def test_the_section_is_left_out_without_tuning_and_says_when_nothing_finished()
     empty = frame().assign(status="failed")
     _, text = tuning_section(empty, {"tuning": {"procedure": "coordinate"}})
     assert "no trial finished" in text[0]
+
+
+def test_rows_go_by_method_as_they_came_then_budgets_rising():
+    """Trials in the order a coordinate sweep finishes them: budgets interleaved."""
+    rows = [{**trial(m, 1e-3, 3.0), "budget_tokens": b}
+            for m, b in [("muon", 4_000_000), ("adamw", 1_000_000), ("muon", 1_000_000),
+                         ("adamw", 4_000_000), ("adamw", 2_000_000)]]
+    table = tuning_table(pd.DataFrame(rows))
+    assert list(zip(table["method"], table["budget"], strict=True)) == [
+        ("muon", "1,000,000 tokens"), ("muon", "4,000,000 tokens"),
+        ("adamw", "1,000,000 tokens"), ("adamw", "2,000,000 tokens"),
+        ("adamw", "4,000,000 tokens")]
