@@ -61,8 +61,8 @@ def speedups(trials: pd.DataFrame, baseline: str = BASELINE) -> Speedups:
         span = result.spans[str(model)] = (float(base["tokens"].min()),
                                            float(base["tokens"].max()))
         order = {v: i for i, v in enumerate(dict.fromkeys([variant, *own["variant"]]))}
-        own = own.sort_values(["variant", "budget"], key=lambda c: c.map(order)
-                              if c.name == "variant" else c)  # AdamW first, budgets rising
+        own = own.assign(_order=own["variant"].map(order)).sort_values(
+            ["_order", "budget"])  # AdamW first, then as they came, budgets rising
         rows += [_point(row, law, span, row["variant"] == variant) for _, row in own.iterrows()]
     if rows:
         result.points = pd.DataFrame(rows, columns=POINT_COLUMNS)
