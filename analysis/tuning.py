@@ -11,7 +11,7 @@ import pandas as pd
 
 from harness.trials import Status
 
-from .budgets import budget_tokens, plain, tuned_keys
+from .budgets import TUNED, budget_tokens, tuned_values
 from .format import text_table
 from .html import Block, Heading, Paragraph, Table
 from .stats import format_ci, mean_ci
@@ -35,33 +35,26 @@ def diverged(trials: pd.DataFrame, metric: str) -> pd.Series:
 
 
 def method_row(trials: pd.DataFrame, metric: str) -> dict[str, Any]:
-    """One method's row at one model and budget."""
-    name = str(trials.get("method_name", trials["method"]).iloc[0])
-    keys = tuned_keys(name, trials)
-    frame = trials.assign(**{k: trials[k].map(plain) for k in keys}, lr=trials["lr"].astype(float))
+    """One method's row at one model and budget: configurations are its LR and tuned values."""
+    frame = trials.assign(lr=trials["lr"].astype(float), **{TUNED: tuned_values(trials)})
     bad = diverged(frame, metric)
     done = frame[(frame["status"] == Status.OK) & ~bad]
     row = {"trials": len(frame), "diverged": int(bad.sum()),
-           "configurations": len(frame.drop_duplicates(["lr", *keys]))}
+           "configurations": len(frame.drop_duplicates(["lr", TUNED]))}
     if done.empty:
         return {**row, "tuned": "", "best": "no trial finished", "at 0.5x lr": "", "at 2x lr": ""}
-    means = done.groupby(["lr", *keys], dropna=False)[metric].mean()
-    best = means.idxmin() if isinstance(means.idxmin(), tuple) else (means.idxmin(),)
-    at = dict(zip(["lr", *keys], best, strict=True))
-    tuned = ", ".join(f"{k.removeprefix('method.')}={v}" for k, v in at.items())
+    lr, tuned = done.groupby(["lr", TUNED])[metric].mean().idxmin()
+    at = {"lr": lr, TUNED: tuned}
     best_values = pd.to_numeric(matching(done, at)[metric], errors="coerce")
-    return {**row, "tuned": tuned, "best": format_ci(*mean_ci(best_values)),
+    return {**row, "tuned": ", ".join([f"lr={lr}", *filter(None, [tuned])]),
+            "best": format_ci(*mean_ci(best_values)),
             "at 0.5x lr": at_lr(frame, at, 0.5, metric, bad),
             "at 2x lr": at_lr(frame, at, 2.0, metric, bad)}
 
 
 def matching(frame: pd.DataFrame, at: dict[str, Any]) -> pd.DataFrame:
-    """The trials of one configuration (LRs equal to a relative 1e-6)."""
-    keep = (frame["lr"] / at["lr"] - 1).abs() < SAME_LR
-    for key, value in at.items():
-        if key != "lr":
-            keep &= frame[key].map(lambda v, want=value: v == want)
-    return frame[keep]
+    """The trials of one configuration (LRs equal to a relative 1e-6, the rest as text)."""
+    return frame[((frame["lr"] / at["lr"] - 1).abs() < SAME_LR) & (frame[TUNED] == at[TUNED])]
 
 
 def at_lr(frame: pd.DataFrame, at: dict[str, Any], factor: float, metric: str,
