@@ -174,6 +174,11 @@ def tree_files(skip: Path) -> list[Path]:
     return [p for p in paths if p.is_file() and skip.resolve() not in p.resolve().parents]
 
 
+def tree_bytes(skip: Path) -> int:
+    """The bytes of the files a device call carries (`tree_files`)."""
+    return sum(p.stat().st_size for p in tree_files(skip))
+
+
 def build_project(dest: Path) -> Path:
     """The project's wheel, built from a copy of the tree as a device call carries it (the
     checkout's own build/ folder may hold stale modules)."""
@@ -238,7 +243,7 @@ def prepare(dest: Path, lock: Path) -> int:
         print("gpu kit incomplete: " + "; ".join(problems), file=sys.stderr)
         return 1
     kit = sum(p.stat().st_size for p in dest.glob("*.whl"))
-    tree = sum(p.stat().st_size for p in tree_files(dest))
+    tree = tree_bytes(dest)
     for name, w in sorted(wheels.items(), key=lambda kv: -kv[1].size):
         print(f"{w.size / 2**20:8.2f} MiB  {name} {w.version}")
     print(f"{project.stat().st_size / 2**20:8.2f} MiB  harness (the project)")

@@ -67,7 +67,7 @@ def test_the_kit_fits_in_one_device_call(tmp_path):
     compressed, as a device call carries it) and the working tree, under the call's limit."""
     wheels = sum(w.size for w in kit.read_lock(kit.LOCK).values())
     project = kit.build_project(tmp_path).stat().st_size
-    tree = sum(p.stat().st_size for p in kit.tree_files(REPO / ".whl"))
+    tree = kit.tree_bytes(REPO / ".whl")
     assert wheels + project + tree < kit.LIMIT, f"{(wheels + project + tree) / 2**20:.1f} MiB"
 
 
