@@ -102,6 +102,7 @@ class SOAPOptimizer(ParamwiseOptimizer):
         step_size = lr * math.sqrt(1 - b2**n) / (1 - b1**n)
         # the authors' order, W ← (W − s·U)·(1 − lr·wd), as add_update's W − lr·wd·W + update
         add_update(p, update.mul_(-step_size * (1 - lr * wd)), self.compensation, st, lr * wd)
+        del update  # not beside the statistics' d×d outer products
         self._accumulate(group, st, g)
         if n % group["precondition_frequency"] == 0:
             self._refresh(st)
