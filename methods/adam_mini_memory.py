@@ -18,10 +18,11 @@ if TYPE_CHECKING:
 @register_memory("adam_mini")
 class AdamMiniMemory(Memory):
     def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
-        """Its own optimizer computes every bf16-true update in float32, bfloat16 moments too:
-        then the first moment's float32 copy lives beside the two of `Memory.update_bytes`."""
+        """Its own optimizer makes each update a new float32 tensor, one weight at a time;
+        under bf16-true the weight's float32 copy (`Memory.update_bytes`) beside it, and with
+        bfloat16 moments the first moment's copy too."""
         if run.train.precision != "bf16-true":
-            return 0
+            return 4 * max(numel(s) for s in shapes.values())
         copies = 2 if run.train.state_dtype == "float32" else 3
         return 4 * copies * max(numel(s) for s in shapes.values())
 

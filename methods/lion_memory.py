@@ -16,13 +16,17 @@ if TYPE_CHECKING:
 @register_memory("lion")
 class LionMemory(Memory):
     def update_bytes(self, shapes: Shapes, run: RunConfig) -> int:
-        """bf16-true: one weight at a time, the gradient's float32 copy and the update (and the
-        momentum's float32 copy when it is bfloat16), then the update and the weight's copy
-        (`add_update`)."""
-        if run.train.precision != "bf16-true":
-            return 0
-        copies = 2 if run.train.state_dtype == "float32" else 3
-        return 4 * copies * max(numel(s) for s in shapes.values())
+        """One weight at a time: the float32 update beside the gradient's float32 copy and the
+        momentum's (bf16-true, bfloat16 states), then beside what adding it takes: nothing
+        into a float32 weight; `add_update`'s weight copy with a compensation; into a bfloat16
+        weight in place, a CPU's float32 copies of the weight and of the sum (CUDA casts as
+        it goes)."""
+        t = run.train
+        bf16 = t.precision == "bf16-true"
+        making = 1 + bf16 + (bf16 and t.state_dtype == "bfloat16")
+        adding = 1 if not bf16 else 2 if t.update_compensation != "none" else \
+            3 if run.device == "cpu" else 1
+        return 4 * max(making, adding) * max(numel(s) for s in shapes.values())
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         w = widths(run)
