@@ -112,49 +112,62 @@ class StableSpam(ParamwiseOptimizer):
     def _update(self, group: dict[str, Any], p: Tensor) -> None:
         st, rows = self._state(p), Rows(p)
         lr, decay = group["lr"], group["lr"] * group["weight_decay"]
-        g = self._normalised(st, rows, Rows(p.grad).local, group["eps"])
-        if g is None:  # a zero gradient: the package decays the weight and moves nothing
-            add_update(rows.local, torch.zeros_like(rows.local, dtype=torch.float32),
-                       self.compensation, st, decay)
-            return
+        g, live = self._normalised(st, rows, Rows(p.grad).local, group["eps"])
+        # a zero clipped gradient (live 0): the package decays the weight and moves nothing
+        # else; here its moments keep their values through weights of 0, without reading it
         (b1, b2), step = group["betas"], st["step"]
         b1 = b1 * st["scale"]
         kept = {k: Rows(st[k]).local for k in ("exp_avg", "exp_avg_sq")}  # this rank's rows
-        m = kept["exp_avg"].float().lerp_(g, 1 - b1)  # the state itself when float32
-        v = kept["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
+        m = kept["exp_avg"].float().lerp_(g, live * (1 - b1))  # the state itself when float32
+        v = kept["exp_avg_sq"].float().mul_(torch.where(live > 0, b2, 1.0))
+        v.addcmul_(g, g, value=1 - b2)
         del g  # each float32 temporary goes as soon as it is used: see add_update
         keep_rounded(kept, {"exp_avg": m, "exp_avg_sq": v})
         denom = v.sqrt().div_(math.sqrt(1 - b2 ** step)).add_(group["eps"])
         del v
-        update = torch.div(m, denom, out=denom).mul_(-lr / (1 - b1 ** step))
+        update = torch.div(m, denom, out=denom).mul_(-lr / (1 - b1 ** step)).mul_(live)
         del m
         add_update(rows.local, update, self.compensation, st, decay)
 
     def _normalised(self, st: dict[str, Any], rows: Rows, grad: Tensor,
-                    eps: float) -> Tensor | None:
-        """AdaClip, then AdaGN, of this rank's rows of the gradient, in a float32 copy (the one
-        new tensor of its size, beside the clip's mask), with the whole tensor's max |g| and
-        norm; None where the clipped gradient is zero."""
+                    eps: float) -> tuple[Tensor, Tensor]:
+        """AdaClip, then AdaGN, of this rank's rows of the gradient, in a float32 copy, with the
+        whole tensor's max |g| and norm; and 1.0, or 0.0 where the clipped gradient is zero
+        (its norm statistics then kept as they were). Read by the device alone: no host sync."""
         total = st["total"]
         largest = _whole_max(rows, torch.linalg.vector_norm(grad, math.inf, dtype=torch.float32)
                              if grad.numel() else grad.new_zeros((), dtype=torch.float32))
         m_max = st["m_max_t"].lerp_(largest, 1 - self.theta)
         limit = m_max / (1 - self.theta ** total)
-        spikes = grad.abs() > limit
+        spikes = grad.abs() > limit  # before the copy: |g|'s temporary is not beside it
         g = grad.to(torch.float32, copy=True)
-        g[spikes] = g[spikes] / largest * limit  # the package's order of operations
+        _clip(g, spikes, largest, limit)
         del spikes
         norm = torch.linalg.vector_norm(g)
         if rows.sharded:  # the whole tensor's: every rank's sum of squares
             norm = rows.sum(norm.square()).sqrt()
-        if norm == 0:
-            return None
+        live = (norm > 0).float()
         gamma1 = self.gamma1 * st["scale"]
-        st["m_norm_t"].lerp_(norm, 1 - gamma1)
-        st["v_norm_t"].lerp_(norm.square(), 1 - self.gamma2)
+        st["m_norm_t"].lerp_(norm, live * (1 - gamma1))
+        st["v_norm_t"].lerp_(norm.square(), live * (1 - self.gamma2))
         m_hat = st["m_norm_t"] / (1 - gamma1 ** total)
         v_hat = st["v_norm_t"] / (1 - self.gamma2 ** total)
-        return g.div_(norm).mul_(m_hat / (v_hat.sqrt() + eps))
+        # a zero gradient stays zero: divided by the smallest normal float32, not by 0
+        return g.div_(norm.clamp_min(torch.finfo(torch.float32).tiny)).mul_(
+            m_hat / (v_hat.sqrt() + eps)), live
+
+
+# Elements of a gradient AdaClip rescales at once: a float32 temporary of at most this many
+CLIP_CHUNK = 1 << 24
+
+
+def _clip(g: Tensor, spikes: Tensor, largest: Tensor, limit: Tensor) -> None:
+    """g ← g/max|g|·limit where `spikes`, in place, as the package's g[spikes] = g[spikes] /
+    max|g| * limit (the same operations on each element) but without the masked gather's host
+    sync: by chunks of CLIP_CHUNK elements (`torch.where` on each)."""
+    for part, mask in zip(g.view(-1).split(CLIP_CHUNK), spikes.view(-1).split(CLIP_CHUNK),
+                          strict=True):
+        torch.where(mask, part.div(largest).mul_(limit), part, out=part)
 
 
 def _whole_max(rows: Rows, value: Tensor) -> Tensor:
