@@ -140,7 +140,7 @@ class StableSpam(ParamwiseOptimizer):
         m_max = st["m_max_t"].lerp_(largest, 1 - self.theta)
         limit = m_max / (1 - self.theta ** total)
         spikes = grad.abs() > limit  # before the copy: |g|'s temporary is not beside it
-        g = grad.to(torch.float32, copy=True)
+        g = grad.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         _clip(g, spikes, largest, limit)
         del spikes
         norm = torch.linalg.vector_norm(g)
@@ -165,7 +165,7 @@ def _clip(g: Tensor, spikes: Tensor, largest: Tensor, limit: Tensor) -> None:
     """g ← g/max|g|·limit where `spikes`, in place, as the package's g[spikes] = g[spikes] /
     max|g| * limit (the same operations on each element) but without the masked gather's host
     sync: by chunks of CLIP_CHUNK elements (`torch.where` on each)."""
-    for part, mask in zip(g.view(-1).split(CLIP_CHUNK), spikes.view(-1).split(CLIP_CHUNK),
+    for part, mask in zip(g.view(-1).split(CLIP_CHUNK), spikes.reshape(-1).split(CLIP_CHUNK),
                           strict=True):
         torch.where(mask, part.div(largest).mul_(limit), part, out=part)
 

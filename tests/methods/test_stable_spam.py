@@ -200,3 +200,19 @@ def test_the_peak_counts_the_steps_float32_temporaries(tmp_path, overrides):
     copies of the head (8.4 MB each)."""
     measured, estimated = head_heavy_peaks(tmp_path, "stable_spam", overrides)
     assert abs(measured / estimated - 1) <= PEAK_RTOL
+
+
+def test_the_clip_by_chunks_is_the_packages_masked_assignment(monkeypatch):
+    """AdaClip without a host sync: torch.where by chunks (7 elements here, so that chunks cut
+    rows) gives the bits of the package's g[spikes] = g[spikes] / max|g| * limit, on a
+    transposed (non-contiguous) gradient too."""
+    from harness.methods import stable_spam
+
+    monkeypatch.setattr(stable_spam, "CLIP_CHUNK", 7)
+    grad = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)).T
+    spikes, largest, limit = grad.abs() > 2.5, grad.abs().max(), torch.tensor(2.5)
+    want = grad.clone()
+    want[spikes] = want[spikes] / largest * limit
+    g = grad.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    stable_spam._clip(g, spikes, largest, limit)
+    assert spikes.sum() > 100 and torch.equal(g, want)
