@@ -21,12 +21,14 @@ class LionMemory(Memory):
         into a float32 weight; `add_update`'s weight copy with a compensation; into a bfloat16
         weight in place, a CPU's float32 copies of the weight and of the sum (CUDA casts as
         it goes)."""
-        t = run.train
-        bf16 = t.precision == "bf16-true"
-        making = 1 + bf16 + (bf16 and t.state_dtype == "bfloat16")
-        adding = 1 if not bf16 else 2 if t.update_compensation != "none" else \
-            3 if run.device == "cpu" else 1
-        return 4 * max(making, adding) * max(numel(s) for s in shapes.values())
+        t, largest = run.train, max(numel(s) for s in shapes.values())
+        if t.precision != "bf16-true":
+            return 4 * largest  # the update alone
+        making = 3 if t.state_dtype == "bfloat16" else 2  # gradient, (momentum,) update
+        if t.update_compensation != "none":
+            return 4 * max(making, 2) * largest  # add_update: the weight's copy beside it
+        in_place = 3 if run.device == "cpu" else 1  # a CPU copies weight and sum; CUDA none
+        return 4 * max(making, in_place) * largest
 
     def estimate(self, shapes: Shapes, run: RunConfig) -> MemoryEstimate:
         w = widths(run)

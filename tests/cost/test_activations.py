@@ -109,7 +109,8 @@ def test_bf16_true_updates_hold_two_float32_copies_of_what_they_update_at_once(t
 # gradient's copy beside it, then a CPU's copies of the bfloat16 weight and of the sum as the
 # update is added in place); Adam-mini's update m / √v
 OWN_STEPS = {("lion", "32-true"): 1, ("lion", "bf16-true"): 3, ("adam_mini", "32-true"): 1}
-OWN_OPTIMIZERS = [*OWN_STEPS, *((m, p) for m in ("came", "mars", "stable_spam", "ademamix")
+# (MARS's and Stable-SPAM's: tests/methods/test_mars.py, test_stable_spam.py)
+OWN_OPTIMIZERS = [*OWN_STEPS, *((m, p) for m in ("came", "ademamix")
                                 for p in ("32-true", "bf16-true")), ("schedule_free", "32-true")]
 
 

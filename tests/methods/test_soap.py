@@ -18,10 +18,10 @@ from conftest import (
     micro_model,
     micro_run,
 )
+from head_heavy import head_heavy_run
 from package_steps import feed
 from pytorch_optimizer import SOAP as PackageSOAP
 
-from harness.bench.memory import method_run
 from harness.errors import UserError
 from harness.methods import build_method, memory_of, optimizer_for
 from harness.methods.resolve import load_run
@@ -123,11 +123,9 @@ def test_bf16_true_keeps_every_state_in_the_state_dtype(state_dtype, compensatio
 # over the bench's max_precond_dim 4096) hold the most, the update and its rotation back (2mn).
 # Hidden 64 with a 2048-wide MLP: R's 2048 × 2048 outer product (4.2M values) outgrows them.
 SHAPES = {"head": (256, 688), "wide mlp": (64, 2048)}
-PRECISIONS = {"32-true": {}, "bf16-true": {"train.precision": "bf16-true"},
-              "bf16-true bfloat16 states": {"train.precision": "bf16-true",
-                                            "train.state_dtype": "bfloat16"},
-              "bf16-true kahan": {"train.precision": "bf16-true",
-                                  "train.update_compensation": "kahan"}}
+PRECISIONS = {"32-true": {"train.precision": "32-true"}, "bf16-true": {},
+              "bf16-true bfloat16 states": {"train.state_dtype": "bfloat16"},
+              "bf16-true kahan": {"train.update_compensation": "kahan"}}
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -135,15 +133,9 @@ PRECISIONS = {"32-true": {}, "bf16-true": {"train.precision": "bf16-true"},
 def test_the_estimated_peak_holds_the_steps_temporaries(tmp_path, shape, precision):
     """Measured against the profiler's timeline: 1.0000-1.0001 (without the temporaries the
     estimate was 1.08-1.86 short of it)."""
-    from transformers import LlamaConfig
-
-    hidden, mlp = SHAPES[shape]
-    LlamaConfig(hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=1,
-                num_attention_heads=4, vocab_size=SAMPLE_VOCAB).save_pretrained(tmp_path / "m")
-    run = method_run("soap", str(tmp_path / "m"), 3, 16, 1,
-                     {"device": "cpu", "train.update_chunk": 0, **PRECISIONS[precision]})
+    run = head_heavy_run(tmp_path, "soap", PRECISIONS[precision], *SHAPES[shape])
     if shape == "wide mlp" and precision == "32-true":  # by hand: R's outer product alone
-        shapes = param_shapes(str(tmp_path / "m"), SAMPLE_VOCAB)
+        shapes = param_shapes(str(tmp_path / "head_heavy"), SAMPLE_VOCAB)
         assert memory_of(build_method(run)).update_bytes(shapes, run) == 4 * 2048 * 2048
     measured, _ = measured_peak(run)
     assert abs(measured / estimated_peak(run) - 1) < 1e-3  # measured: under 1.2e-4
