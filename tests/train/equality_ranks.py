@@ -23,8 +23,9 @@ from harness.trials import Records
 
 def measure(run: RunConfig) -> dict[str, Any]:
     """Each step's loss (summed over ranks), the eval loss after the last step, the final
-    weights and optimizer states whole, the last step's gradient norm and rank 0's weight
-    bytes: what a trial trained by `run` in this process group ends with."""
+    weights (and which of them are integer codes) and optimizer states whole, the last step's
+    gradient norm and rank 0's weight bytes: what a trial trained by `run` in this process
+    group ends with."""
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(run, distributed.main_only(Records(Path(out), run)),
                           lambda step: False, None)
@@ -37,6 +38,9 @@ def measure(run: RunConfig) -> dict[str, Any]:
                       "eval": trainer.evaluate()["eval_loss"],
                       "weights": {k: fsdp.full(v).detach().float().clone()
                                   for k, v in trainer.model.state_dict().items()},
+                      # quantized weights (Q-GaLore's INT8): their values are codes
+                      "codes": sorted(k for k, v in trainer.model.state_dict().items()
+                                      if not v.is_floating_point()),
                       "states": flat(trainer.optimizer.state_dict()),
                       # the last step's pre-clip norm (none layer-wise); this rank's bytes
                       "grad_norm": None if trainer.grad_norm is None

@@ -72,8 +72,10 @@ BF16_RTOL = {"came": (3e-3, 2e-2)}
 # to about lr apart (measured 1.1e-2 over 6 steps; 4 steps of 2·lr: 2.4e-2)
 BF16_WEIGHT_ATOL = 3e-2
 # Relative, on the last step's gradient norm: float32 sums of 1.1M squares in another order;
-# bf16-mixed: the gradients of weights a rounding moved
-NORM_RTOL = {"32-true": 2e-4, "bf16-mixed": 2e-3}
+# bf16-mixed: the gradients of weights a rounding moved (measured up to 2.0e-3, ReLoRA with its
+# reset under fsdp, APOLLO-Mini 1.7e-3: which bfloat16 values a rounding moves depends on the
+# CPU's kernels, so twice that)
+NORM_RTOL = {"32-true": 2e-4, "bf16-mixed": 4e-3}
 # ReLoRA's magnitude prune keeps an entry's exp_avg where it zeroes its exp_avg_sq, so the step
 # after a merge is about lr·m/|g| with g a fresh gradient near 0: bf16's rounding of g moves a
 # weight by up to 0.5 (one process against itself, lr 1e-7 apart, alike). Its bf16-mixed fsdp
@@ -152,6 +154,19 @@ def close(a: Any, b: Any, atol: float) -> None:
     torch.testing.assert_close(a, b, rtol=0, atol=atol)
 
 
+# Quantized weights (Q-GaLore's INT8 codes): a weight near a code's edge that the sums' order
+# rounds to the neighbouring code, as 8-bit and 4-bit moments do (measured: 1 of 11,264 entries
+# one code apart, ddp bf16-mixed over 4 steps; 0 in most runs): at most one code, on at most
+# ten times that share of a tensor's entries
+CODE_SHARE = 1e-3
+
+
+def near_codes(a: torch.Tensor, b: torch.Tensor) -> None:
+    apart = (a - b).abs()
+    assert apart.max() <= 1 and (apart > 0).float().mean() <= CODE_SHARE, (
+        f"{int((apart > 0).sum())} of {apart.numel()} codes apart, by up to {apart.max():.0f}")
+
+
 def spread(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], keys: list[str]) -> float:
     """The largest absolute difference over `keys` (0 where a shape differs: asserted apart)."""
     return max([float((a[k].float() - b[k].float()).abs().max()) for k in keys
@@ -197,7 +212,10 @@ def test_every_method_trains_as_one_process_on_every_strategy(tmp_path, world):
                    BF16_WEIGHT_ATOL if precision == "bf16-mixed" else 0)
         assert many["weights"].keys() == one["weights"].keys()
         for key, value in one["weights"].items():
-            close(many["weights"][key], value, atol)
+            if key in one["codes"]:
+                near_codes(many["weights"][key], value)
+            else:
+                close(many["weights"][key], value, atol)
         assert many["states"].keys() == one["states"].keys()
         for key, value in one["states"].items():
             assert many["states"][key].shape == value.shape, (row, key)
