@@ -84,9 +84,9 @@ class Memory:
         (modifiers/compensation.add_update) of what is updated at once: a chunk of at most
         `train.update_chunk` elements (`add_updates`), or one weight (update_chunk 0, and the
         tensors `updated_alone`); 0 where kernels update the weights in place."""
-        alone = [numel(s) for n, s in shapes.items() if self.updated_alone(n, tuple(s), run)]
-        chunked = [numel(s) for n, s in shapes.items()
-                   if not self.updated_alone(n, tuple(s), run)]
+        alone, chunked = [], []
+        for name, shape in shapes.items():
+            (alone if self.updated_alone(name, tuple(shape), run) else chunked).append(numel(shape))
         return update_bytes(chunked, run, alone, self.whole_chunks)
 
     def updated_alone(self, name: str, shape: tuple[int, ...], run: RunConfig) -> bool:

@@ -3,6 +3,7 @@ a method's own modules and back (an export's plain nn.Linear)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -17,6 +18,11 @@ def is_target(module: str, targets: Collection[str], anywhere: bool = False) -> 
     """Whether the linear named `module` is one of `targets`: by its last name component (peft's
     rule, which LoRA, QLoRA, ReLoRA and low-rank follow) or, `anywhere`, by any component
     (GaLore's and Q-GaLore's: `intermediate` selects intermediate.dense)."""
+    return _is_target(module, tuple(targets), anywhere)
+
+
+@functools.lru_cache(maxsize=65536)  # `harness plan` asks for each of a model's names per layout
+def _is_target(module: str, targets: tuple[str, ...], anywhere: bool) -> bool:
     parts = module.split(".")
     return any(p in targets for p in parts) if anywhere else parts[-1] in targets
 
