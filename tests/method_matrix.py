@@ -104,6 +104,22 @@ CASES = [(method, modifier) for method, modifier in ALL_PAIRS
          if modifier not in EXACT or method in MODEL_METHODS]
 
 
+# 16-mixed changes the forward (fp16 autocast) and wraps the step: GradScaler unscales every
+# gradient of the optimizer's `param_groups` to float32 in place, then steps, or skips a step
+# whose gradients overflowed. A method that keeps the model and steps after backward meets it
+# only through its groups (test_every_methods_groups_hold_its_trained_parameters) and one
+# `step()`, so one optimizer of each kind trains it: torch's fused AdamW (full, handed the
+# scale), an own optimizer stepped by GradScaler (GaLore), bitsandbytes' (8-bit Adam) and
+# torchao's (4-bit AdamW); every method that changes the model trains it too. The other
+# pairs are EXHAUSTIVE (tests/tiers.py): `pytest --exhaustive` runs them.
+SCALER_KINDS = {"full", "galore", "adam8bit", "adam4bit"}
+
+
+def exhaustive_cases() -> set[tuple[str, str]]:
+    return {(m, "16-mixed") for m in METHODS
+            if m not in MODEL_METHODS | SCALER_KINDS} - quick_cases()
+
+
 def quick_cases() -> set[tuple[str, str]]:
     """A diagonal of the matrix for the quick test loop: each method with one modifier, the
     one its earlier methods trained least (in MODIFIERS' order on a tie), so that each

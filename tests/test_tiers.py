@@ -4,6 +4,8 @@ worker, so that fixture is built once a run, not once a worker."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 
 from tiers import REPO, SHARED_SETUP_FILES, worker_scope
 
@@ -40,3 +42,30 @@ def test_a_shared_setup_file_is_one_scope_and_other_tests_their_own():
     other = ["tests/train/test_train.py::test_a", "tests/train/test_train.py::test_b"]
     assert worker_scope(other[0]) != worker_scope(other[1])
     assert worker_scope("tests/sweep/test_slurm.py::test_a") == "slurm"
+
+
+def test_a_methods_cases_of_the_matrix_are_one_scope():
+    """Its plain run is trained once a process: the method's cases share a worker."""
+    grid = "tests/modifiers/test_modifiers.py::test_every_method_with_every_modifier"
+    galore = [f"{grid}[galore-{x}]" for x in ("layerwise", "16-mixed", "bf16_true_kahan")]
+    assert len({worker_scope(n) for n in galore}) == 1
+    assert worker_scope(f"{grid}[galore-layerwise]") != worker_scope(f"{grid}[lora-layerwise]")
+    assert worker_scope(f"{grid}[apollo-layerwise]") != worker_scope(
+        f"{grid}[apollo_mini-layerwise]")
+
+
+def collected(*argv: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n0",
+                          "-p", "no:cacheprovider", "tests/modifiers/test_bf16_true.py", *argv],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return {line for line in out.splitlines() if "::" in line}
+
+
+def test_exhaustive_cases_wait_for_the_flag():
+    """`pytest` leaves a grid's EXHAUSTIVE cases out and `pytest --exhaustive` collects them."""
+    test = "tests/modifiers/test_bf16_true.py::test_every_method_trains_under_bf16_true"
+    default, every = collected(), collected("--exhaustive")
+    left_out = every - default
+    assert left_out and all(n.startswith(test) for n in left_out)
+    assert {f"{test}[lion]", f"{test}[galore]"} <= left_out
+    assert {f"{test}[full]", f"{test}[schedule_free]"} <= default

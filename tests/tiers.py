@@ -98,23 +98,38 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_a_bad_model_stops_harness_train_with_one_line",  # `harness train` in a child
     "test_help_and_version_import_neither_torch_nor_transformers",  # a fresh interpreter
     "test_internal_lines_reach_the_terminal_only_under_verbose",  # sweeps through the CLI
+    "test_exhaustive_cases_wait_for_the_flag",  # pytest's collection in a child
 }
 QUICK_TOOLS = {"git"}  # run by the code under test in every tier (the commit in config.yaml)
 
 
-def grid_case(item: pytest.Item) -> tuple[Any, tuple] | None:
-    """(the cases its module's `QUICK` keeps, this item's parameter tuple) for a case of a
-    grid that has a `QUICK` entry; None for any other test."""
-    quick = getattr(item.module, "QUICK", {}).get(item.originalname)
-    if quick is None:
+# -- the exhaustive cases -------------------------------------------------------------------------
+# A grid's `EXHAUSTIVE` maps a test's name to cases whose every path other cases of the suite
+# already train (the reason beside each set): the default run, CI's, leaves them out (listed as
+# deselected), `pytest --exhaustive` runs them too. None of them is a `QUICK` case.
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--exhaustive", action="store_true",
+                     help="also run the grids' EXHAUSTIVE cases (tests/tiers.py)")
+
+
+def named_cases(item: pytest.Item, table: str) -> tuple[Any, tuple] | None:
+    """(the cases its module's `table` names for this test, this item's parameter tuple) for a
+    case of a grid with such an entry; None for any other test."""
+    named = getattr(item.module, table, {}).get(item.originalname)
+    if named is None:
         return None
-    return quick, tuple(item.callspec.params.values())  # type: ignore[attr-defined]
+    return named, tuple(item.callspec.params.values())  # type: ignore[attr-defined]
+
+
+def is_exhaustive(item: pytest.Item) -> bool:
+    case = named_cases(item, "EXHAUSTIVE")
+    return case is not None and case[1] in case[0]
 
 
 def is_integration(item: pytest.Item) -> bool:
     file = item.path.relative_to(REPO / "tests").as_posix()
     name = item.originalname
-    case = grid_case(item)
+    case = named_cases(item, "QUICK")
     if case is not None:  # a grid: the cases its QUICK keeps stay quick
         return case[1] not in case[0]
     return (file in INTEGRATION_FILES or name in INTEGRATION_TESTS
@@ -142,32 +157,53 @@ SHARED_SETUP_FILES = {
 }
 
 
+# Grids whose cases compare with their method's plain run, trained once a process
+# (tests/method_matrix.py's `baseline`): a method's cases run on one worker, so its plain run
+# is trained once, not once a worker. Their case ids start with the method's name and a "-".
+PER_METHOD_GRIDS = {"tests/modifiers/test_modifiers.py::test_every_method_with_every_modifier"}
+
+
 def worker_scope(nodeid: str) -> str:
-    """What one worker runs together: a service group, a shared-setup file, else the test."""
+    """What one worker runs together: a service group, a shared-setup file, a method's cases of
+    a per-method grid, else the test."""
     file = nodeid.split("::", 1)[0]
     shared = file.removeprefix("tests/") in SHARED_SETUP_FILES
+    test, _, case = nodeid.partition("[")
+    if test in PER_METHOD_GRIDS:
+        return f"{test}[{case.split('-', 1)[0]}"
     return service_group(nodeid) or (file if shared else nodeid)
 
 
-def check_quick(items: list[pytest.Item]) -> None:
-    """A `QUICK` case that names no case of its grid would leave the grid out of the quick tier
-    unseen: where a grid's every case was collected, each of its quick cases must be one."""
+def check_named(items: list[pytest.Item], table: str) -> None:
+    """A `QUICK` (or `EXHAUSTIVE`) case that names no case of its grid would leave the grid out
+    of the quick tier (or in CI's run) unseen: where a grid's every case was collected, each
+    case the table names must be one; an exhaustive case is never a quick one."""
     grids: dict[tuple[str, str], tuple[Any, int, list[tuple]]] = {}
     for item in items:
-        case = grid_case(item)
+        case = named_cases(item, table)
         if case is not None:
             cases = math.prod(len(m.args[1]) for m in item.iter_markers("parametrize"))
             key = (item.module.__name__, item.originalname)
             grids.setdefault(key, (case[0], cases, []))[2].append(case[1])
-    for (module, name), (quick, cases, seen) in grids.items():
-        stale = [case for case in quick if case not in seen]
+            quick = named_cases(item, "QUICK")
+            if table == "EXHAUSTIVE" and quick and case[1] in case[0] and case[1] in quick[0]:
+                raise pytest.UsageError(f"{key[0]}.EXHAUSTIVE[{key[1]!r}] names {case[1]!r}, a "
+                                        "QUICK case; the quick tier keeps it")
+    for (module, name), (named, cases, seen) in grids.items():
+        stale = [case for case in named if case not in seen]
         if len(seen) == cases and stale:
-            raise pytest.UsageError(f"{module}.QUICK[{name!r}] names {stale[0]!r}, which is no "
-                                    f"case of the grid; name a case that it parametrizes")
+            raise pytest.UsageError(f"{module}.{table}[{name!r}] names {stale[0]!r}, which is "
+                                    f"no case of the grid; name a case that it parametrizes")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    check_quick(items)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    check_named(items, "QUICK")
+    check_named(items, "EXHAUSTIVE")
+    if not config.getoption("exhaustive"):
+        left_out = [item for item in items if is_exhaustive(item)]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if not is_exhaustive(item)]
     for item in items:
         if is_integration(item):
             item.add_marker(pytest.mark.integration)

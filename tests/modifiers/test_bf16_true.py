@@ -170,16 +170,22 @@ RESUMED = [
     ("qgalore", {"update_compensation": "kahan"}),
     ("adam8bit", KAHAN_BF16),
 ]
-# The quick tier keeps every method under bf16-true at least once: GaLore, Q-GaLore and 8-bit
-# Adam train in test_own_optimizers_honour_state_dtype_and_compensation, and four resumes stay
-# (full AdamW with the generator, and with Kahan and bfloat16 states; GaLore's states; 8-bit
-# Adam's); the other cases run in the integration tier (tests/tiers.py), as CI runs them.
+# The quick tier keeps bf16-true's default with full and Schedule-Free's refusal; GaLore,
+# Q-GaLore and 8-bit Adam train in test_own_optimizers_honour_state_dtype_and_compensation, and
+# four resumes stay (full AdamW with the generator, and with Kahan and bfloat16 states;
+# GaLore's states; 8-bit Adam's); the other cases run in the integration tier (tests/tiers.py).
+# Every method trains under bf16-true in the method x modifier matrix, which CI runs
+# (tests/modifiers/test_modifiers.py: Kahan with float32 states, and round-to-nearest with
+# bfloat16 states, 4 steps each, near float32's losses, refusals by name): the other methods'
+# 2 finite steps here add nothing to it, so only `pytest --exhaustive` runs them.
+BF16_DEFAULT_KEPT = ("full", *REFUSES_BF16_TRUE)
 QUICK = {
-    "test_every_method_trains_under_bf16_true": {
-        (method,) for method in METHODS if method not in ("full", "galore", "qgalore", "adam8bit")},
+    "test_every_method_trains_under_bf16_true": {(method,) for method in BF16_DEFAULT_KEPT},
     "test_resume_under_bf16_true_is_exact": [
         ("full", SR), ("full", KAHAN_BF16), ("galore", GALORE_STATES), ("adam8bit", KAHAN_BF16)],
 }
+EXHAUSTIVE = {"test_every_method_trains_under_bf16_true": {
+    (method,) for method in METHODS if method not in BF16_DEFAULT_KEPT}}
 
 
 @pytest.mark.parametrize(("method", "keys"), RESUMED)

@@ -23,6 +23,7 @@ from method_matrix import (
     REPRESENTATIVE,
     SETTINGS,
     baseline,
+    exhaustive_cases,
     quick_cases,
     run_config,
 )
@@ -33,10 +34,12 @@ from harness.methods.base import method_names
 from harness.methods.resolve import load_run
 from harness.models import param_shapes
 from harness.train import train
-from harness.trials import read_jsonl
+from harness.train.loop import Trainer
+from harness.trials import Records, read_jsonl
 
 VOCAB = SAMPLE_VOCAB
 QUICK = {"test_every_method_with_every_modifier": quick_cases()}  # the rest: integration tier
+EXHAUSTIVE = {"test_every_method_with_every_modifier": exhaustive_cases()}  # method_matrix.py
 # A precision's losses against float32 from the same init and data: the largest relative gap of
 # a step's loss over the matrix's methods, seeds 0..2 (the test runs seed 0). 16-mixed: 1.7e-4
 # (relora, seed 2; 3.2e-5 at seed 0), so 5e-4. bf16-true: 4.3e-4 with Kahan (relora, seed 2;
@@ -103,6 +106,22 @@ def test_model_side_modifiers_keep_the_parameters_and_gradients(modifier):
     assert [n for n, _ in after] == [n for n, _ in params]
     assert all(p is q for (_, p), (_, q) in zip(after, params, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(grads(plain), grads(model), strict=True))
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_methods_groups_hold_its_trained_parameters(tmp_path, method):
+    """What GradScaler unscales before a 16-mixed step is the optimizer's `param_groups`: they
+    hold every parameter the method trains, each once (a parameter left out would step on
+    gradients still scaled by 2^16)."""
+    run = load_run(run_config(method))
+    trainer = Trainer(run, Records(tmp_path / "t", run), lambda step: False)
+    try:
+        grouped = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+        trained = [p for p in trainer.model.parameters() if p.requires_grad]
+        assert len({id(p) for p in grouped}) == len(grouped)
+        assert {id(p) for p in grouped} >= {id(p) for p in trained}
+    finally:
+        trainer.close()
 
 
 def test_every_pair_the_matrix_does_not_train_loads_as_listed():

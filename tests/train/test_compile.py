@@ -56,6 +56,14 @@ def _diagonal() -> set[tuple[str, str]]:
 
 
 QUICK = {"test_each_layer_and_the_loss_trace_as_one_graph": _diagonal()}  # rest: integration
+# Layer-wise updates hook the parameters and bfloat16 states live in the optimizer: neither
+# reaches the traced forward and loss, so a method's layer-wise case traces its optimizer
+# offload case's graphs (with full's layer-wise case tracing past the hooks), and its
+# bf16-true-with-bfloat16-states case its bf16-true Kahan one's. `pytest --exhaustive` runs them.
+EXHAUSTIVE = {"test_each_layer_and_the_loss_trace_as_one_graph": {
+    (m, x) for m, x in CASES if m != "full" and x in ("layerwise", "bf16_true_bf16_states")
+    and (m, "bf16_true_kahan" if x.startswith("bf16") else "optimizer_offload") in CASES
+} - _diagonal()}
 # Compiled against eager, llama_tiny, layer-wise, one sequence a step (the trainings below): the
 # step losses differed by up to 4.3e-7 relative over 3 steps, the eval loss by 3.8e-8, so the
 # tolerance is ten times the largest, rounded up. The peak of live tensors was 0.6% below
