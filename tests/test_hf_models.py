@@ -146,6 +146,12 @@ QUICK = {
     "test_every_pretraining_method_trains_a_qwen2_config": {
         (method,) for method in ("relora", "lowrank", "qgalore", "adam_mini", "muon")},
 }
+# Optimizers that treat each tensor by its shape alone, reading no name: Qwen2's q/k/v biases
+# are 1-D tensors as every LLaMA's norm weights, and its tied head one 2-D tensor fewer, so
+# their LLaMA runs cover them; `pytest --exhaustive` runs them on Qwen2 too (tests/tiers.py).
+EXHAUSTIVE = {"test_every_pretraining_method_trains_a_qwen2_config": {
+    (method,) for method in ("adam8bit", "adam4bit", "lion", "schedule_free", "ademamix", "mars",
+                             "came", "stable_spam", "soap")}}
 
 
 @pytest.mark.parametrize("method", ESTIMATED)
