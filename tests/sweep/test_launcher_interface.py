@@ -102,3 +102,14 @@ def test_a_trial_stops_with_a_checkpoint_on_the_signal_its_launcher_names(tmp_pa
         signal.signal(signal.SIGUSR1, guard)
     assert (summary["status"], summary["step"], uncaught) == ("interrupted", 3, [])
     assert TrialDir(tmp_path / "t").checkpoint.is_file()
+
+
+def test_a_jobs_ports_are_below_the_ephemeral_range_and_alike_on_every_task():
+    """Rank 0's port and the Optuna board's, from the job's id: the same on every task, and
+    below Linux's ephemeral range (32768-60999), which no client connection's own end takes."""
+    from harness.sweep.launchers.base import Ranks, job_port
+
+    ports = [Ranks.port(str(job)) for job in range(5000)]
+    assert all(20000 <= p < 32768 for p in ports) and len(set(ports)) > 4000
+    assert Ranks.port("4242_7") == job_port("4242_7") == Ranks.port("4242_7")
+    assert job_port("4242_7/board") != job_port("4242_7")

@@ -121,7 +121,14 @@ class Ranks:
     def port(job_id: str) -> int:
         """A port for rank 0 from the job's id: every rank computes the same one, and two jobs
         on one node rarely share it."""
-        return 20000 + zlib.crc32(job_id.encode()) % 20000
+        return job_port(job_id)
+
+
+def job_port(key: str) -> int:
+    """A port every task of a job computes alike from `key`, below Linux's ephemeral range
+    (32768-60999): there, a client's own end of a connection could hold it before rank 0
+    listens, or a client on rank 0's node connect to itself while it waits."""
+    return 20000 + zlib.crc32(key.encode()) % 12768
 
 
 CLUSTERS: dict[str, type[Cluster]] = {}

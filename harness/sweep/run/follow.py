@@ -11,9 +11,10 @@ store, so nothing a previous attempt posted is read again.
 from __future__ import annotations
 
 import time
-import zlib
 from datetime import timedelta
 from pathlib import Path
+
+from harness.sweep.launchers.base import job_port
 
 POLL_S = 0.2  # a follower polls, so that a signal (a preemption) is handled while it waits
 FAREWELL_S = 60  # rank 0 waits this long for the followers to read the end before it leaves
@@ -28,7 +29,7 @@ class Board:
         from torch.distributed import TCPStore  # only in a multi-task job
 
         self.leads = rank == 0
-        port = 20000 + zlib.crc32(f"{job_id}/board".encode()) % 20000  # not the trial's port
+        port = job_port(f"{job_id}/board")  # not the trial's port
         # A follower waits for rank 0's next trial as long as that trial trains: no timeout.
         self.store = TCPStore(host, port, world, is_master=rank == 0,
                               timeout=timedelta(days=30), wait_for_workers=False)
