@@ -1,5 +1,6 @@
-"""tests/tiers.py's scheduling: a file whose tests share a module-scoped fixture runs on one
-worker, so that fixture is built once a run, not once a worker."""
+"""tests/tiers.py's scheduling and selection: a file whose tests share a module-scoped fixture
+runs on one worker, so that fixture is built once a run, not once a worker (and a method's cases
+of the matrix, its plain run); a grid's EXHAUSTIVE cases wait for `pytest --exhaustive`."""
 
 from __future__ import annotations
 
