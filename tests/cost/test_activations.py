@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import SAMPLE_VOCAB, estimated_peak, measured_peak
+from head_heavy import head_heavy_run
 
 from harness.bench.memory import PEAK_TOLERANCE, method_run
 from harness.cost.activations import activations
@@ -66,19 +67,12 @@ UPDATES = {  # label -> (METHODS entry, --set overrides): each float32 update pa
 }
 
 
-def head_heavy_run(tmp_path, case, chunk, precision="bf16-true"):
-    """A LLaMA whose 8192 × 256 head and embedding (2.1M elements each) are most of it, 1 × 16
-    tokens, bf16-true: the activations are a few hundred kB, so the step's peak is the
-    gradients plus the update's temporaries (`Memory.update_bytes`)."""
-    from transformers import LlamaConfig
-
-    LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=1,
-                num_attention_heads=4, vocab_size=SAMPLE_VOCAB, rms_norm_eps=1e-6,
-                ).save_pretrained(tmp_path / "head_heavy")
+def update_run(tmp_path, case, chunk, precision="bf16-true"):
+    """`head_heavy_run` of `case` by `chunk`: the activations are a few hundred kB, so the
+    step's peak is the gradients plus the update's temporaries (`Memory.update_bytes`)."""
     label, overrides = UPDATES.get(case, (case, {}))
-    return method_run(label, str(tmp_path / "head_heavy"), 3, 16, 1,
-                      {"device": "cpu", "train.precision": precision,
-                       "train.update_chunk": chunk, **overrides})
+    return head_heavy_run(tmp_path, label, {"train.precision": precision,
+                                            "train.update_chunk": chunk, **overrides})
 
 
 # update_chunk: one weight at a time; by chunks of 1M elements (under the head's 2.1M); the
@@ -96,7 +90,7 @@ def test_bf16_true_updates_hold_two_float32_copies_of_what_they_update_at_once(t
     estimate falls 2 (Adam-mini 3) float32 copies of the head short, 8.4 MB each: measured /
     estimated 1.25-1.84. Before the updates were made in one-dtype arithmetic
     (modifiers/compensation.add_update) they held 5 to 7 copies on a CPU."""
-    run = head_heavy_run(tmp_path, case, CHUNKS[chunk])
+    run = update_run(tmp_path, case, CHUNKS[chunk])
     measured, _ = measured_peak(run)
     # measured: under 0.0015; layer-wise 1.0035, its head's update running inside backward
     # beside activations that the estimate's step moment leaves out
@@ -118,7 +112,7 @@ OWN_OPTIMIZERS = [*OWN_STEPS, *((m, p) for m in ("came", "ademamix")
 def test_own_optimizers_steps_hold_their_updates_float32_copies(tmp_path, method, precision):
     """Measured / estimated 1.0000-1.0006 (Lion's and Adam-mini's 1.14-1.15 before their
     copies were counted); Schedule-Free refuses bf16-true."""
-    run = head_heavy_run(tmp_path, method, 0, precision)
+    run = update_run(tmp_path, method, 0, precision)
     if (method, precision) in OWN_STEPS:
         shapes = param_shapes(str(tmp_path / "head_heavy"), SAMPLE_VOCAB)
         copies = OWN_STEPS[method, precision]
@@ -130,7 +124,7 @@ def test_own_optimizers_steps_hold_their_updates_float32_copies(tmp_path, method
 def test_chunks_smaller_than_the_head_lower_the_measured_and_estimated_peak(tmp_path):
     """full, 1M-element chunks against one weight at a time: the head's two float32 copies
     (16.8 MB) become two of 1M elements (8.4 MB), in the measured peak as in the estimate."""
-    runs = [head_heavy_run(tmp_path, "full (AdamW)", c) for c in (0, 1 << 20)]
+    runs = [update_run(tmp_path, "full (AdamW)", c) for c in (0, 1 << 20)]
     (whole, _), (chunked, _) = (measured_peak(r) for r in runs)
     saved = 8 * (SAMPLE_VOCAB * 256 - (1 << 20))
     assert abs((whole - chunked) / saved - 1) <= 0.01

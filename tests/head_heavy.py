@@ -1,6 +1,6 @@
 """A step's measured and estimated peak where the update's float32 temporaries show: a LLaMA
-whose 8192 × 256 head and embedding are most of it, 1 × 16 tokens (the model of
-tests/cost/test_activations.py's `head_heavy_run`), for a method's `Memory.update_bytes`."""
+whose 8192 × 256 head and embedding are most of it, 1 × 16 tokens, for a method's
+`Memory.update_bytes` (tests/cost/test_activations.py, tests/methods/)."""
 
 from __future__ import annotations
 
