@@ -34,13 +34,14 @@ def measure(run: RunConfig) -> dict[str, Any]:
             for _ in range(run.train.steps):
                 losses.append(distributed.all_sum(trainer.train_step().detach()))
                 trainer.step += 1
+            eval_loss = trainer.evaluate()["eval_loss"]
+            weights = trainer.model.state_dict()
             result = {"losses": torch.stack(losses).tolist(),
-                      "eval": trainer.evaluate()["eval_loss"],
+                      "eval": eval_loss,
                       "weights": {k: fsdp.full(v).detach().float().clone()
-                                  for k, v in trainer.model.state_dict().items()},
+                                  for k, v in weights.items()},
                       # quantized weights (Q-GaLore's INT8): their values are codes
-                      "codes": sorted(k for k, v in trainer.model.state_dict().items()
-                                      if not v.is_floating_point()),
+                      "codes": sorted(k for k, v in weights.items() if not v.is_floating_point()),
                       "states": flat(trainer.optimizer.state_dict()),
                       # the last step's pre-clip norm (none layer-wise); this rank's bytes
                       "grad_norm": None if trainer.grad_norm is None
