@@ -16,11 +16,9 @@ import gc
 import gzip
 import importlib
 import io
-import itertools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +26,7 @@ from typing import Any
 
 import pytest
 import yaml
+from ports import free_port
 from ranks import Ranks
 from services import small_disk  # noqa: F401  the fixture, found by pytest here
 from tiers import (  # noqa: F401  the tiers' hooks and fixture, found by pytest here
@@ -276,31 +275,6 @@ def start_sweep(path: Path, out: Path, *sets: str,
         [sys.executable, "-m", "harness.cli", "sweep", str(path), "--out", str(out), *args],
         cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True,
     )
-
-
-# Test ports come from below Linux's ephemeral range (32768-60999), each xdist worker a block
-# of its own: a launch picks its trials' ports at once and uses them seconds later, and a port
-# from bind(0) can meanwhile become a connection's own end (a TCPStore client then connects to
-# itself and its ping fails) or another worker's bind(0). Ray's workers take 10002-19999.
-PORTS = range(20000, 32768)
-
-
-def _port_block() -> itertools.cycle:
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
-    size = len(PORTS) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    return itertools.cycle(PORTS[worker * size:(worker + 1) * size])
-
-
-_PORTS = _port_block()
-
-
-def free_port() -> int:
-    """The next port of this worker's block that nothing is bound to."""
-    while True:
-        port = next(_PORTS)
-        with socket.socket() as s, contextlib.suppress(OSError):
-            s.bind(("", port))
-            return port
 
 
 def ranks(config: Path, out: Path, procs: int = 2) -> Ranks:
