@@ -121,11 +121,13 @@ def test_the_lean_timeline_peaks_where_torchs_whole_analysis_does(tmp_path, case
     if case == "qgalore":
         assert lean == pytest.approx(reference, rel=0.005)
     else:  # the same record read both ways is the same to the byte (above); two runs agree
-        # but for the step's 1-byte bools (isfinite and ~ in harness/modifiers/precision.py and
-        # the loop's NaN check: 9 made in a 16-mixed step, counted from its record): one of them
-        # was live at the peak of one run and not the other's (galore 16-mixed recompute,
-        # 24,942,184 against 24,942,185 bytes: 3 of 22 runs)
-        assert abs(lean - reference) <= 9
+        # but for a few small tensors live at one run's peak and not the other's: 1 byte (a bool
+        # of harness/modifiers/precision.py's isfinite checks; galore 16-mixed recompute,
+        # 24,942,184 against 24,942,185 bytes: 3 of 22 runs) and 60 bytes (lora bf16-true
+        # layer-wise, 19,748,844 against 19,748,784, 3.0e-6: once in a CI run, after the worker's
+        # earlier tests; 0 of 12 fresh runs). Bound 1e-5, over three times the largest seen and
+        # far below the percents the peak is compared at (the estimate's 2%)
+        assert lean == pytest.approx(reference, rel=1e-5, abs=0)
 
 
 BEFORE_THE_FIRST_STEP = """

@@ -113,9 +113,12 @@ def test_a_lost_peer_ends_the_trial_interrupted_within_the_bound_and_it_resumes(
     assert summary["status"] == trial_status(trial) == "interrupted", output
     assert summary["error"].startswith("peer lost: ")
     assert SIGNAL_AT <= summary["step"] < STEPS
-    if victim == 0:  # rank 1 wrote the end rank 0 could not
-        assert summary["error"] == ("peer lost: the process group's store has not answered "
-                                    f"for {BOUND:g} s")
+    if victim == 0:  # rank 1 wrote the end rank 0 could not, naming rank 0 or its store: both
+        # fall silent at once, and which the judge sees first depends on whether rank 1's last
+        # answered read came before rank 0's last beat or after it (both seen in CI runs)
+        assert summary["error"] in (
+            f"peer lost: the process group's store has not answered for {BOUND:g} s",
+            f"peer lost: rank 0 has not answered for {BOUND:g} s (stopped, frozen or cut off)")
     saved = checkpoint_verifies(trial)
     assert 2 <= saved < STEPS and saved % 2 == 0
     assert not list((trial / "checkpoint").glob(".*tmp*"))
