@@ -121,17 +121,18 @@ def present(folder: Path) -> bool:
 def drop(folder: Path) -> int:
     """The final model removed (a sweep's `keep_models`), its record first, so a kill midway
     leaves no record of a model that is not whole; the bytes freed. Another worker of the
-    same sweep may be dropping it at the same time: a file gone midway counts as freed there."""
-    freed = sum(_size(p) for p in folder.rglob("*")) if folder.is_dir() else 0
+    same sweep may be dropping it at the same time: a file or folder gone midway counts as freed
+    there (os.walk passes over a folder it cannot list; Path.rglob raised)."""
+    freed = sum(_size(Path(root) / f) for root, _, files in os.walk(folder) for f in files)
     record_of(folder).unlink(missing_ok=True)
     shutil.rmtree(folder, ignore_errors=True)
     return freed
 
 
 def _size(path: Path) -> int:
-    """A file's bytes; 0 for a folder or a file removed since it was listed."""
+    """A file's bytes; 0 for one removed since it was listed."""
     try:
-        return path.stat().st_size if path.is_file() else 0
+        return path.stat().st_size
     except FileNotFoundError:
         return 0
 

@@ -3,6 +3,9 @@ and every tensor reads back as the one saved; otherwise what was there stays."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -91,15 +94,50 @@ def test_a_streamed_tied_model_writes_the_whole_saves_files_and_verifies(tmp_pat
     assert "lm_head.weight" in lazy and not any(b"lm_head" in b for b in want.values())
 
 
+class _Listed:
+    """A folder's entries, listed before the race, handed out as os.scandir's iterator is."""
+
+    def __init__(self, entries: list[os.DirEntry]) -> None:
+        self.entries = iter(entries)
+
+    def __enter__(self) -> _Listed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def __iter__(self) -> _Listed:
+        return self
+
+    def __next__(self) -> os.DirEntry:
+        return next(self.entries)
+
+
+@pytest.mark.parametrize("gone", ["a file", "the folder"])
 def test_a_model_another_worker_drops_at_the_same_time_is_dropped_without_error(
-        tmp_path, monkeypatch):
-    # Two workers of one sweep may drop the same model: the other removes a file after this
-    # one saw it was there and before its size is read (replayed: it is seen, then gone).
+        tmp_path, monkeypatch, gone):
+    """Two workers of one sweep may drop the same model (a Postgres study's eight workers did):
+    the other removes a file after this one listed it, or the whole folder before this one
+    lists it (replayed at this one's first listing). Neither is an error; what is gone counts
+    as freed by the other."""
     tensors = {"w": torch.zeros(2, 3)}
-    final_model.write(tmp_path / "model", saver(tensors), tensors, step=1)
-    listed = list((tmp_path / "model").rglob("*"))
-    (tmp_path / "model" / "model.safetensors").unlink()
-    monkeypatch.setattr(type(tmp_path), "rglob", lambda self, pattern: iter(listed))
-    monkeypatch.setattr(type(tmp_path), "is_file", lambda self: self in listed)
-    assert final_model.drop(tmp_path / "model") == len("{}")  # only config.json was left
+    model = tmp_path / "model"
+    final_model.write(model, saver(tensors), tensors, step=1)
+    scandir, raced = os.scandir, []
+
+    def listing(path):
+        if raced:
+            return scandir(path)
+        raced.append(path)
+        if gone == "the folder":
+            shutil.rmtree(model)
+            return scandir(path)  # the folder is gone now: FileNotFoundError
+        listed = _Listed(list(scandir(path)))
+        (model / "model.safetensors").unlink()
+        return listed
+
+    monkeypatch.setattr(os, "scandir", listing)
+    freed = final_model.drop(model)
+    assert [os.fspath(p) for p in raced] == [os.fspath(model)]
+    assert freed == (len("{}") if gone == "a file" else 0)  # config.json, where it was left
     assert list(tmp_path.iterdir()) == []
