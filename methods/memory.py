@@ -84,6 +84,8 @@ class Memory:
         (modifiers/compensation.add_update) of what is updated at once: a chunk of at most
         `train.update_chunk` elements (`add_updates`), or one weight (update_chunk 0, and the
         tensors `updated_alone`); 0 where kernels update the weights in place."""
+        if not float32_update(run):  # before the walk over every tensor: the planner asks often
+            return 0
         alone, chunked = [], []
         for name, shape in shapes.items():
             (alone if self.updated_alone(name, tuple(shape), run) else chunked).append(numel(shape))
