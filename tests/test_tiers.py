@@ -57,16 +57,21 @@ def test_a_methods_cases_of_the_matrix_are_one_scope():
 
 def collected(*argv: str) -> set[str]:
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n0",
-                          "-p", "no:cacheprovider", "tests/modifiers/test_bf16_true.py", *argv],
+                          "-p", "no:cacheprovider", "tests/modifiers/test_bf16_true.py",
+                          "tests/sweep/test_postgres.py", *argv],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout
     return {line for line in out.splitlines() if "::" in line}
 
 
 def test_exhaustive_cases_wait_for_the_flag():
-    """`pytest` leaves a grid's EXHAUSTIVE cases out and `pytest --exhaustive` collects them."""
+    """`pytest` leaves a grid's EXHAUSTIVE cases out, and a test EXHAUSTIVE names whole (`{()}`),
+    and `pytest --exhaustive` collects them."""
     test = "tests/modifiers/test_bf16_true.py::test_every_method_trains_under_bf16_true"
+    whole = "tests/sweep/test_postgres.py::test_two_workers_share_one_study_without_duplicates"
     default, every = collected(), collected("--exhaustive")
     left_out = every - default
-    assert left_out and all(n.startswith(test) for n in left_out)
-    assert {f"{test}[lion]", f"{test}[galore]"} <= left_out
+    assert left_out and all(n.startswith(test) for n in left_out - {whole})
+    assert {f"{test}[lion]", f"{test}[galore]", whole} <= left_out
     assert {f"{test}[full]", f"{test}[schedule_free]"} <= default
+    assert "tests/sweep/test_postgres.py::test_eight_workers_run_48_trials_once_though_one_is_" \
+        "killed" in default

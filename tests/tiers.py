@@ -104,21 +104,23 @@ QUICK_TOOLS = {"git"}  # run by the code under test in every tier (the commit in
 
 
 # -- the exhaustive cases -------------------------------------------------------------------------
-# A grid's `EXHAUSTIVE` maps a test's name to cases whose every path other cases of the suite
-# already train (the reason beside each set): the default run, CI's, leaves them out (listed as
-# deselected), `pytest --exhaustive` runs them too. None of them is a `QUICK` case.
+# A module's `EXHAUSTIVE` maps a test's name to cases whose every path other tests of the suite
+# already train (the reason beside each set; `{()}`: the whole of a test without parameters):
+# the default run, CI's, leaves them out (listed as deselected), `pytest --exhaustive` runs them
+# too. None of them is a `QUICK` case.
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--exhaustive", action="store_true",
                      help="also run the grids' EXHAUSTIVE cases (tests/tiers.py)")
 
 
 def named_cases(item: pytest.Item, table: str) -> tuple[Any, tuple] | None:
-    """(the cases its module's `table` names for this test, this item's parameter tuple) for a
-    case of a grid with such an entry; None for any other test."""
+    """(the cases its module's `table` names for this test, this item's parameter tuple: () for
+    a test of one case) for a test with such an entry; None for any other test."""
     named = getattr(item.module, table, {}).get(item.originalname)
     if named is None:
         return None
-    return named, tuple(item.callspec.params.values())  # type: ignore[attr-defined]
+    callspec = getattr(item, "callspec", None)
+    return named, tuple(callspec.params.values()) if callspec else ()
 
 
 def is_exhaustive(item: pytest.Item) -> bool:

@@ -103,6 +103,11 @@ def test_a_sigkilled_trial_is_killed_and_the_sweep_carries_on(tmp_path):
     assert [s["status"] for s in others] == ["ok"]
 
 
+# 0.2 s apart: tests/sweep/test_slurm.py's preempted trial gets the same pair through the same
+# submitit task code under real Slurm (one requeue, the second ignored, the trial ends ok)
+EXHAUSTIVE = {"test_repeated_preemption_signals_to_a_submitit_job_make_one_requeue": {(0.2,)}}
+
+
 @pytest.mark.parametrize("gap_s", [0.2, 0.0])
 def test_repeated_preemption_signals_to_a_submitit_job_make_one_requeue(tmp_path, gap_s):
     """Two USR2 to the job's task process, 0.2 s apart (the second while the first's

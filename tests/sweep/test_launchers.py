@@ -100,6 +100,13 @@ def test_local_slots_refill_as_trials_end(tmp_path):
     assert starts[2] - t0 < 1.0  # it took the slot task 1 freed, not waiting for task 0
 
 
+# A submitit-local job preempted: its requeue and ok end are tests/sweep/test_faults.py's
+# repeated-preemption test's (the same submit, USR2 to the same task process); a preempted
+# submitit job's losses and eval loss equal to a run never stopped, tests/sweep/test_slurm.py's
+# under real Slurm (the same TrialJob resuming the same checkpoint)
+EXHAUSTIVE = {"test_submitit_local_trial_preempted_resumes_with_the_same_losses": {()}}
+
+
 def test_submitit_local_trial_preempted_resumes_with_the_same_losses(tmp_path, monkeypatch):
     # The job's trial inherits one thread, as the in-process reference runs (conftest): with a
     # different thread count, some CPUs' matmul kernels split sums differently.

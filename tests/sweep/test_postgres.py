@@ -61,6 +61,12 @@ def finished(proc: subprocess.Popen) -> str:
     return out
 
 
+# Two workers of 4 trials: the eight workers' test below asks the same of 8 workers and 48
+# trials (each trial once in the study and the folder, every step logged once, each worker's
+# count of the study's trials), and more
+EXHAUSTIVE = {"test_two_workers_share_one_study_without_duplicates": {()}}
+
+
 def test_two_workers_share_one_study_without_duplicates(tmp_path, url):
     path, study_name = sweep_file(tmp_path, url, n_trials=4, steps=8)
     out = tmp_path / "runs"
@@ -175,6 +181,7 @@ def test_eight_workers_run_48_trials_once_though_one_is_killed(tmp_path, url):
         assert p.returncode in (0, -signal.SIGKILL), log.read_text()[-3000:]
     assert sorted(p.returncode for p in workers) == [-signal.SIGKILL] + [0] * (WORKERS - 1)
     text = "".join(log.read_text() for log in logs)
+    assert all(f"of {TRIALS} trials finished" in log.read_text() for log in logs)  # at start
 
     # The study: 48 COMPLETE trials with distinct points, plus the killed one, FAIL, whose
     # retry (same point, same trial id) is one of the 48.

@@ -143,7 +143,9 @@ def test_preempted_trial_resumes_from_its_checkpoint_with_the_same_losses(tmp_pa
 def test_a_preempted_fsdp_trial_of_two_tasks_resumes_from_its_shards(tmp_path):
     """USR2 reaches both tasks: each rank writes its shards of the checkpoint, the requeued
     job's two ranks read them, and the losses are a 1-process run's (to the reduction order's
-    1e-5, as in tests/train/test_fsdp.py)."""
+    1e-5, as in tests/train/test_fsdp.py). Also what a 2-task fsdp job does unstopped
+    (test_a_two_task_job_is_one_ddp_trial's fsdp case, EXHAUSTIVE): rank 0 holds half of
+    every row, rank 1 joins over gloo, the eval loss is one process's."""
     # Its two ranks' step is slower than STEPS_LEFT's one-process step, so 60 steps left last
     # as long as STEPS_LEFT aims for. At lr 1e-3 the two runs stay within 4.9e-7 over 64
     # steps; at 3e-3 the reduction order's 1e-7 grew to 1.7e-4 by then (measured).
@@ -157,13 +159,17 @@ def test_a_preempted_fsdp_trial_of_two_tasks_resumes_from_its_shards(tmp_path):
     for part in ("model", "optimizer"):  # each task wrote its own shards of each
         assert {p.name for p in (trial_dir / "checkpoint" / "state.pt" / part).glob(
             "*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
-    train(load_run(micro_run(steps=steps, lr=1e-3, log_every=1, parallel="fsdp") | {
+    single = train(load_run(micro_run(steps=steps, lr=1e-3, log_every=1, parallel="fsdp") | {
         "eval": {"every": 0, "tokens": 128}}), tmp_path / "one")
     one, two = train_losses(tmp_path / "one"), train_losses(trial_dir)
     assert two.keys() == one.keys()
     assert all(abs(two[s] - one[s]) <= 1e-5 * abs(one[s]) for s in one)
+    summary = read_json(trial_dir / "summary.json")
+    assert summary["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
+    assert summary["param_bytes"] == single["param_bytes"] // 2  # rank 0: half of every row
     logs = "".join(p.read_text() for p in (out / "jobs").glob("*/*_log.out"))
     assert "resumed from" in logs
+    assert "rank 1/2: gloo" in "".join(p.read_text() for p in (out / "jobs").glob("*/*_log.err"))
 
 
 def test_a_job_slurm_still_holds_has_not_ended_though_its_result_files_are_there(tmp_path):
@@ -236,6 +242,10 @@ def test_optuna_workers_run_as_array_tasks(tmp_path):
     assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
     ids = {t.user_attrs["trial_id"] for t in trials}
     assert ids == {d.name for d in (out / "trials").iterdir()}
+
+
+# fsdp's 2-task job: the preempted one above trains it, to the same checks and more
+EXHAUSTIVE = {"test_a_two_task_job_is_one_ddp_trial": {("fsdp",)}}
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
