@@ -110,7 +110,7 @@ QUICK_TOOLS = {"git"}  # run by the code under test in every tier (the commit in
 # too. None of them is a `QUICK` case.
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--exhaustive", action="store_true",
-                     help="also run the grids' EXHAUSTIVE cases (tests/tiers.py)")
+                     help="also run the EXHAUSTIVE tests and cases (tests/tiers.py)")
 
 
 def named_cases(item: pytest.Item, table: str) -> tuple[Any, tuple] | None:
