@@ -12,7 +12,7 @@ from torch import nn
 
 from harness.methods.adam8bit_memory import adam8bit_state_bytes
 from harness.methods.base import register_memory
-from harness.methods.galore_optim import BASIS_KEYS
+from harness.methods.galore_state import BASIS_KEYS
 from harness.methods.memory import (
     Memory,
     MemoryEstimate,

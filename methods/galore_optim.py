@@ -32,6 +32,7 @@ from harness.distributed.rows import Rows
 from harness.errors import UserError
 from harness.methods.adafactor import adafactor
 from harness.methods.adam_kernel import BLOCK, AdamKernel
+from harness.methods.galore_state import ABSMAX, BASIS_KEYS, LEFT_WHOLE, MOMENT_KEYS, QMAPS, SPLIT
 from harness.methods.projection import (
     SVDCounts,
     back_projected,
@@ -46,16 +47,6 @@ from harness.methods.projection import (
 )
 from harness.modifiers.compensation import add_update, kernel_steps, restore_dtypes
 from harness.modifiers.multi_tensor import Views
-
-BASIS_KEYS = ("left", "right")  # projection matrices: extra bytes, not optimizer state
-QMAPS = ("qmap1", "qmap2")  # 8-bit states' quantization maps: the same on every rank
-ABSMAX = ("absmax1", "absmax2")  # 8-bit states' per-block scales: under fsdp, a rank's blocks
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col",
-               "state1", "state2", "absmax1", "absmax2")
-# fsdp, a left (or full) side: what is not kept by W's rows (P is); a left side's moments are
-# kept by their own r rows (SPLIT, the 8-bit ones' absmax by blocks)
-LEFT_WHOLE = (*MOMENT_KEYS, "right", *QMAPS)
-SPLIT = ("exp_avg", "exp_avg_sq", "state1", "state2")
 
 
 class GaLoreOptimizer(SVDCounts, torch.optim.Optimizer):

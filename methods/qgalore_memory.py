@@ -12,7 +12,7 @@ from torch import nn
 
 from harness.methods.base import register_memory
 from harness.methods.galore_memory import GaLoreMemory, basis_numel, state_bytes
-from harness.methods.galore_optim import BASIS_KEYS
+from harness.methods.galore_state import BASIS_KEYS
 from harness.methods.memory import (
     MemoryEstimate,
     Shapes,
