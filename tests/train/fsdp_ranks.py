@@ -19,6 +19,12 @@ from harness.train import train
 HEADER = "== trial "  # rank 0 starts each trial's output with it and the trial's folder
 
 
+def say(line: str) -> None:
+    """`line` in one write: the ranks share one unbuffered pipe, where `print` writes the text
+    and its newline apart and another rank's line can land between them."""
+    sys.stdout.write(f"{line}\n")
+
+
 def main(argv: list[str]) -> int:
     """`argv`: [--stop N] then each run config (YAML) and its group's port; each trial's
     folder is its config's path without the suffix. Non-zero as soon as a trial fails."""
@@ -29,14 +35,14 @@ def main(argv: list[str]) -> int:
         os.environ["MASTER_PORT"] = port
         out = path.with_suffix("")
         if distributed.is_main():
-            print(f"{HEADER}{out}", flush=True)
+            say(f"{HEADER}{out}")
         if stop is None:
             if code := harness(["train", str(path), "--out", str(out)]):
                 return code
             continue
         summary = train(load_run(read_yaml(path)), out,
                         should_stop=(lambda step: step >= stop) if last else None)
-        print(f"{out}: {summary['status']}", flush=True)
+        say(f"{out}: {summary['status']}")
     return 0
 
 
