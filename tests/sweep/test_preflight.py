@@ -1,19 +1,23 @@
 """Checks before work starts (issue 65): a CUDA device asked for where none is visible, a run
 folder under a file, and one on a disk this process cannot write are refused in one line by
-`harness train` and `harness sweep`, before a trial starts or a run folder is written."""
+`harness train` and `harness sweep`, before a trial starts or a run folder is written; a
+launcher that cannot run on this machine before the sweep reads its data."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
 from conftest import micro_run, write_yaml
+from ports import free_port
 
 from harness.cli import main
 from harness.config import SweepConfig, validate
 from harness.errors import UserError
+from harness.sweep.launchers.launch import check_launcher
 from harness.sweep.plan.expand import expand, preflight
 from harness.sweep.plan.forecast import check_disk
 
@@ -107,3 +111,34 @@ def test_the_disk_check_names_an_unwritable_folder_not_its_free_bytes(read_only)
     with pytest.raises(UserError, match=cause) as refusal:
         check_disk(sweep.launcher, expand(sweep), folder / "runs")
     assert "free" not in str(refusal.value)
+
+
+def test_slurm_without_its_commands_is_one_line_before_the_data_is_read(tmp_path, files, capsys,
+                                                                         monkeypatch):
+    """No sbatch or srun on PATH: one line naming them and submitit-local, before the data is
+    opened (a missing corpus would be the error otherwise) and before the run folder or a trial
+    folder is written (submitit's own error came as a traceback after both)."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    out = tmp_path / "runs"
+    err = refused(capsys, ["sweep", str(files[1]), "--out", str(out),
+                           "--set", "launcher.kind=slurm",
+                           "--set", f"task.dataset={tmp_path / 'no_corpus'}"])
+    assert err == ("error: launcher.kind slurm needs Slurm's sbatch and srun on PATH (this "
+                   "machine has none); use launcher.kind submitit-local to run the same jobs "
+                   "here, or run the sweep on a Slurm login node")
+    assert not out.exists()
+    local = validate(SweepConfig, sweep_data(launcher={"kind": "submitit-local"})).launcher
+    check_launcher(local)  # the same jobs on this machine need no Slurm command
+
+
+def test_ray_missing_or_unanswered_is_refused_by_the_launchers_check(monkeypatch):
+    """The Ray launcher's check, which the sweep makes before its preflight: Ray not installed
+    (its import fails), or nothing listening at the cluster's address."""
+    address = f"127.0.0.1:{free_port()}"
+    ray = validate(SweepConfig, sweep_data(launcher={"kind": "ray", "address": address}))
+    with pytest.raises(UserError, match=f"^launcher.address {address}: no Ray cluster answers"):
+        check_launcher(ray.launcher)
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(UserError) as refusal:
+        check_launcher(ray.launcher)
+    assert str(refusal.value) == "launcher.kind ray needs Ray: pip install 'harness[ray]'"

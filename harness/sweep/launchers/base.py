@@ -89,6 +89,12 @@ class Launcher(ABC):
     def __init__(self, config: LauncherConfig, out: Path) -> None:
         self.config, self.out = config, out
 
+    @classmethod  # noqa: B027  (a default: the local launcher needs nothing)
+    def check(cls, config: LauncherConfig) -> None:
+        """UserError (one line) when what `config` needs on this machine is missing (a
+        package, a scheduler's commands, a cluster that answers); the sweep asks before it
+        reads its data or writes anything."""
+
     @abstractmethod
     def launch(self, sources: list[Source], total: int | None = None) -> None:
         """Work every source to its end, `config.at_once` loops at a time, and return when all

@@ -12,6 +12,11 @@ from harness.sweep.run.stop import deferred
 from harness.sweep.search.source import Source
 
 
+def check_launcher(launcher: LauncherConfig) -> None:
+    """One line, before anything is read or written, when `launcher.kind` cannot run here."""
+    LAUNCHERS[launcher.kind].check(launcher)
+
+
 def launch(sources: list[Source], launcher: LauncherConfig, out: Path,
            total: int | None = None) -> None:
     """Work every source on the launcher of `launcher.kind`; `total`, a grid's trial count,

@@ -32,6 +32,7 @@ from typing import Any
 import psutil
 from torch.distributed import TCPStore
 
+from harness.config.launchers.ray import RayConfig
 from harness.sweep.launchers.base import Ranks, register, say
 from harness.sweep.launchers.local import LocalLauncher
 from harness.sweep.launchers.ray_cluster import (
@@ -280,6 +281,14 @@ class RayLauncher(LocalLauncher):
 
     kinds = ("ray",)
     cluster = RayCluster
+    config: RayConfig
+
+    @classmethod
+    def check(cls, config: RayConfig) -> None:
+        """Ray installed, and something listening at the cluster's address."""
+        import_ray()
+        if not answers(address := cluster_address(config.address)):
+            raise unreachable(address)
 
     def launch(self, sources: list[Source], total: int | None = None) -> None:
         self.remote = Remote(self.config.address)

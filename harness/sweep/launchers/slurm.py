@@ -5,6 +5,7 @@ could record its end."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from harness.config.launchers.slurm import SlurmConfig
-from harness.errors import last_line
+from harness.errors import UserError, last_line
 from harness.sweep.launchers.base import Launcher, register
 from harness.sweep.launchers.local import pool
 from harness.sweep.launchers.slurm_cluster import SlurmCluster
@@ -21,6 +22,8 @@ from harness.sweep.launchers.slurm_job import TrialJob
 from harness.sweep.run.stop import raise_if_stopped
 from harness.sweep.search.source import Source
 from harness.trials import RunsDir, Status, TrialDir
+
+SUBMITS_WITH = ("sbatch", "srun")  # the Slurm commands submitit's executor calls
 
 
 def make_executor(launcher: SlurmConfig, folder: Path) -> Any:
@@ -115,6 +118,15 @@ class SlurmLauncher(Launcher):
     kinds = ("submitit-local", "slurm")
     cluster = SlurmCluster
     config: SlurmConfig
+
+    @classmethod
+    def check(cls, config: SlurmConfig) -> None:
+        """On Slurm, its commands on PATH: submitit submits with sbatch and runs with srun."""
+        missing = [c for c in SUBMITS_WITH if config.kind == "slurm" and not shutil.which(c)]
+        if missing:
+            raise UserError(f"launcher.kind slurm needs Slurm's {' and '.join(missing)} on PATH "
+                            "(this machine has none); use launcher.kind submitit-local to run "
+                            "the same jobs here, or run the sweep on a Slurm login node")
 
     def launch(self, sources: list[Source], total: int | None = None) -> None:
         launcher, out = self.config, self.out

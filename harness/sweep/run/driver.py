@@ -14,7 +14,7 @@ from pathlib import Path
 
 from harness.config import ModelFrom, SweepConfig
 from harness.errors import UserError
-from harness.sweep.launchers.launch import launch
+from harness.sweep.launchers.launch import check_launcher, launch
 from harness.sweep.plan.expand import load_sweep, preflight
 from harness.sweep.plan.forecast import check_disk
 from harness.sweep.run.keep import keep_models
@@ -41,6 +41,7 @@ def run_sweep(sweep: SweepConfig, out: Path, retry_failed: bool = False,
 def run(search: Search, retry_failed: bool = False, show: Show | None = None) -> int:
     """`run_sweep` on the sweep's search, made once for the run."""
     sweep, out = search.sweep, search.out
+    check_launcher(sweep.launcher)  # a launcher that cannot run here answers before the data
     preflight(sweep, out)
     if sweep.task.kind == "pretrain":
         check_disk(sweep.launcher, search.left(retry_failed), out)
