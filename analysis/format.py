@@ -7,8 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.config.metrics import BYTES, METRICS
-from harness.cost.estimate import human_bytes
+from harness.config.metrics import BYTES, METRICS, human_bytes
 
 # What tells two configurations of one method apart in every table and figure, with the value
 # a trial from before the column existed (or with it unset) gets.

@@ -11,8 +11,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from harness.config.metrics import METRICS
-from harness.cost.estimate import human_bytes
+from harness.config.metrics import METRICS, human_bytes
 
 from .format import ordered
 from .paper import task_kind

@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 from tabulate import tabulate
 
-from harness.cost.estimate import human_bytes
+from harness.config.metrics import human_bytes
 from harness.cost.plan import Candidate, Plan
 from harness.trials import Status
 

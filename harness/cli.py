@@ -102,7 +102,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from harness.cost.estimate import human_bytes
+    from harness.config.metrics import human_bytes
     from harness.train.export import export_trial
 
     size = export_trial(Path(args.trial), Path(args.out))

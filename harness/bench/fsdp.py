@@ -26,7 +26,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from harness.cost.estimate import human_bytes
+from harness.config.metrics import human_bytes
 from harness.errors import UserError
 from harness.trials import write_yaml
 

@@ -12,12 +12,12 @@ the config, never the other way.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Direction = Literal["minimize", "maximize"]
 Fold = Literal["mean", "max", "min"]
 Line = Literal["train", "eval"]
-BYTES = "bytes"  # a cell format: decimal units, 1 GB = 10^9 bytes (cost.estimate.human_bytes)
+BYTES = "bytes"  # a cell format: decimal units, 1 GB = 10^9 bytes (human_bytes below)
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,18 @@ METRICS: dict[str, Metric] = {m.name: m for m in REGISTRY}
 OBJECTIVES: tuple[str, ...] = tuple(m.name for m in REGISTRY if m.objective)
 EVALUATED: tuple[str, ...] = tuple(m.name for m in REGISTRY if m.live == "eval")  # each eval
 STATUS: tuple[str, ...] = tuple(m.name for m in REGISTRY if m.status)
+
+
+def human_bytes(value: Any) -> str:
+    """Decimal units (GB = 1e9 bytes) to match how accelerator memory is usually quoted."""
+    import pandas as pd  # here: a worker or trial process that never prints a table skips it
+
+    if pd.isna(value):
+        return ""
+    if value >= 1e9:
+        return f"{value / 1e9:.2f} GB"
+    if value >= 1e6:
+        return f"{value / 1e6:.1f} MB"
+    if value >= 1e3:
+        return f"{value / 1e3:.1f} kB"
+    return f"{value:.0f} B"

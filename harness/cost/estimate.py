@@ -22,6 +22,7 @@ import torch
 from tabulate import tabulate
 
 from harness.config import ModelOptions, RunConfig, SweepConfig, memory_label
+from harness.config.metrics import human_bytes
 from harness.config.steps import Steps
 from harness.cost.activations import activations, peak_bytes
 from harness.cost.disk import disk_bytes
@@ -272,18 +273,3 @@ def paper_comparison(records: list[dict[str, Any]], sweep: SweepConfig) -> str:
         f"GaLore Table 2, LLaMA {model}: BF16 weights + optimizer states, no gradients, "
         f"decimal GB\n{table}{note}"
     )
-
-
-def human_bytes(value: Any) -> str:
-    """Decimal units (GB = 1e9 bytes) to match how accelerator memory is usually quoted."""
-    import pandas as pd  # here: a worker or trial process that never prints a table skips it
-
-    if pd.isna(value):
-        return ""
-    if value >= 1e9:
-        return f"{value / 1e9:.2f} GB"
-    if value >= 1e6:
-        return f"{value / 1e6:.1f} MB"
-    if value >= 1e3:
-        return f"{value / 1e3:.1f} kB"
-    return f"{value:.0f} B"

@@ -10,8 +10,9 @@ import pytest
 from conftest import micro_run, write_yaml
 
 from harness.cli import main
+from harness.config.metrics import human_bytes
 from harness.cost.disk import disk_needed
-from harness.cost.estimate import estimate_run, human_bytes
+from harness.cost.estimate import estimate_run
 from harness.methods.resolve import load_run
 from harness.train import train
 

@@ -178,7 +178,7 @@ def test_learning_rates_listed_up_to_three_then_as_a_range(lrs, text):
 
 
 def test_human_units_are_decimal():
-    from harness.cost.estimate import human_bytes
+    from harness.config.metrics import human_bytes
 
     sizes = (1_500_000_000, 2_500_000, 1_500, 999)
     assert [human_bytes(n) for n in sizes] == ["1.50 GB", "2.5 MB", "1.5 kB", "999 B"]

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import LauncherConfig, SweepConfig
+from harness.config.metrics import human_bytes
 from harness.cost.disk import disk_needed, free_bytes
-from harness.cost.estimate import estimate_run, human_bytes
+from harness.cost.estimate import estimate_run
 from harness.cost.plan import DEVICE, step_work
 from harness.errors import UserError
 from harness.sweep.plan.expand import Trial, plan_table
