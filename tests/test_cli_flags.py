@@ -128,6 +128,25 @@ def test_help_and_version_import_neither_torch_nor_transformers() -> None:
     assert done.stdout.strip() == "[]"
 
 
+def test_status_reads_a_run_folder_without_importing_torch(tmp_path) -> None:
+    """`harness status` only reads the run folder (and asks a scheduler of a trial's job): in a
+    fresh interpreter it prints its table without loading torch, whose import was most of the
+    command's time (the trials' checkpoint modules and the launchers' CPU counting load it only
+    when used). make_runs: t0..t4 and t10, a mix of ends."""
+    sys.path.insert(0, str(REPO / "tests" / "analysis"))
+    from test_report import make_runs
+
+    runs = make_runs(tmp_path / "runs")
+    code = ("import sys, harness.cli\n"
+            f"code = harness.cli.main(['status', {str(runs)!r}])\n"
+            "print('torch' in sys.modules, code, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[-1] == "False 0", done.stderr
+    assert {"t0", "t2", "t4", "t10"} <= set(done.stdout.split())  # the table, one row a trial
+
+
 def test_a_finished_sweep_counts_its_trials_and_names_those_that_failed(tmp_path, capsys) -> None:
     """The per-trial table is `harness status`'s and the results `harness report`'s: a sweep
     ends with its outcome in one line (so `harness sweep X && harness report X` prints each

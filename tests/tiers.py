@@ -97,6 +97,7 @@ INTEGRATION_TESTS = {  # test names (parameters left out) in other files
     "test_the_dashboard_names_each_objective_by_its_metric",  # a server
     "test_a_bad_model_stops_harness_train_with_one_line",  # `harness train` in a child
     "test_help_and_version_import_neither_torch_nor_transformers",  # a fresh interpreter
+    "test_status_reads_a_run_folder_without_importing_torch",  # a fresh interpreter
     "test_internal_lines_reach_the_terminal_only_under_verbose",  # sweeps through the CLI
     "test_exhaustive_cases_wait_for_the_flag",  # pytest's collection in a child
 }

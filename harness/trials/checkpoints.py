@@ -34,8 +34,8 @@ from harness.errors import UserError, brief
 from harness.trials import sharded
 from harness.trials.checksums import CheckpointError, differs, write_state
 from harness.trials.files import fsync_dir, read_json, write_json
+from harness.trials.folder import NEWEST
 
-NEWEST = "state.pt"
 OLDER = re.compile(r"state-([0-9]+)\.pt")
 Read = Callable[[Path, dict[str, Any]], None]  # (checkpoint, its state): takes its tensors
 

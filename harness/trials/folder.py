@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from harness.config import RunConfig
-from harness.trials.checkpoints import NEWEST
 from harness.trials.files import (
     UnreadableFile,
     read_json,
@@ -46,6 +45,7 @@ from harness.trials.status import Status
 from harness.trials.summary import Summary
 
 StrPath = str | os.PathLike
+NEWEST = "state.pt"  # the newest checkpoint in checkpoint/ (the older: trials/checkpoints.py)
 
 
 class Entry:

@@ -22,7 +22,6 @@ from typing import IO, TYPE_CHECKING, ClassVar, TypeVar
 from tqdm import tqdm
 
 from harness.config import LauncherConfig
-from harness.distributed.allocation import affinity_cpus, use_threads
 
 if TYPE_CHECKING:
     from harness.sweep.search.source import Source
@@ -178,6 +177,9 @@ def allocated_cpus(tasks_here: int = 1) -> int:
     """The CPUs this process was given: what a scheduler granted it where one says (a job sees
     every core of its node unless the scheduler binds tasks, so the affinity mask alone would
     oversubscribe), capped by the affinity mask (taskset, a container's cpuset)."""
+    from harness.distributed.allocation import affinity_cpus  # here: `harness status` reads
+    # the clusters without importing torch (harness.distributed's package does)
+
     cpus = affinity_cpus()
     granted = next((g for c in clusters() if (g := c.granted_cpus(tasks_here)) is not None),
                    None)
@@ -200,6 +202,8 @@ def follow_allocation() -> None:
     started = "TORCHELASTIC_RUN_ID" in os.environ or any(
         c.started_this_process() for c in clusters())
     if not os.environ.get("OMP_NUM_THREADS") and started:
+        from harness.distributed.allocation import use_threads  # as in allocated_cpus
+
         use_threads(allocated_cpus(tasks_on_node()))
 
 
