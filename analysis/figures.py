@@ -207,6 +207,9 @@ def label_points(ax: Axes, xs: pd.Series, ys: pd.Series, labels: pd.Series) -> N
     figure = ax.get_figure()
     assert figure is not None
     renderer = figure.canvas.get_renderer()  # type: ignore[attr-defined]
+    # the limits the plotted points will get, now: matplotlib applies them only when drawn,
+    # and boxes measured against the old ones put points of a narrow range on one spot
+    ax.autoscale_view()
     placed: list[Any] = []
     step = 1.2 * 0.833 * 10  # points: one line of "small" text (10 pt x 0.833)
     for x, y, text in sorted(zip(xs, ys, labels, strict=True), key=lambda p: (p[1], p[0])):

@@ -6,11 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 from matplotlib.text import Text
 from test_plots import write_runs
 
 from harness.analysis import load_runs, write_report
-from harness.analysis.figures import best_lr_trials, pareto_plot
+from harness.analysis.figures import best_lr_trials, label_points, pareto_plot
 from harness.analysis.front import (
     DEFAULT,
     front_table,
@@ -87,6 +89,22 @@ def test_labels_of_coinciding_points_do_not_overlap(tmp_path):
     boxes = [Text.get_window_extent(t, renderer) for t in figure.axes[0].texts]  # no leaders
     assert len(boxes) == 4
     assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def test_labels_of_points_apart_within_a_narrow_range_stay_beside_them():
+    """Four points at one height, spread across an x range 0.5% wide far from 0 (the wall
+    hours of like trials), get their labels beside them, none moved up: measured before the
+    axes were scaled to the points, all four fell on one spot and climbed over each other
+    (the report's cost figure). A fifth point, unlabelled, makes the y range wide."""
+    figure = Figure(figsize=(6, 4))
+    FigureCanvasAgg(figure)
+    ax = figure.subplots()
+    xs = pd.Series([0.05556, 0.05565, 0.05574, 0.05583])
+    ys = pd.Series([40.0, 40.01, 40.02, 40.03])
+    ax.scatter([*xs, 0.0557], [*ys, 50.0])
+    label_points(ax, xs, ys, pd.Series(["a", "b", "c", "d"]))
+    assert [t.xyann for t in ax.texts] == [(6, 4)] * 4  # where a label is first put
+    assert all(t.arrow_patch is None for t in ax.texts)  # no leader line: none moved
 
 
 def test_the_report_has_the_front_table(tmp_path):
