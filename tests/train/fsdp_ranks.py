@@ -23,6 +23,7 @@ def say(line: str) -> None:
     """`line` in one write: the ranks share one unbuffered pipe, where `print` writes the text
     and its newline apart and another rank's line can land between them."""
     sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
 
 
 def main(argv: list[str]) -> int:

@@ -177,8 +177,9 @@ def allocated_cpus(tasks_here: int = 1) -> int:
     """The CPUs this process was given: what a scheduler granted it where one says (a job sees
     every core of its node unless the scheduler binds tasks, so the affinity mask alone would
     oversubscribe), capped by the affinity mask (taskset, a container's cpuset)."""
-    from harness.distributed.allocation import affinity_cpus  # here: `harness status` reads
-    # the clusters without importing torch (harness.distributed's package does)
+    # imported here: `harness status` reads the clusters without torch, which
+    # harness.distributed's package imports
+    from harness.distributed.allocation import affinity_cpus
 
     cpus = affinity_cpus()
     granted = next((g for c in clusters() if (g := c.granted_cpus(tasks_here)) is not None),

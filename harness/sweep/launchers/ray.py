@@ -38,10 +38,9 @@ from harness.sweep.launchers.local import LocalLauncher
 from harness.sweep.launchers.ray_cluster import (
     TASK_NAME,
     RayCluster,
-    answers,
-    cluster_address,
     import_ray,
     job_id,
+    reachable,
     unreachable,
 )
 from harness.sweep.run.process import record_end, trial_env
@@ -143,9 +142,7 @@ class Remote:
 
     def __init__(self, address: str | None) -> None:
         self.ray = ray = import_ray()
-        self.address = cluster_address(address)
-        if not answers(self.address):
-            raise unreachable(self.address)
+        self.address = reachable(address)  # checked again: the cluster may have gone
         # Ray's driver installs its own SIGTERM handler (it aborts): the sweep's stay.
         handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
         try:
@@ -287,8 +284,7 @@ class RayLauncher(LocalLauncher):
     def check(cls, config: RayConfig) -> None:
         """Ray installed, and something listening at the cluster's address."""
         import_ray()
-        if not answers(address := cluster_address(config.address)):
-            raise unreachable(address)
+        reachable(config.address)
 
     def launch(self, sources: list[Source], total: int | None = None) -> None:
         self.remote = Remote(self.config.address)

@@ -59,6 +59,15 @@ def answers(address: str) -> bool:
     return True
 
 
+def reachable(address: str | None) -> str:
+    """The cluster's address (`cluster_address`), or the one line saying nothing answers
+    there."""
+    resolved = cluster_address(address)
+    if not answers(resolved):
+        raise unreachable(resolved)
+    return resolved
+
+
 def job_id(task_id: str, address: str) -> str:
     return f"{task_id}@{address}"
 

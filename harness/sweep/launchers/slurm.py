@@ -122,7 +122,9 @@ class SlurmLauncher(Launcher):
     @classmethod
     def check(cls, config: SlurmConfig) -> None:
         """On Slurm, its commands on PATH: submitit submits with sbatch and runs with srun."""
-        missing = [c for c in SUBMITS_WITH if config.kind == "slurm" and not shutil.which(c)]
+        if config.kind != "slurm":
+            return  # submitit-local runs the jobs here, without Slurm
+        missing = [c for c in SUBMITS_WITH if not shutil.which(c)]
         if missing:
             raise UserError(f"launcher.kind slurm needs Slurm's {' and '.join(missing)} on PATH "
                             "(this machine has none); use launcher.kind submitit-local to run "
