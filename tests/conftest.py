@@ -125,7 +125,7 @@ def micro_model(seed: int | None = 0, preset: str = "llama_micro", vocab: int = 
     the global generator as it stands)."""
     import torch
 
-    from harness.models import build_model
+    from harness.train.build import build_model
 
     if seed is not None:
         torch.manual_seed(seed)

@@ -33,15 +33,9 @@ from harness.data.c4 import load_tokenizer
 from harness.errors import UserError
 from harness.methods.base import get_method, method_names
 from harness.methods.resolve import load_run
-from harness.models import (
-    CAUSAL_SDPA,
-    PRESETS,
-    architecture,
-    build_model,
-    check_model,
-    param_shapes,
-)
+from harness.models import PRESETS, architecture, check_model, param_shapes
 from harness.train import train
+from harness.train.build import CAUSAL_SDPA, build_model
 from harness.train.pretrain import LMData, loss_sum
 
 HIDDEN, INTERMEDIATE, HEAD_DIM = 64, 160, 16  # 4 heads of 16

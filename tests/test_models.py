@@ -1,5 +1,6 @@
-"""harness/models.py: the presets become the LLaMA the papers train, shapes come without
-memory, and the causal attention the trainer registers computes what eager attention does."""
+"""harness/models.py and harness/train/build.py: the presets become the LLaMA the papers
+train, shapes come without memory, and the causal attention the trainer registers computes
+what eager attention does."""
 
 from __future__ import annotations
 
@@ -9,18 +10,8 @@ from conftest import SAMPLE_VOCAB, micro_model
 
 from harness.config import ModelFrom, ModelOptions, RunConfig, TaskConfig
 from harness.errors import UserError
-from harness.models import (
-    CAUSAL_SDPA,
-    PRESETS,
-    architecture,
-    build_model,
-    check_model,
-    check_preset,
-    describe,
-    generation_ready,
-    llama_config,
-    param_shapes,
-)
+from harness.models import PRESETS, architecture, check_model, check_preset, param_shapes
+from harness.train.build import CAUSAL_SDPA, build_model, describe, generation_ready, llama_config
 
 
 def test_tiny_model_fixture_is_llama_micro_on_the_sample_vocab(tiny_model):

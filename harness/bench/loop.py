@@ -24,8 +24,8 @@ from harness.data.c4 import BlockStream
 from harness.data.loader import to_batch
 from harness.distributed import pick_device
 from harness.methods.resolve import load_run
-from harness.models import build_model
 from harness.train import Trainer
+from harness.train.build import build_model
 from harness.trials import Records
 
 TARGET = 0.98

@@ -23,7 +23,7 @@ from torch import nn
 from harness.bench.loop import optim_verdict
 from harness.methods import build_method, optimizer_for
 from harness.methods.resolve import load_run
-from harness.models import build_model
+from harness.train.build import build_model
 
 VOCAB = 32000  # the papers' t5-base tokenizer
 SVD_ROUNDS = 3

@@ -18,8 +18,9 @@ from harness.data.c4 import load_tokenizer
 from harness.distributed.materialize import Unsupported
 from harness.errors import UserError, brief
 from harness.methods.resolve import load_run
-from harness.models import PRESETS, llama_config
+from harness.models import PRESETS
 from harness.train import pretrain
+from harness.train.build import llama_config
 from harness.train.plain import newest_state, plain_model
 from harness.trials import RunsDir, Status, TrialDir, final_model
 

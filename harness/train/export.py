@@ -30,10 +30,11 @@ from harness.data.glue import get_task
 from harness.errors import UserError
 from harness.methods import Method, build_method
 from harness.methods.resolve import load_run
-from harness.models import PRESETS, generation_ids, generation_ready
+from harness.models import PRESETS
 from harness.modifiers.precision import pure_bf16
 from harness.modifiers.recompute import decoder_layers
 from harness.train import finetune, pretrain
+from harness.train.build import generation_ids, generation_ready
 from harness.train.classifier import resolve_trial
 from harness.train.plain import Build, newest_state, plain_model, save_plain
 from harness.trials import Summary, TrialDir, final_model, sharded, stream_export

@@ -19,10 +19,10 @@ from harness.data.c4 import BlockStream, eval_blocks, load_tokenizer
 from harness.data.loader import IGNORE, Prefetcher, to_batch
 from harness.data.split import SplitTokenizer
 from harness.distributed.host import host_group
-from harness.models import build_model
 from harness.modifiers.kernels import use_kernels
 from harness.modifiers.precision import Precision
 from harness.train import lm_loss
+from harness.train.build import build_model
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # token ids, labels (IGNORE where padded)
 

@@ -23,13 +23,13 @@ from harness.config.steps import Steps
 from harness.distributed import fsdp, materialize, pick_device
 from harness.methods import Method, build_method, optimizer_for, schedule_of
 from harness.methods.rank import rank_warning
-from harness.models import describe
 from harness.modifiers import recompute
 from harness.modifiers.multi_tensor import update_chunk
 from harness.modifiers.offload import ActivationOffloader
 from harness.modifiers.precision import Precision, pure_bf16
 from harness.modifiers.recompute import decoder_layers
 from harness.train import compiled, finetune, meta_build, pretrain
+from harness.train.build import describe
 from harness.trials import rng_state, set_rng_state
 
 Data = pretrain.LMData | finetune.GlueData

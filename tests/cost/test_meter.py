@@ -233,7 +233,7 @@ def test_a_padded_llama_presets_flops_follow_its_mlp_width():
     vocab 32000), counted by hand: 24 x (4h^2 + 3h x 5504 + 2h) + h (final norm) + 32000h (head)
     = 1,279,887,360 trained non-embedding weights; x 6, plus 12 x 24 x h x 256 for attention."""
     from harness.config import ModelOptions
-    from harness.models import build_model
+    from harness.train.build import build_model
 
     with torch.device("meta"):
         padded = build_model("llama_1b", 32000, 256, None, ModelOptions(mlp_multiple_of=64))

@@ -22,7 +22,7 @@ from harness.analysis.downstream import downstream_table
 from harness.analysis.load import load_runs
 from harness.data.c4 import load_tokenizer
 from harness.eval import sample_task
-from harness.models import generation_ready
+from harness.train.build import generation_ready
 from harness.train.plain import save_plain
 from harness.trials import TrialDir, write_json, write_yaml
 

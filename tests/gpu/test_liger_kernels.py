@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from gpu_setup import CUDA
 
-from harness.models import build_model
 from harness.modifiers import kernels
+from harness.train.build import build_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not CUDA, reason="needs a CUDA device with Triton: `pytest -m gpu` runs it there")]

@@ -21,9 +21,9 @@ from harness.methods.apollo_optim import APOLLOOptimizer
 from harness.methods.fira import FiraOptimizer
 from harness.methods.galore_optim import GaLoreOptimizer
 from harness.methods.resolve import load_run
-from harness.models import build_model
 from harness.modifiers.compensation import AdamW
 from harness.modifiers.multi_tensor import chunks, update_chunk
+from harness.train.build import build_model
 from harness.train.loop import Trainer
 from harness.trials import Records
 
