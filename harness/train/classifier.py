@@ -21,7 +21,7 @@ from harness.methods.resolve import load_run
 from harness.models import PRESETS
 from harness.train import pretrain
 from harness.train.build import llama_config
-from harness.train.plain import newest_state, plain_model
+from harness.train.plain import newest_state, plain_model, save_hf
 from harness.trials import RunsDir, Status, TrialDir, final_model
 
 Load = Callable[[str, Any], nn.Module]  # (name, config) -> the model from_pretrained would load
@@ -117,6 +117,5 @@ def from_trial(trial: Path, num_labels: int, load: Load | None = None
         raise UserError(f"model.from: {e}") from None
     plain, tok = plain_model(source, state, pretrain.build)
     with tempfile.TemporaryDirectory() as tmp:
-        plain.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        save_hf(plain, tok, tmp)
         return pretrained(tmp, num_labels, None)

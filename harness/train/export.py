@@ -36,7 +36,7 @@ from harness.modifiers.recompute import decoder_layers
 from harness.train import finetune, pretrain
 from harness.train.build import generation_ids, generation_ready
 from harness.train.classifier import resolve_trial
-from harness.train.plain import Build, newest_state, plain_model, save_plain
+from harness.train.plain import Build, newest_state, plain_model, save_hf, save_plain
 from harness.trials import Summary, TrialDir, final_model, sharded, stream_export
 
 Fill = Callable[[dict[str, torch.Tensor]], None]  # tensors given their weights, in place
@@ -138,8 +138,7 @@ def write_model(run: RunConfig, state: dict[str, Any], folder: Path, step: int,
 
     def save(tmp: Path) -> None:
         with stream_export.streaming(read):
-            skeleton.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
+            save_hf(skeleton, tok, tmp)
 
     same = stream_export.Lazy(skeleton.state_dict(), read,
                               lambda n: id(params[n]) if n in params else n)

@@ -56,12 +56,15 @@ def newest_state(trial: TrialDir) -> dict[str, Any]:
 def save_plain(model: nn.Module, tok: Any, folder: Path, step: int, record: bool = True) -> int:
     """`model` and `tok` in Hugging Face format into `folder`, fsynced and verified, with its
     record beside it unless not `record` (trials/final_model.py); returns its bytes."""
+    return final_model.write(folder, lambda tmp: save_hf(model, tok, tmp), model.state_dict(),
+                             step, record)
+
+
+def save_hf(model: nn.Module, tok: Any, folder: Path | str) -> None:
+    """transformers' `save_pretrained` of `model` (safetensors) and `tok` into `folder`, without
+    its progress bar: one line per shard in a trial's log is noise."""
     from transformers.utils import logging
 
-    logging.disable_progress_bar()  # one line per shard in a trial's log is noise
-
-    def save(tmp: Path) -> None:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-
-    return final_model.write(folder, save, model.state_dict(), step, record)
+    logging.disable_progress_bar()
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
